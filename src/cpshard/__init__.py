@@ -1,0 +1,1 @@
+"""cpshard: context parallelism as one uniform, correct contract."""

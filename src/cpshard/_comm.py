@@ -1,0 +1,137 @@
+"""The only module of cpshard that calls ``torch.distributed``.
+
+Every collective here takes its process group explicitly and makes its tensors contiguous at the
+boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contiguous tensor handed to
+a collective can silently produce wrong values (``dist.scatter``) or wrong gradients (the autograd
+all-gather of ``torch.distributed.nn``), and the CPU SDPA backward returns exactly such gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "GradMode",
+    "all_gather_dim0",
+    "all_gather_long",
+    "cp_group",
+    "cp_rank_and_size",
+    "validate_cp_mesh",
+]
+
+GradMode = Literal["sum", "replicated"]
+
+
+def validate_cp_mesh(cp_mesh: object) -> DeviceMesh | None:
+    """Check that ``cp_mesh`` is ``None`` or a 1-D ``DeviceMesh``.
+
+    Args:
+        cp_mesh: The caller's CP mesh.
+
+    Returns:
+        The mesh, or ``None``.
+
+    Raises:
+        TypeError: ``cp_mesh`` is neither ``None`` nor a ``DeviceMesh``.
+        ValueError: the mesh is not 1-D.
+    """
+    if cp_mesh is None:
+        return None
+    if not isinstance(cp_mesh, DeviceMesh):
+        raise TypeError(
+            f"cp_mesh must be a 1-D torch DeviceMesh or None, got {type(cp_mesh).__name__}; "
+            "build one with init_device_mesh(device, (cp,), mesh_dim_names=('cp',))"
+        )
+    if cp_mesh.ndim != 1:
+        raise ValueError(
+            f"cp_mesh must be 1-D (the CP group alone), got a {cp_mesh.ndim}-D mesh "
+            f"with dims {cp_mesh.mesh_dim_names}; pass the sub-mesh, e.g. mesh['cp']"
+        )
+    return cp_mesh
+
+
+def cp_group(cp_mesh: DeviceMesh | None) -> ProcessGroup | None:
+    """Process group of a 1-D CP mesh, or ``None`` without CP."""
+    if cp_mesh is None or cp_mesh.size() <= 1:
+        return None
+    return cp_mesh.get_group()
+
+
+def cp_rank_and_size(cp_mesh: DeviceMesh | None) -> tuple[int, int]:
+    """``(rank, world_size)`` inside the CP group; ``(0, 1)`` without a mesh."""
+    if cp_mesh is None:
+        return 0, 1
+    return cp_mesh.get_local_rank(), cp_mesh.size()
+
+
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(out, x, group=group)
+    else:  # torch < 2.13
+        dist.all_gather_into_tensor(out, x, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single(out, x, group=group)
+    else:  # torch < 2.13
+        dist.reduce_scatter_tensor(out, x, group=group)
+
+
+def _gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    _all_gather_into(out, x, group)
+    return out
+
+
+class _AllGatherDim0(torch.autograd.Function):
+    """All-gather along dim 0; backward is a reduce-scatter (sum) or a local slice (replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, grad_mode: str) -> torch.Tensor:
+        ctx.group = group
+        ctx.grad_mode = grad_mode
+        ctx.local_len = x.shape[0]
+        return _gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        group: ProcessGroup = ctx.group
+        n = ctx.local_len
+        if ctx.grad_mode == "replicated":
+            rank = dist.get_rank(group)
+            return grad.narrow(0, rank * n, n).contiguous(), None, None
+        grad = grad.contiguous()
+        out = grad.new_empty((n, *grad.shape[1:]))
+        _reduce_scatter_into(out, grad, group)
+        return out, None, None
+
+
+def all_gather_dim0(x: torch.Tensor, group: ProcessGroup, grad_mode: GradMode) -> torch.Tensor:
+    """Differentiable all-gather of ``x`` along dim 0, one collective of exactly the payload.
+
+    Args:
+        x: Local tensor ``[N, *rest]``, the same shape on every rank.
+        group: The CP process group (explicit).
+        grad_mode: ``"sum"``: the backward reduce-scatters (sums) the upstream gradient, the exact
+            adjoint of the all-gather. ``"replicated"``: each rank keeps its own slice of its own
+            upstream gradient, no collective; right when the downstream loss is computed
+            identically on every rank.
+
+    Returns:
+        ``[C * N, *rest]``, rank-major.
+    """
+    out: torch.Tensor = _AllGatherDim0.apply(x, group, grad_mode)
+    return out
+
+
+def all_gather_long(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Non-differentiable all-gather of an index tensor along dim 0 (``[N] -> [C * N]``)."""
+    return _gather_dim0(x, group)

@@ -1,0 +1,288 @@
+"""Index math for the closed-form CP layouts. No process group is touched here.
+
+A *layout* says which tokens of the padded global stream each CP rank owns, in which local
+order. Everything else (sharding, gathering, attention masks) derives from that map:
+
+* the forward map ``local_indices(rank)``: global position of every local token, local order;
+* the stream order ``concat_r local_indices(r)``: what an all-gather of the local shards yields;
+* its inverse permutation, which turns an all-gathered tensor back into global order.
+
+Closed-form layouts (``none``, ``contiguous``, ``round_robin``) are defined here. Data-dependent
+layouts (``packed``, ``balanced``) capture an explicit ``[C, L]`` map at shard time and reuse the
+same helpers (:func:`inverse_permutation`, :func:`check_rank_map`).
+
+Diagrams for C=2 ranks, padded length P=8 (``a`` = rank 0, ``b`` = rank 1)::
+
+    contiguous    a a a a b b b b     r0 [0,1,2,3]  r1 [4,5,6,7]
+    round_robin   a a b b b b a a     r0 [0,1,6,7]  r1 [2,3,4,5]
+
+``round_robin`` is torch's head-tail load balancer, Megatron's "DualChunkSwap" and
+ring-flash-attention's "zigzag": rank ``r`` of ``C`` owns chunks ``r`` and ``2C-1-r`` of ``2C``,
+which makes causal attention work equal on every rank.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ClosedFormLayout",
+    "ContiguousLayout",
+    "NoneLayout",
+    "RoundRobinLayout",
+    "check_rank_map",
+    "contiguous_local_indices",
+    "inverse_permutation",
+    "padded_length",
+    "round_robin_local_indices",
+]
+
+
+def padded_length(seq_len: int, divisor: int) -> int:
+    """Smallest multiple of ``divisor`` that holds ``seq_len`` tokens.
+
+    Args:
+        seq_len: Number of real tokens, ``>= 0``.
+        divisor: Required divisor of the padded length, ``>= 1``.
+
+    Returns:
+        ``seq_len + (-seq_len) % divisor``.
+    """
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got seq_len={seq_len}")
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got divisor={divisor}")
+    return seq_len + (-seq_len) % divisor
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got world_size={world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
+
+
+def _check_divisible(padded_seq_len: int, divisor: int, what: str) -> None:
+    if padded_seq_len % divisor != 0:
+        raise ValueError(
+            f"{what} needs padded_seq_len divisible by {divisor}, got "
+            f"padded_seq_len={padded_seq_len}; pad the sequence to "
+            f"{padded_length(padded_seq_len, divisor)}"
+        )
+
+
+def contiguous_local_indices(
+    rank: int, world_size: int, padded_seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions owned by ``rank`` in the contiguous layout.
+
+    Args:
+        rank: CP rank, ``0 <= rank < world_size``.
+        world_size: CP size ``C``.
+        padded_seq_len: Global padded length ``P``, divisible by ``C``.
+        device: Device of the result.
+
+    Returns:
+        LongTensor ``[P // C]``: ``arange(r * P/C, (r + 1) * P/C)``.
+    """
+    _check_rank(rank, world_size)
+    _check_divisible(padded_seq_len, world_size, f"the contiguous layout at cp_size={world_size}")
+    local = padded_seq_len // world_size
+    return torch.arange(rank * local, (rank + 1) * local, dtype=torch.long, device=device)
+
+
+def round_robin_local_indices(
+    rank: int, world_size: int, padded_seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions owned by ``rank`` in the round-robin (head-tail) layout.
+
+    Args:
+        rank: CP rank, ``0 <= rank < world_size``.
+        world_size: CP size ``C``.
+        padded_seq_len: Global padded length ``P``, divisible by ``2 * C``.
+        device: Device of the result.
+
+    Returns:
+        LongTensor ``[P // C]``: chunk ``rank`` then chunk ``2C - 1 - rank`` of ``2C`` chunks.
+
+    Example:
+        >>> round_robin_local_indices(0, 2, 8).tolist()
+        [0, 1, 6, 7]
+    """
+    _check_rank(rank, world_size)
+    _check_divisible(
+        padded_seq_len, 2 * world_size, f"the round_robin layout at cp_size={world_size}"
+    )
+    chunk = padded_seq_len // (2 * world_size)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.long, device=device)
+    tail_start = (2 * world_size - 1 - rank) * chunk
+    tail = torch.arange(tail_start, tail_start + chunk, dtype=torch.long, device=device)
+    return torch.cat([head, tail])
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """Inverse of a permutation of ``arange(n)``.
+
+    Args:
+        order: LongTensor ``[n]``; ``order[i]`` is the global position held at stream slot ``i``.
+
+    Returns:
+        LongTensor ``[n]`` ``inv`` with ``inv[order[i]] = i``, so ``stream[inv]`` is global order.
+    """
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    return inv
+
+
+def check_rank_map(rank_map: torch.Tensor, padded_seq_len: int) -> None:
+    """Check that a ``[C, L]`` map is a bijection onto ``arange(padded_seq_len)``.
+
+    Args:
+        rank_map: LongTensor ``[C, L]``; row ``r`` holds the global positions of rank ``r``.
+        padded_seq_len: Expected length of the padded global stream, ``C * L``.
+
+    Raises:
+        ValueError: When the map does not cover every position exactly once.
+    """
+    if rank_map.dim() != 2 or rank_map.numel() != padded_seq_len:
+        raise ValueError(
+            f"a rank map must be [C, L] with C*L == padded_seq_len={padded_seq_len}, "
+            f"got shape {tuple(rank_map.shape)}"
+        )
+    seen = torch.zeros(padded_seq_len, dtype=torch.long, device=rank_map.device)
+    flat = rank_map.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= padded_seq_len):
+        raise ValueError(
+            f"a rank map holds positions outside [0, {padded_seq_len}): "
+            f"min={int(flat.min())}, max={int(flat.max())}"
+        )
+    seen.index_add_(0, flat, torch.ones_like(flat))
+    if not bool((seen == 1).all()):
+        bad = int((seen != 1).nonzero()[0])
+        raise ValueError(
+            f"a rank map must cover each of the {padded_seq_len} positions exactly once; "
+            f"position {bad} appears {int(seen[bad])} times"
+        )
+
+
+@dataclass(frozen=True)
+class ClosedFormLayout(ABC):
+    """A layout whose map depends only on ``(rank, world_size, padded_seq_len)``."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Diagnostic label, e.g. ``"round_robin"``."""
+
+    @abstractmethod
+    def divisor(self, world_size: int) -> int:
+        """The padded global length must be a multiple of this."""
+
+    @abstractmethod
+    def local_indices(
+        self,
+        rank: int,
+        world_size: int,
+        padded_seq_len: int,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """LongTensor ``[P // C]``: global position of each local token of ``rank``."""
+
+    def padded_length(self, seq_len: int, world_size: int) -> int:
+        """Padded global length this layout needs for ``seq_len`` tokens."""
+        return padded_length(seq_len, self.divisor(world_size))
+
+    def rank_map(
+        self, world_size: int, padded_seq_len: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """LongTensor ``[C, P // C]``: every rank's local indices, row ``r`` for rank ``r``."""
+        return torch.stack(
+            [self.local_indices(r, world_size, padded_seq_len, device) for r in range(world_size)]
+        )
+
+
+@dataclass(frozen=True)
+class NoneLayout(ClosedFormLayout):
+    """No CP: one rank owns the whole sequence (``cp_size == 1``)."""
+
+    @property
+    def name(self) -> str:
+        return "none"
+
+    def divisor(self, world_size: int) -> int:
+        return 1
+
+    def local_indices(
+        self,
+        rank: int,
+        world_size: int,
+        padded_seq_len: int,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        if world_size != 1:
+            raise ValueError(
+                f"the 'none' layout is for cp_size == 1, got cp_size={world_size}; "
+                "use round_robin or contiguous for CP"
+            )
+        _check_rank(rank, world_size)
+        return torch.arange(padded_seq_len, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class ContiguousLayout(ClosedFormLayout):
+    """Rank ``r`` owns ``[r*L, (r+1)*L)``; the stream is padded to ``C * max(pad_multiple, 2)``.
+
+    Used by models that own their CP transport (local or compressed attention), where each rank
+    needs a contiguous window. ``pad_multiple`` is the per-rank length multiple the model needs.
+    """
+
+    pad_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pad_multiple < 1:
+            raise ValueError(
+                f"pad_multiple must be >= 1, got pad_multiple={self.pad_multiple}; pass 1 for none"
+            )
+
+    @property
+    def name(self) -> str:
+        return "contiguous"
+
+    def divisor(self, world_size: int) -> int:
+        return world_size * max(self.pad_multiple, 2)
+
+    def local_indices(
+        self,
+        rank: int,
+        world_size: int,
+        padded_seq_len: int,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        return contiguous_local_indices(rank, world_size, padded_seq_len, device)
+
+
+@dataclass(frozen=True)
+class RoundRobinLayout(ClosedFormLayout):
+    """Head-tail pairing: rank ``r`` owns chunks ``r`` and ``2C-1-r`` of ``2C``.
+
+    Aliases: *head-tail* (torch CP), *DualChunkSwap* (Megatron), *zigzag* (ring-flash-attention).
+    """
+
+    @property
+    def name(self) -> str:
+        return "round_robin"
+
+    def divisor(self, world_size: int) -> int:
+        return 2 * world_size
+
+    def local_indices(
+        self,
+        rank: int,
+        world_size: int,
+        padded_seq_len: int,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        return round_robin_local_indices(rank, world_size, padded_seq_len, device)

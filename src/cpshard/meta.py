@@ -1,0 +1,95 @@
+"""Per-token facts that CP attention needs, computed once at shard time.
+
+Every rank holds the whole (unsharded) batch when it shards, so it can compute these facts for
+*all* ranks without a collective: CP attention then knows the global position and document of
+every key it receives, whatever the layout.
+
+Masking rule (layout-agnostic): query ``q`` sees key ``k`` iff
+``document_ids[k] == document_ids[q]`` and, for causal attention, ``positions[k] <= positions[q]``.
+Padding gets a unique negative document id (``-1 - position``), so a pad token sees only itself:
+no real token ever sees a pad, and no row is fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TokenMeta", "pad_document_ids"]
+
+
+def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """Give each pad token its own negative document id.
+
+    Args:
+        document_ids: LongTensor ``[B, P]`` of global document ids (``>= 0``), global order.
+        padding_mask: BoolTensor ``[B, P]``, ``True`` = pad, global order.
+
+    Returns:
+        LongTensor ``[B, P]``: ``document_ids`` where real, ``-1 - position`` where pad.
+    """
+    pos = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    return torch.where(padding_mask, -1 - pos, document_ids)
+
+
+@dataclass(frozen=True)
+class TokenMeta:
+    """Global positions and document ids of every token, in rank-major stream order.
+
+    The *stream* is what an all-gather of the local shards yields: rank 0's local tokens, then
+    rank 1's, and so on. Slot ``r * L + i`` describes local token ``i`` of rank ``r``.
+
+    Attributes:
+        rank: This rank's index in the CP group.
+        world_size: CP size ``C``.
+        positions: LongTensor ``[B or 1, C * L]``: global (padded-stream) position of each token;
+            the causal order.
+        document_ids: LongTensor ``[B or 1, C * L]``: document of each token; pads are negative
+            and unique (see :func:`pad_document_ids`).
+    """
+
+    rank: int
+    world_size: int
+    positions: torch.Tensor
+    document_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.positions.dim() != 2 or self.document_ids.dim() != 2:
+            raise ValueError(
+                "TokenMeta tensors must be [B, C*L]; got positions "
+                f"{tuple(self.positions.shape)} and document_ids {tuple(self.document_ids.shape)}"
+            )
+        if self.positions.shape[-1] != self.document_ids.shape[-1]:
+            raise ValueError(
+                "TokenMeta positions and document_ids must have the same length; got "
+                f"{self.positions.shape[-1]} and {self.document_ids.shape[-1]}"
+            )
+        if self.positions.shape[-1] % self.world_size != 0:
+            raise ValueError(
+                f"TokenMeta stream length {self.positions.shape[-1]} is not divisible by "
+                f"world_size={self.world_size}"
+            )
+
+    @property
+    def local_len(self) -> int:
+        """Number of local tokens ``L`` per rank."""
+        return self.positions.shape[-1] // self.world_size
+
+    def rank_slice(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, document_ids)`` of rank ``rank``'s local tokens, each ``[B or 1, L]``."""
+        n = self.local_len
+        return (
+            self.positions[:, rank * n : (rank + 1) * n],
+            self.document_ids[:, rank * n : (rank + 1) * n],
+        )
+
+    def local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, document_ids)`` of this rank's local tokens, each ``[B or 1, L]``."""
+        return self.rank_slice(self.rank)
+
+    def to(self, device: torch.device | str) -> TokenMeta:
+        """A copy on ``device``."""
+        return TokenMeta(
+            self.rank, self.world_size, self.positions.to(device), self.document_ids.to(device)
+        )
