@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _ranks import Ranks  # noqa: E402
+from _ranks import Ranks
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import time
 
 import pytest
 from _harness_fns import hang, raise_on_rank, rank_and_sum
+
 from _ranks import RankFailure, Ranks
 
 pytestmark = pytest.mark.multirank
