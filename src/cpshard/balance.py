@@ -1,0 +1,196 @@
+"""Balance metrics of packed layouts, and torch's own load balancers measured the same way.
+
+For a :class:`~cpshard.packed_layouts.PackedPlan`:
+
+* **causal work** of a rank: the number of (query, key) pairs it computes under the
+  document-causal mask, i.e. ``sum(position + 1)`` over its real query tokens (pads cost 0);
+* **imbalance**: ``max / mean`` work over ranks (1.0 is perfect);
+* **padding overhead**: ``(P - real) / real``;
+* **remote K/V** of rank ``r``: key tokens that ``r``'s queries attend to but that live on other
+  ranks, divided by ``P`` (what a selective K/V exchange must move; all-gather and ring move
+  ``(C - 1) / C`` regardless).
+
+torch 2.13's balancers (``torch.distributed.tensor.experimental._context_parallel``) are driven
+as index generators on CPU and sharded the way torch shards: a contiguous cut of the rearranged
+sequence. ``_PerDocumentHeadTailLoadBalancer`` is measured as it really behaves (its indices are
+document-major, so a contiguous cut hands out whole documents). ``_PTRRLoadBalancer`` needs a
+compiled ``BlockMask``; instead its own scheduler ``ptrr_scheduling`` is fed the exact per-block
+counts ``kv_num_blocks + full_kv_num_blocks`` a 128-token document-causal BlockMask has.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from cpshard.layouts import ContiguousLayout, RoundRobinLayout, check_rank_map, padded_length
+from cpshard.packed_layouts import (
+    PackedPlan,
+    plan_balanced,
+    plan_closed_form,
+    plan_from_stream,
+    plan_packed,
+)
+from cpshard.packing import PackSpec
+
+__all__ = [
+    "BalanceReport",
+    "all_plans",
+    "balance_report",
+    "rank_work",
+    "remote_kv_tokens",
+    "torch_balancer_plans",
+]
+
+PTRR_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class BalanceReport:
+    """Balance of one layout on one packed batch.
+
+    Attributes:
+        layout: Layout label.
+        world_size: CP size ``C``.
+        real_tokens: Non-pad tokens of the batch.
+        padded_len: ``P``.
+        work_per_rank: Causal (query, key) pairs per rank, rank order.
+        imbalance: ``max / mean`` of ``work_per_rank``.
+        padding_overhead: ``(P - real) / real``.
+        remote_kv_max: Max over ranks of remote key tokens needed, divided by ``P``.
+        remote_kv_mean: Mean over ranks of the same.
+        solver_seconds: Time spent building the plan.
+    """
+
+    layout: str
+    world_size: int
+    real_tokens: int
+    padded_len: int
+    work_per_rank: tuple[int, ...]
+    imbalance: float
+    padding_overhead: float
+    remote_kv_max: float
+    remote_kv_mean: float
+    solver_seconds: float
+
+
+def rank_work(plan: PackedPlan) -> torch.Tensor:
+    """LongTensor ``[C]``: causal work of every rank's real queries."""
+    return plan.token_work()[plan.rank_map].sum(dim=1)
+
+
+def remote_kv_tokens(plan: PackedPlan) -> torch.Tensor:
+    """LongTensor ``[C]``: key tokens each rank needs from other ranks.
+
+    Rank ``r``'s queries in document ``d`` reach keys ``0..m`` of ``d``, ``m`` the largest
+    position ``r`` holds in ``d``; ``r`` itself holds ``n`` of them, so it needs ``m + 1 - n``.
+    """
+    c, n_local = plan.rank_map.shape
+    rank_of = torch.empty(plan.padded_len, dtype=torch.long)
+    rank_of[plan.rank_map.reshape(-1)] = torch.arange(c).repeat_interleave(n_local)
+    doc = plan.stream_document_ids
+    real = doc >= 0
+    if not bool(real.any()):
+        return torch.zeros(c, dtype=torch.long)
+    n_docs = int(doc.max()) + 1
+    key = rank_of[real] * n_docs + doc[real]
+    pos = plan.stream_position_ids[real]
+    top = torch.full((c * n_docs,), -1, dtype=torch.long).scatter_reduce(
+        0, key, pos, reduce="amax", include_self=True
+    )
+    held = torch.zeros(c * n_docs, dtype=torch.long).index_add_(0, key, torch.ones_like(key))
+    need = torch.where(held > 0, top + 1 - held, 0)
+    return need.view(c, n_docs).sum(dim=1)
+
+
+def balance_report(plan: PackedPlan, real_tokens: int) -> BalanceReport:
+    """Metrics of ``plan`` (see the module docstring).
+
+    Args:
+        plan: A layout of a packed batch.
+        real_tokens: Non-pad tokens of the batch (``spec.real_tokens``), ``>= 1``.
+    """
+    work = rank_work(plan)
+    remote = remote_kv_tokens(plan).double() / plan.padded_len
+    mean = float(work.double().mean())
+    return BalanceReport(
+        layout=plan.layout,
+        world_size=plan.world_size,
+        real_tokens=real_tokens,
+        padded_len=plan.padded_len,
+        work_per_rank=tuple(int(w) for w in work),
+        imbalance=float(work.max()) / mean if mean > 0 else 1.0,
+        padding_overhead=(plan.padded_len - real_tokens) / real_tokens,
+        remote_kv_max=float(remote.max()),
+        remote_kv_mean=float(remote.mean()),
+        solver_seconds=plan.solver_seconds,
+    )
+
+
+def _ptrr_block_counts(plan: PackedPlan, block: int) -> torch.Tensor:
+    """Non-empty KV blocks per Q block of a document-causal mask (pads see only themselves)."""
+    first = torch.arange(0, plan.padded_len, block)
+    doc = plan.stream_document_ids[first]
+    start = first - plan.stream_position_ids[first]
+    q_blk = first // block
+    return torch.where(doc >= 0, q_blk - start // block + 1, 1)
+
+
+def torch_balancer_plans(spec: PackSpec, world_size: int) -> list[PackedPlan]:
+    """torch 2.13's load balancers on ``spec``, or ``[]`` when torch does not ship them.
+
+    Returns:
+        Plans labelled ``torch_head_tail`` (stream padded to ``2C``), ``torch_per_document``
+        (documents padded to ``2C`` as torch requires; doc-major indices cut contiguously) and
+        ``torch_ptrr`` (stream padded to ``128 * C``; 128-token blocks).
+    """
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _HeadTailLoadBalancer,
+            _PerDocumentHeadTailLoadBalancer,
+            _PTRRLoadBalancer,
+        )
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return []
+    c = world_size
+    plans = []
+
+    t0 = time.perf_counter()
+    padded = padded_length(spec.real_tokens, 2 * c)
+    idx = _HeadTailLoadBalancer(padded, c, "cpu")._generate_indices()[0]
+    plan = plan_from_stream(spec, "torch_head_tail", idx.reshape(c, -1).long())
+    plans.append(replace(plan, solver_seconds=time.perf_counter() - t0))
+
+    t0 = time.perf_counter()
+    doc_padded = (spec.lengths() + 2 * c - 1) // (2 * c) * (2 * c)
+    lb = _PerDocumentHeadTailLoadBalancer([doc_padded.tolist()], c, "cpu")
+    idx = lb._generate_indices()[0]
+    plan = plan_from_stream(spec, "torch_per_document", idx.reshape(c, -1).long(), doc_padded)
+    plans.append(replace(plan, solver_seconds=time.perf_counter() - t0))
+
+    t0 = time.perf_counter()
+    padded = padded_length(spec.real_tokens, PTRR_BLOCK * c)
+    base = plan_from_stream(spec, "torch_ptrr", torch.arange(padded).reshape(c, -1))
+    counts = _ptrr_block_counts(base, PTRR_BLOCK)
+    groups = _PTRRLoadBalancer.ptrr_scheduling(counts, c)  # [C, blocks / C]
+    rank_map = (groups.unsqueeze(-1) * PTRR_BLOCK + torch.arange(PTRR_BLOCK)).reshape(c, -1)
+    check_rank_map(rank_map, padded)
+    plan = replace(base, rank_map=rank_map.long())
+    plans.append(replace(plan, solver_seconds=time.perf_counter() - t0))
+    return plans
+
+
+def all_plans(spec: PackSpec, world_size: int, include_torch: bool = True) -> list[PackedPlan]:
+    """Every layout on one packed batch: ``contiguous``, ``round_robin`` (global head-tail),
+    ``packed`` (TE), ``balanced`` (ours), then torch's balancers when available."""
+    plans = [
+        plan_closed_form(spec, world_size, ContiguousLayout()),
+        plan_closed_form(spec, world_size, RoundRobinLayout()),
+        plan_packed(spec, world_size),
+        plan_balanced(spec, world_size),
+    ]
+    if include_torch:
+        plans.extend(torch_balancer_plans(spec, world_size))
+    return plans

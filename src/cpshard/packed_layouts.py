@@ -1,0 +1,306 @@
+"""Layouts of packed batches over CP ranks: ``packed`` (TE THD), ``balanced`` (our solver), and
+the closed-form layouts applied to a packed stream. Pure index math, no process group.
+
+Every layout flattens the caller's ``[B, S]`` batch into one *padded stream* of length ``P``:
+
+* documents in global order (row-major), **row-end padding dropped** (those input slots map to
+  ``-1`` in :attr:`PackedPlan.input_token_stream_positions` and gather back as ``fill``);
+* then the layout's own padding: ``packed`` pads every document to a multiple of ``2C`` (TE);
+  the other layouts append one pad segment at the stream end (``balanced``: up to the next
+  multiple of ``C``, i.e. at most ``C - 1`` pads).
+
+Rank ``r`` owns ``rank_map[r]`` (``[C, L]``, ``L = P / C``), global stream positions in local
+order. ``packed`` C=2, ``cu=[0,8,16]``::
+
+    stream  a a b b b b a a | a a b b b b a a      r0 [0,1,6,7,8,9,14,15]
+                                                   r1 [2,3,4,5,10,11,12,13]
+
+``balanced`` sorts documents longest first and lays their tokens out *outside-in*
+(positions ``0, n-1, 1, n-2, ...``; any even run of that order is a head-tail pair, whose
+causal work is exactly ``(n + 1) / 2`` per token). Rank ``r`` takes ``x`` tokens from the
+heavy end of the remaining pool and ``L - x`` from the light end (short documents, then pads),
+``x`` chosen so its work is closest to the remaining work divided by the remaining ranks;
+among ``x`` within ``work_tolerance`` of it, cuts at document boundaries are preferred, so
+short documents stay whole on one rank (less remote K/V). Token counts are exactly equal and
+the work error is one token's work per rank (plus ``work_tolerance``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from cpshard.layouts import ClosedFormLayout, check_rank_map, padded_length
+from cpshard.packing import PackSpec
+
+__all__ = [
+    "PackedPlan",
+    "plan_balanced",
+    "plan_closed_form",
+    "plan_from_stream",
+    "plan_packed",
+]
+
+_I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class PackedPlan:
+    """Where every token of a packed batch lives under one layout.
+
+    Attributes:
+        layout: Diagnostic label (``"packed"``, ``"balanced"``, ...).
+        world_size: CP size ``C``.
+        padded_len: ``P``, length of the padded stream, ``C * L``.
+        rank_map: LongTensor ``[C, L]``: row ``r`` = stream positions of rank ``r``'s local
+            tokens in local order; a bijection onto ``arange(P)``.
+        stream_document_ids: LongTensor ``[P]``: global document id per stream position,
+            ``-1`` for pads.
+        stream_position_ids: LongTensor ``[P]``: position inside the document (RoPE); pads
+            continue the preceding document.
+        input_token_stream_positions: LongTensor ``[B, S]``: stream position of each input
+            token, ``-1`` for dropped row-end pads. Injective on its non-negative entries.
+        input_row_shape: ``(B, S)`` of the caller's batch.
+        solver_seconds: Wall time spent building the plan (rank map, stream facts, checks).
+    """
+
+    layout: str
+    world_size: int
+    padded_len: int
+    rank_map: torch.Tensor
+    stream_document_ids: torch.Tensor
+    stream_position_ids: torch.Tensor
+    input_token_stream_positions: torch.Tensor
+    input_row_shape: tuple[int, int]
+    solver_seconds: float = 0.0
+
+    @property
+    def local_len(self) -> int:
+        """``L = P / C``."""
+        return self.padded_len // self.world_size
+
+    @property
+    def stream_padding_mask(self) -> torch.Tensor:
+        """BoolTensor ``[P]``: ``True`` = pad."""
+        return self.stream_document_ids < 0
+
+    def token_work(self) -> torch.Tensor:
+        """LongTensor ``[P]``: causal work of each query, ``position + 1`` (0 for pads)."""
+        return torch.where(self.stream_padding_mask, 0, self.stream_position_ids + 1)
+
+    def to_stream(self, x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        """Caller ``[B, S, *F]`` -> stream ``[P, *F]``; stream pads get ``fill``."""
+        if tuple(x.shape[:2]) != self.input_row_shape:
+            raise ValueError(
+                f"expected a tensor [B, S, ...] with (B, S) = {self.input_row_shape}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        pos = self.input_token_stream_positions.to(x.device).reshape(-1)
+        flat = x.reshape(-1, *x.shape[2:])
+        keep = pos >= 0
+        out = flat.new_full((self.padded_len, *x.shape[2:]), fill)
+        out[pos[keep]] = flat[keep]
+        return out
+
+    def from_stream(self, stream: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        """Stream ``[P, *F]`` -> caller ``[B, S, *F]``; dropped slots get ``fill``."""
+        if stream.shape[0] != self.padded_len:
+            raise ValueError(
+                f"expected a stream [P, ...] with P={self.padded_len}, "
+                f"got shape {tuple(stream.shape)}"
+            )
+        pos = self.input_token_stream_positions.to(stream.device)
+        picked = stream[pos.clamp(min=0)]
+        mask = (pos >= 0).reshape(*pos.shape, *([1] * (stream.dim() - 1)))
+        return torch.where(mask, picked, torch.full_like(picked, fill))
+
+
+def _check_world(spec: PackSpec, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got world_size={world_size}")
+    if spec.real_tokens < world_size:
+        raise ValueError(
+            f"cannot shard {spec.real_tokens} real tokens over world_size={world_size} CP "
+            f"ranks: each rank needs >= 1 token; use a CP size <= {max(spec.real_tokens, 1)} "
+            "or pack more documents"
+        )
+
+
+def _stream_facts(
+    spec: PackSpec, seg_lens: _I64, padded_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stream doc ids, positions and the input map when document ``d`` occupies
+    ``[start_d, start_d + seg_lens[d])`` of the stream (real tokens first)."""
+    lens = spec.lengths().numpy()
+    starts = np.cumsum(seg_lens) - seg_lens
+    total = int(seg_lens.sum())
+    doc_of = np.repeat(np.arange(lens.size), seg_lens)
+    pos = np.arange(total) - np.repeat(starts, seg_lens)
+    if not np.array_equal(seg_lens, lens):
+        doc_ids = np.where(pos < lens[doc_of], doc_of, -1)
+    else:
+        doc_ids = doc_of
+    tail = padded_len - total
+    last = int(pos[-1]) + 1 if total else 0
+    pos = np.concatenate([pos, last + np.arange(tail)])
+    doc_ids = np.concatenate([doc_ids, np.full(tail, -1)])
+    in_doc = spec.document_ids()
+    in_pos = spec.position_ids()
+    start_t = torch.from_numpy(starts.astype(np.int64))
+    idx = torch.where(in_doc >= 0, start_t[in_doc.clamp(min=0)] + in_pos, -1)
+    return (
+        torch.from_numpy(doc_ids.astype(np.int64)),
+        torch.from_numpy(pos.astype(np.int64)),
+        idx,
+    )
+
+
+def plan_from_stream(
+    spec: PackSpec,
+    layout: str,
+    rank_map: torch.Tensor,
+    doc_padded_lens: torch.Tensor | None = None,
+    solver_seconds: float = 0.0,
+) -> PackedPlan:
+    """Wrap a ``[C, L]`` rank map over the stream of ``spec`` into a checked :class:`PackedPlan`.
+
+    Args:
+        spec: The batch's document structure.
+        layout: Label.
+        rank_map: LongTensor ``[C, L]`` over ``arange(C * L)``.
+        doc_padded_lens: LongTensor ``[D]`` of per-document stream lengths (``>= lengths``),
+            or ``None`` for unpadded documents; the stream end is padded up to ``C * L``.
+        solver_seconds: Time the caller spent computing ``rank_map``.
+    """
+    lens = spec.lengths() if doc_padded_lens is None else doc_padded_lens
+    padded = int(rank_map.numel())
+    check_rank_map(rank_map, padded)
+    doc_ids, pos, idx = _stream_facts(spec, lens.numpy().astype(np.int64), padded)
+    return PackedPlan(
+        layout=layout,
+        world_size=int(rank_map.shape[0]),
+        padded_len=padded,
+        rank_map=rank_map,
+        stream_document_ids=doc_ids,
+        stream_position_ids=pos,
+        input_token_stream_positions=idx,
+        input_row_shape=(spec.num_rows, spec.row_len),
+        solver_seconds=solver_seconds,
+    )
+
+
+def plan_packed(spec: PackSpec, world_size: int) -> PackedPlan:
+    """TransformerEngine THD layout: every document padded to a multiple of ``2C``; rank ``r``
+    owns chunks ``r`` and ``2C-1-r`` of every document, document by document.
+
+    Example:
+        >>> spec = PackSpec.from_cu_seqlens(torch.tensor([0, 4, 12]), 12)
+        >>> plan_packed(spec, 2).rank_map.tolist()
+        [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]
+    """
+    _check_world(spec, world_size)
+    t0 = time.perf_counter()
+    two_c = 2 * world_size
+    padded = (spec.lengths() + two_c - 1) // two_c * two_c
+    chunk = padded // two_c
+    starts = torch.cumsum(padded, 0) - padded
+    per_rank = 2 * chunk  # tokens each rank takes from each document
+    local = int(per_rank.sum())
+    offsets = torch.cumsum(per_rank, 0) - per_rank
+    j = torch.arange(local) - torch.repeat_interleave(offsets, per_rank)
+    c = torch.repeat_interleave(chunk, per_rank)
+    s = torch.repeat_interleave(starts, per_rank)
+    r = torch.arange(world_size).unsqueeze(1)
+    head = j < c
+    which = torch.where(head, r, two_c - 1 - r)
+    rank_map = s + which * c + torch.where(head, j, j - c)
+    plan = plan_from_stream(spec, "packed", rank_map, padded)
+    return replace(plan, solver_seconds=time.perf_counter() - t0)
+
+
+def plan_closed_form(spec: PackSpec, world_size: int, layout: ClosedFormLayout) -> PackedPlan:
+    """A closed-form layout (``contiguous``, ``round_robin``) over the packed stream: documents
+    back to back, padded at the end to the layout's divisor."""
+    _check_world(spec, world_size)
+    t0 = time.perf_counter()
+    padded = layout.padded_length(spec.real_tokens, world_size)
+    rank_map = layout.rank_map(world_size, padded)
+    plan = plan_from_stream(spec, layout.name, rank_map, None)
+    return replace(plan, solver_seconds=time.perf_counter() - t0)
+
+
+def _balanced_rank_map(lens: _I64, world_size: int, work_tolerance: float) -> _I64:
+    real = int(lens.sum())
+    padded = padded_length(real, world_size)
+    local = padded // world_size
+    doc_start = np.cumsum(lens) - lens
+    order = np.argsort(-lens, kind="stable")
+    seg = lens[order]
+    idx_t = np.int32 if padded < 2**31 else np.int64  # int32 halves the memory traffic
+    # outside-in order inside each document: positions 0, n-1, 1, n-2, ...
+    j = np.arange(real, dtype=idx_t) - np.repeat((np.cumsum(seg) - seg).astype(idx_t), seg)
+    n = np.repeat(seg.astype(idx_t), seg)
+    half = np.right_shift(j, 1)
+    pos = half + np.bitwise_and(j, 1) * (n - 1 - 2 * half)
+    pool_pos = np.empty(padded, dtype=idx_t)
+    pool_pos[:real] = np.repeat(doc_start[order].astype(idx_t), seg) + pos
+    pool_pos[real:] = np.arange(real, padded, dtype=idx_t)
+    cum = np.zeros(padded + 1, dtype=np.int64)
+    np.cumsum(pos + 1, dtype=np.int64, out=cum[1 : real + 1])
+    cum[real + 1 :] = cum[real]
+    boundary = np.zeros(padded + 1, dtype=bool)
+    boundary[np.cumsum(seg)] = True
+    boundary[0] = True
+    boundary[real:] = True
+    rank_of_pool = np.empty(padded, dtype=np.int16 if world_size < 2**15 else np.int64)
+    lo, hi = 0, padded
+    for r in range(world_size):
+        if r == world_size - 1:
+            rank_of_pool[lo:hi] = r
+            break
+        target = (cum[hi] - cum[lo]) / (world_size - r)
+        # taking k heavy tokens [lo, lo + k) and local - k light ones [hi - local + k, hi)
+        heavy = cum[lo : lo + local + 1] - cum[lo]
+        light = cum[hi] - cum[hi - local : hi + 1]
+        err = np.abs(heavy + light - target)
+        cuts = boundary[lo : lo + local + 1].astype(np.int8) + boundary[hi - local : hi + 1]
+        ok = err <= err.min() + work_tolerance * target
+        score = np.where(ok, cuts, -1)
+        cand = np.flatnonzero(score == score.max())
+        k = int(cand[np.argmin(err[cand])])
+        rank_of_pool[lo : lo + k] = r
+        rank_of_pool[hi - local + k : hi] = r
+        lo, hi = lo + k, hi - local + k
+    rank_of_stream = np.empty(padded, dtype=rank_of_pool.dtype)  # int16: radix stable sort
+    rank_of_stream[pool_pos] = rank_of_pool
+    return np.argsort(rank_of_stream, kind="stable").astype(np.int64).reshape(world_size, local)
+
+
+def plan_balanced(spec: PackSpec, world_size: int, work_tolerance: float = 1e-3) -> PackedPlan:
+    """Our balanced layout: equal token counts, causal work balanced, minimal padding.
+
+    ``P`` is the smallest multiple of ``C`` holding the real tokens (at most ``C - 1`` pads, at
+    the stream end). Deterministic: depends only on the document lengths and ``C``. Each rank's
+    local tokens are in stream order, so documents stay contiguous and causal locally.
+
+    Args:
+        spec: The batch's document structure.
+        world_size: CP size ``C``.
+        work_tolerance: Relative work slack (of the per-rank target) a rank may accept to cut
+            at a document boundary instead of splitting a document; ``0`` = best work only.
+
+    Returns:
+        The plan; ``plan.rank_map`` is ``[C, P / C]``.
+    """
+    _check_world(spec, world_size)
+    if work_tolerance < 0:
+        raise ValueError(f"work_tolerance must be >= 0, got work_tolerance={work_tolerance}")
+    t0 = time.perf_counter()
+    lens = spec.lengths().numpy().astype(np.int64)
+    rank_map = torch.from_numpy(_balanced_rank_map(lens, world_size, work_tolerance))
+    plan = plan_from_stream(spec, "balanced", rank_map, None)
+    return replace(plan, solver_seconds=time.perf_counter() - t0)

@@ -1,0 +1,296 @@
+"""Packed batches: which tokens of a ``[B, S]`` batch belong to which document.
+
+A *packed* batch holds several documents per row. :class:`PackSpec` records, per row, the
+lengths of its documents in order, followed by the row's trailing padding::
+
+    row 0   d0 d0 d0 d1 d1 .  .      doc_lens[0] = (3, 2), pad 2      (S = 7)
+    row 1   d2 d2 d2 d2 d2 d2 d3     doc_lens[1] = (6, 1), pad 0
+
+Documents are numbered row-major (``d0, d1`` in row 0, then ``d2, d3``): these are the *global
+document ids* used by CP attention masks. Three spellings parse into a spec:
+
+* :meth:`PackSpec.from_seq_lens`: per row, the document lengths; the rest of the row is padding.
+* :meth:`PackSpec.from_cu_seqlens`: flash-attn / TransformerEngine offsets of one ``[1, T]``
+  stream; must start at 0, increase strictly (no empty documents) and end at ``T`` exactly.
+* :meth:`PackSpec.from_position_ids`: positions that restart at 0 at every document start.
+  Padding is never inferred from token values (a pad id can be real content); pass an explicit
+  ``padding_mask`` (``True`` = pad), which must mark a suffix of each row.
+
+Documents have length ``>= 1``; a row may hold no document at all (all padding).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackSpec", "shift_labels_packed"]
+
+
+def _fix(what: str, rule: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"{what}: {rule}; got {value}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """Document structure of a packed ``[B, S]`` batch.
+
+    Attributes:
+        row_len: ``S``, the length of every row.
+        doc_lens: Per row, the lengths (each ``>= 1``) of its documents in order. Row ``b`` holds
+            ``sum(doc_lens[b]) <= S`` real tokens followed by ``S - sum(doc_lens[b])`` pads.
+    """
+
+    row_len: int
+    doc_lens: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.row_len < 0:
+            raise _fix("row_len", "must be >= 0", self.row_len, "pass the row length S")
+        for b, row in enumerate(self.doc_lens):
+            for n in row:
+                if n < 0:
+                    raise _fix(
+                        f"document length in row {b}",
+                        "must be >= 1 (negative lengths are not allowed)",
+                        f"{n} in {list(row)}",
+                        "drop sentinel entries such as -1000 before building the spec",
+                    )
+                if n == 0:
+                    raise _fix(
+                        f"document length in row {b}",
+                        "must be >= 1 (empty documents are not allowed)",
+                        f"0 in {list(row)}",
+                        "drop empty documents",
+                    )
+            if sum(row) > self.row_len:
+                raise _fix(
+                    f"seq_lens of row {b}",
+                    f"must sum to <= the row length S={self.row_len}",
+                    f"{list(row)} (sum {sum(row)})",
+                    f"split the documents over more rows or use rows of length >= {sum(row)}",
+                )
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_seq_lens(
+        cls, seq_lens: Sequence[Sequence[int]] | torch.Tensor, row_len: int
+    ) -> PackSpec:
+        """Spec from per-row document lengths.
+
+        Args:
+            seq_lens: One sequence of document lengths per row (or an int tensor ``[B, n]``
+                without sentinels). Row ``b`` must sum to ``<= row_len``.
+            row_len: ``S``.
+
+        Raises:
+            ValueError: negative or zero lengths, or a row that does not fit in ``S``.
+        """
+        rows = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
+        return cls(int(row_len), tuple(tuple(int(n) for n in row) for row in rows))
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total_len: int) -> PackSpec:
+        """Spec of one ``[1, T]`` stream from document offsets.
+
+        Args:
+            cu_seqlens: Int tensor ``[D + 1]``: ``0 = cu[0] < cu[1] < ... < cu[D] = T``.
+            total_len: ``T``, the stream length (``input_ids.shape[-1]``).
+
+        Raises:
+            ValueError: not 1-D, not starting at 0, not strictly increasing, or not ending at
+                ``total_len``.
+        """
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise _fix(
+                "cu_seqlens",
+                "must be a 1-D tensor [D + 1] of document offsets",
+                f"shape {tuple(cu_seqlens.shape)}",
+                "pass [0, len0, len0 + len1, ...]",
+            )
+        cu = [int(v) for v in cu_seqlens.tolist()]
+        if cu[0] != 0:
+            raise _fix("cu_seqlens", "must start at 0", cu[:4], "prepend 0")
+        diffs = [b - a for a, b in itertools.pairwise(cu)]
+        if any(d <= 0 for d in diffs):
+            i = next(i for i, d in enumerate(diffs) if d <= 0)
+            raise _fix(
+                "cu_seqlens",
+                "must be strictly increasing (every document has >= 1 token)",
+                f"cu[{i}]={cu[i]} >= cu[{i + 1}]={cu[i + 1]}",
+                "drop empty documents and sort the offsets",
+            )
+        if cu[-1] != total_len:
+            raise _fix(
+                "cu_seqlens",
+                f"must end at the stream length T={total_len}",
+                f"cu[-1]={cu[-1]}",
+                "append the trailing padding as its own document or use from_seq_lens, "
+                "which allows row-end padding",
+            )
+        return cls(int(total_len), (tuple(diffs),))
+
+    @classmethod
+    def from_position_ids(
+        cls, position_ids: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> PackSpec:
+        """Spec from per-document positions that restart at 0 at each document start.
+
+        Args:
+            position_ids: Int tensor ``[B, S]``. Real tokens of a row read ``0, 1, ..., n0-1,
+                0, 1, ..., n1-1, ...``.
+            padding_mask: Bool tensor ``[B, S]`` (``True`` = pad) marking a suffix of each row,
+                or ``None`` when there is no padding. Pads are never inferred from values.
+
+        Raises:
+            ValueError: wrong shapes, pads that are not a row suffix, or real positions that
+                neither restart at 0 nor continue the previous token by +1.
+        """
+        if position_ids.dim() != 2:
+            raise _fix(
+                "position_ids",
+                "must be [B, S]",
+                f"shape {tuple(position_ids.shape)}",
+                "unsqueeze(0) a 1-D stream",
+            )
+        pos = position_ids.long().cpu()
+        n_rows, row_len = pos.shape
+        if padding_mask is None:
+            pad = torch.zeros_like(pos, dtype=torch.bool)
+        else:
+            if padding_mask.shape != position_ids.shape:
+                raise _fix(
+                    "padding_mask",
+                    f"must match position_ids' shape {tuple(position_ids.shape)}",
+                    f"shape {tuple(padding_mask.shape)}",
+                    "pass a [B, S] bool mask (True = pad)",
+                )
+            pad = padding_mask.bool().cpu()
+        n_real = (~pad).sum(dim=1)
+        suffix = torch.arange(row_len).unsqueeze(0) >= n_real.unsqueeze(1)
+        if not torch.equal(suffix, pad):
+            b = int((suffix != pad).any(dim=1).nonzero()[0])
+            raise _fix(
+                f"padding_mask row {b}",
+                "must mark a suffix of the row (padding after the last document)",
+                pad[b].int().tolist()[:32],
+                "move padding to the row end or split the row",
+            )
+        prev = torch.cat([torch.full((n_rows, 1), -1, dtype=torch.long), pos[:, :-1]], dim=1)
+        ok = (pos == 0) | (pos == prev + 1)
+        bad = ~ok & ~pad
+        if bool(bad.any()):
+            b, s = (int(v) for v in bad.nonzero()[0])
+            raise _fix(
+                f"position_ids[{b}, {s}]",
+                "must restart at 0 or continue the previous position by +1",
+                f"{int(pos[b, s])} after {int(prev[b, s])}",
+                "pass per-document positions 0..n-1, or use from_seq_lens",
+            )
+        rows = []
+        for b in range(n_rows):
+            n = int(n_real[b])
+            starts = [*(pos[b, :n] == 0).nonzero().flatten().tolist(), n]
+            rows.append(tuple(e - s for s, e in itertools.pairwise(starts)))
+        return cls(int(row_len), tuple(rows))
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def num_rows(self) -> int:
+        """``B``."""
+        return len(self.doc_lens)
+
+    @property
+    def num_docs(self) -> int:
+        """Number of documents ``D`` over all rows."""
+        return sum(len(row) for row in self.doc_lens)
+
+    @property
+    def real_tokens(self) -> int:
+        """Number of non-pad tokens."""
+        return sum(sum(row) for row in self.doc_lens)
+
+    @property
+    def row_pad(self) -> tuple[int, ...]:
+        """Trailing pads per row: ``S - sum(doc_lens[b])``."""
+        return tuple(self.row_len - sum(row) for row in self.doc_lens)
+
+    def lengths(self) -> torch.Tensor:
+        """LongTensor ``[D]``: document lengths, global document order (row-major)."""
+        return torch.tensor([n for row in self.doc_lens for n in row], dtype=torch.long)
+
+    def _segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row-major segments: documents and each row's pad; (lengths, doc id or -1)."""
+        lens: list[int] = []
+        ids: list[int] = []
+        d = 0
+        for row, pad in zip(self.doc_lens, self.row_pad, strict=True):
+            for n in row:
+                lens.append(n)
+                ids.append(d)
+                d += 1
+            if pad:
+                lens.append(pad)
+                ids.append(-1)
+        return torch.tensor(lens, dtype=torch.long), torch.tensor(ids, dtype=torch.long)
+
+    def document_ids(self) -> torch.Tensor:
+        """LongTensor ``[B, S]``: global document id of each token, ``-1`` for pads."""
+        lens, ids = self._segments()
+        return torch.repeat_interleave(ids, lens).view(self.num_rows, self.row_len)
+
+    def position_ids(self) -> torch.Tensor:
+        """LongTensor ``[B, S]``: position inside the document; a row's pads continue its last
+        document (or count from 0 in an all-pad row)."""
+        lens, ids = self._segments()
+        starts = torch.cumsum(lens, 0) - lens
+        # a pad segment continues the previous segment of the same row
+        cont = (ids < 0) & (starts % max(self.row_len, 1) != 0)
+        prev_len = torch.cat([torch.zeros(1, dtype=torch.long), lens[:-1]])
+        starts = torch.where(cont, starts - prev_len, starts)
+        total = self.num_rows * self.row_len
+        flat = torch.arange(total) - torch.repeat_interleave(starts, lens)
+        return flat.view(self.num_rows, self.row_len)
+
+    def padding_mask(self) -> torch.Tensor:
+        """BoolTensor ``[B, S]``: ``True`` = pad."""
+        return self.document_ids() < 0
+
+    def cu_seqlens(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """Tensor ``[D + 1]``: offsets of the documents in the pad-free stream."""
+        lens = self.lengths()
+        return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)]).to(dtype)
+
+
+def shift_labels_packed(
+    labels: torch.Tensor, spec: PackSpec, ignore_index: int = -100
+) -> torch.Tensor:
+    """Shift labels (or input ids) left by one inside each document, on the global batch.
+
+    ``out[b, s] = labels[b, s + 1]`` when tokens ``s`` and ``s + 1`` belong to the same
+    document; the last token of every document and every pad get ``ignore_index``. Call it before
+    sharding: after sharding, neighbours may live on other ranks.
+
+    Args:
+        labels: Tensor ``[B, S]`` (e.g. ``input_ids``), caller coordinates.
+        spec: Document structure of the batch, ``spec.num_rows == B``, ``spec.row_len == S``.
+        ignore_index: Target value that the loss ignores.
+
+    Returns:
+        Tensor ``[B, S]`` of ``labels``' dtype and device; the input is not modified.
+    """
+    if labels.dim() != 2 or tuple(labels.shape) != (spec.num_rows, spec.row_len):
+        raise _fix(
+            "labels",
+            f"must be [B, S] = [{spec.num_rows}, {spec.row_len}] to match the pack spec",
+            f"shape {tuple(labels.shape)}",
+            "pass the unsharded [B, S] tensor",
+        )
+    doc = spec.document_ids().to(labels.device)
+    same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = torch.where(same, labels[:, 1:], out[:, :-1])
+    return out
