@@ -21,8 +21,10 @@ counts ``kv_num_blocks + full_kv_num_blocks`` a 128-token document-causal BlockM
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from cpshard.layouts import ContiguousLayout, RoundRobinLayout, check_rank_map, padded_length
@@ -36,15 +38,21 @@ from cpshard.packed_layouts import (
 from cpshard.packing import PackSpec
 
 __all__ = [
+    "DISTRIBUTIONS",
     "BalanceReport",
     "all_plans",
     "balance_report",
+    "corpus_doc_lengths",
     "rank_work",
     "remote_kv_tokens",
+    "sample_packed_batch",
     "torch_balancer_plans",
 ]
 
 PTRR_BLOCK = 128
+DISTRIBUTIONS = ("lognormal", "corpus")
+LOGNORMAL_MU = 7.5
+LOGNORMAL_SIGMA = 1.2
 
 
 @dataclass(frozen=True)
@@ -194,3 +202,46 @@ def all_plans(spec: PackSpec, world_size: int, include_torch: bool = True) -> li
     if include_torch:
         plans.extend(torch_balancer_plans(spec, world_size))
     return plans
+
+
+def corpus_doc_lengths() -> tuple[int, ...]:
+    """Byte lengths of the 79 documents of CPython's ``pydoc_data.topics`` (real English)."""
+    from pydoc_data.topics import topics
+
+    return tuple(len(text.encode()) for text in topics.values())
+
+
+def sample_packed_batch(distribution: str, tokens: int, seed: int) -> PackSpec:
+    """One packed ``[1, tokens]`` row of documents drawn from a length distribution.
+
+    Documents are drawn until the row is full; the last one is cut to fit, so the row has no
+    padding.
+
+    Args:
+        distribution: ``"lognormal"`` (``exp(N(7.5, 1.2))`` tokens, rounded, ``>= 1``) or
+            ``"corpus"`` (lengths of :func:`corpus_doc_lengths`, drawn with replacement).
+        tokens: Row length, ``>= 1``.
+        seed: Seed of the numpy generator; the batch is a pure function of the arguments.
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got tokens={tokens}")
+    rng = np.random.default_rng(seed)
+    corpus: Sequence[int] = ()
+    if distribution == "corpus":
+        corpus = corpus_doc_lengths()
+    elif distribution != "lognormal":
+        raise ValueError(
+            f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}; "
+            "or pass explicit lengths with PackSpec.from_seq_lens"
+        )
+    lens: list[int] = []
+    total = 0
+    while total < tokens:
+        if corpus:
+            n = int(corpus[int(rng.integers(len(corpus)))])
+        else:
+            n = max(1, round(float(np.exp(rng.normal(LOGNORMAL_MU, LOGNORMAL_SIGMA)))))
+        n = min(n, tokens - total)
+        lens.append(n)
+        total += n
+    return PackSpec.from_seq_lens([lens], tokens)

@@ -1,0 +1,153 @@
+"""Layouts of packed batches: worked examples and properties of every layout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_packing import random_spec
+
+from cpshard.balance import all_plans
+from cpshard.layouts import ContiguousLayout, RoundRobinLayout, check_rank_map
+from cpshard.packed_layouts import PackedPlan, plan_balanced, plan_closed_form, plan_packed
+from cpshard.packing import PackSpec
+
+
+@pytest.mark.parametrize(
+    ("cu", "expect"),
+    [
+        ([0, 8, 16], [[0, 1, 6, 7, 8, 9, 14, 15], [2, 3, 4, 5, 10, 11, 12, 13]]),
+        ([0, 4, 12], [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]),
+    ],
+)
+def test_packed_worked_examples(cu: list[int], expect: list[list[int]]) -> None:
+    spec = PackSpec.from_cu_seqlens(torch.tensor(cu), cu[-1])
+    plan = plan_packed(spec, 2)
+    assert plan.rank_map.tolist() == expect
+    assert plan.padded_len == cu[-1]
+
+
+def test_packed_pads_every_document() -> None:
+    spec = PackSpec.from_seq_lens([[3, 2], [5]], 6)  # C=2: docs padded to 4, 4, 8
+    plan = plan_packed(spec, 2)
+    assert plan.padded_len == 16
+    assert plan.stream_document_ids.tolist() == [0, 0, 0, -1, 1, 1, -1, -1] + [2] * 5 + [-1] * 3
+    assert plan.stream_position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, *range(8)]
+    expect = [[0, 1, 2, 4, 5, -1], [8, 9, 10, 11, 12, -1]]
+    assert plan.input_token_stream_positions.tolist() == expect
+    assert plan.rank_map.tolist() == [[0, 3, 4, 7, 8, 9, 14, 15], [1, 2, 5, 6, 10, 11, 12, 13]]
+
+
+def test_balanced_small_example() -> None:
+    spec = PackSpec.from_seq_lens([[3, 2], [6, 1]], 7)
+    plan = plan_balanced(spec, 3)
+    assert plan.padded_len == 12  # 12 real tokens, no padding needed
+    work = plan.token_work()[plan.rank_map].sum(1)
+    # total work 6 + 3 + 21 + 1 = 31 over 3 ranks: the best split of integer work is 11/10/10
+    assert sorted(work.tolist()) == [10, 10, 11]
+    assert torch.equal(plan.rank_map, plan.rank_map.sort(dim=1).values)  # stream order locally
+
+
+def _check_plan(spec: PackSpec, plan: PackedPlan, world: int) -> None:
+    check_rank_map(plan.rank_map, plan.padded_len)
+    assert plan.rank_map.shape == (world, plan.padded_len // world)
+    pos = plan.input_token_stream_positions
+    assert pos.shape == (spec.num_rows, spec.row_len)
+    valid = pos >= 0
+    assert torch.equal(valid, ~spec.padding_mask())  # exactly the row-end pads are dropped
+    kept = pos[valid]
+    assert kept.unique().numel() == kept.numel()  # injective
+    assert torch.equal(plan.stream_document_ids[kept], spec.document_ids()[valid])
+    assert torch.equal(plan.stream_position_ids[kept], spec.position_ids()[valid])
+    assert int((plan.stream_document_ids >= 0).sum()) == spec.real_tokens
+    # stream -> shard -> unshard, in caller coordinates, for [B, S] and [B, S, F]
+    for x, fill in (
+        (torch.randint(1, 100, (spec.num_rows, spec.row_len)), -5),
+        (torch.randn(spec.num_rows, spec.row_len, 3), 0.5),
+    ):
+        stream = plan.to_stream(x, fill)
+        shards = [stream[plan.rank_map[r]] for r in range(world)]
+        back = torch.empty_like(stream)
+        back[plan.rank_map.reshape(-1)] = torch.cat(shards)
+        expect = x.clone()
+        expect[~valid] = fill
+        assert torch.equal(plan.from_stream(back, fill), expect)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_layout_is_a_consistent_bijection(seed: int) -> None:
+    rng = random.Random(seed)
+    world = 3 if seed % 2 == 0 else rng.randint(1, 8)
+    spec = random_spec(rng, rows=rng.randint(1, 3), row_len=rng.randint(8, 60))
+    if spec.real_tokens < world:
+        spec = PackSpec.from_seq_lens([[1] * world], world)
+    plans = all_plans(spec, world)
+    assert {p.layout for p in plans} >= {"contiguous", "round_robin", "packed", "balanced"}
+    for plan in plans:
+        _check_plan(spec, plan, world)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_properties(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    world = [1, 2, 3, 4, 5, 8][seed]
+    spec = random_spec(rng, rows=2, row_len=rng.randint(20, 200))
+    plan = plan_balanced(spec, world)
+    assert plan.padded_len == -(-spec.real_tokens // world) * world  # minimal padding
+    again = plan_balanced(PackSpec.from_seq_lens(spec.doc_lens, spec.row_len), world)
+    assert torch.equal(plan.rank_map, again.rank_map)  # deterministic
+    assert torch.equal(plan.rank_map, plan.rank_map.sort(dim=1).values)
+    work = plan.token_work()[plan.rank_map].sum(1).double()
+    lengths = spec.lengths()
+    # one token's work (the longest document) bounds the deviation from the mean
+    assert float(work.max() - work.mean()) <= float(lengths.max()) + 1e-3 * float(work.mean())
+
+
+def test_packed_rank_takes_two_chunks_of_every_document() -> None:
+    rng = random.Random(7)
+    spec = random_spec(rng, rows=2, row_len=50)
+    world = 3
+    plan = plan_packed(spec, world)
+    doc = plan.stream_document_ids
+    seg_start = torch.arange(plan.padded_len) - plan.stream_position_ids
+    for r in range(world):
+        local = plan.rank_map[r]
+        starts = seg_start[local].unique()
+        assert starts.numel() == spec.num_docs  # every document contributes
+        for s in starts.tolist():
+            mine = local[seg_start[local] == s] - s
+            padded = int((seg_start == s).sum())
+            c = padded // (2 * world)
+            assert padded % (2 * world) == 0
+            head = torch.arange(r * c, (r + 1) * c)
+            assert torch.equal(mine, torch.cat([head, (2 * world - 1 - r) * c + head - r * c]))
+    assert int((doc >= 0).sum()) == spec.real_tokens
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda s, w: plan_packed(s, w),
+        lambda s, w: plan_balanced(s, w),
+        lambda s, w: plan_closed_form(s, w, RoundRobinLayout()),
+        lambda s, w: plan_closed_form(s, w, ContiguousLayout()),
+    ],
+)
+def test_more_ranks_than_tokens(build: object) -> None:
+    spec = PackSpec.from_seq_lens([[2, 1], []], 4)
+    with pytest.raises(ValueError, match=r"cannot shard 3 real tokens over world_size=4"):
+        build(spec, 4)  # type: ignore[operator]
+
+
+def test_plan_argument_errors() -> None:
+    spec = PackSpec.from_seq_lens([[4]], 4)
+    with pytest.raises(ValueError, match=r"work_tolerance must be >= 0"):
+        plan_balanced(spec, 2, work_tolerance=-1.0)
+    with pytest.raises(ValueError, match=r"world_size must be >= 1"):
+        plan_balanced(spec, 0)
+    plan = plan_balanced(spec, 2)
+    with pytest.raises(ValueError, match=r"\(B, S\) = \(1, 4\)"):
+        plan.to_stream(torch.zeros(1, 5), 0)
+    with pytest.raises(ValueError, match=r"stream \[P, ...\] with P=4"):
+        plan.from_stream(torch.zeros(5), 0)

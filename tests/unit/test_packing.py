@@ -1,0 +1,153 @@
+"""PackSpec parsing, derived per-token facts, and document-aware label shifting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cpshard.packing import PackSpec, shift_labels_packed
+
+
+def random_spec(rng: random.Random, rows: int, row_len: int) -> PackSpec:
+    """Random rows: documents of 1..row_len tokens (many 1-token ones), some rows padded."""
+    out = []
+    for _ in range(rows):
+        left = row_len - rng.choice([0, 0, rng.randint(0, row_len)])
+        row = []
+        while left > 0:
+            n = min(left, rng.choice([1, 1, 2, rng.randint(1, row_len)]))
+            row.append(n)
+            left -= n
+        out.append(row)
+    return PackSpec.from_seq_lens(out, row_len)
+
+
+def test_seq_lens_derived_facts() -> None:
+    spec = PackSpec.from_seq_lens([[3, 2], [6, 1]], 7)
+    assert spec.num_rows == 2
+    assert spec.num_docs == 4
+    assert spec.real_tokens == 12
+    assert spec.row_pad == (2, 0)
+    assert spec.document_ids().tolist() == [[0, 0, 0, 1, 1, -1, -1], [2, 2, 2, 2, 2, 2, 3]]
+    assert spec.position_ids().tolist() == [[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0]]
+    assert spec.padding_mask().tolist()[0] == [False] * 5 + [True] * 2
+    assert spec.cu_seqlens().tolist() == [0, 3, 5, 11, 12]
+    assert spec.cu_seqlens().dtype == torch.int32
+
+
+def test_all_pad_row_and_tensor_input() -> None:
+    spec = PackSpec.from_seq_lens([[2, 2], []], 4)
+    assert spec.document_ids().tolist() == [[0, 0, 1, 1], [-1, -1, -1, -1]]
+    assert spec.position_ids()[1].tolist() == [0, 1, 2, 3]
+    assert PackSpec.from_seq_lens(torch.tensor([[1, 3], [2, 2]]), 4).doc_lens == ((1, 3), (2, 2))
+
+
+def test_cu_seqlens() -> None:
+    spec = PackSpec.from_cu_seqlens(torch.tensor([0, 4, 12], dtype=torch.int32), 12)
+    assert spec.doc_lens == ((4, 8),)
+    assert spec.row_len == 12
+
+
+@pytest.mark.parametrize(
+    ("cu", "total", "match"),
+    [
+        ([1, 4, 12], 12, r"cu_seqlens: must start at 0; got \[1, 4, 12\]"),
+        ([0, 4, 4, 12], 12, r"strictly increasing.*cu\[1\]=4 >= cu\[2\]=4"),
+        ([0, 6, 4, 12], 12, r"strictly increasing.*cu\[1\]=6 >= cu\[2\]=4"),
+        ([0, 4, 10], 12, r"must end at the stream length T=12; got cu\[-1\]=10"),
+        ([0, 4, 14], 12, r"must end at the stream length T=12; got cu\[-1\]=14"),
+    ],
+)
+def test_cu_seqlens_errors(cu: list[int], total: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PackSpec.from_cu_seqlens(torch.tensor(cu), total)
+
+
+def test_cu_seqlens_must_be_1d() -> None:
+    with pytest.raises(ValueError, match=r"must be a 1-D tensor"):
+        PackSpec.from_cu_seqlens(torch.tensor([[0, 4]]), 4)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "row_len", "match"),
+    [
+        ([[3, -2]], 8, r"must be >= 1 \(negative lengths.*-2 in \[3, -2\].*Fix: drop sentinel"),
+        ([[3, 0]], 8, r"empty documents are not allowed"),
+        ([[3, 4], [5, 4]], 8, r"seq_lens of row 1: must sum to <= the row length S=8.*sum 9"),
+        ([[1]], -1, r"row_len: must be >= 0"),
+    ],
+)
+def test_seq_lens_errors(seq_lens: list[list[int]], row_len: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PackSpec.from_seq_lens(seq_lens, row_len)
+
+
+def test_position_ids_with_padding_mask() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 1, 9, 9], [0, 0, 1, 2, 3, 4, 5]])
+    pad = torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0] * 7], dtype=torch.bool)
+    assert PackSpec.from_position_ids(pos, pad).doc_lens == ((3, 2), (1, 6))
+    # without a mask every token is real: the 9s are not a valid continuation
+    with pytest.raises(ValueError, match=r"position_ids\[0, 5\]: must restart at 0.*9 after 1"):
+        PackSpec.from_position_ids(pos)
+
+
+@pytest.mark.parametrize(
+    ("pos", "pad", "match"),
+    [
+        ([[1, 2, 3]], None, r"position_ids\[0, 0\].*1 after -1"),
+        ([[0, 1, 3]], None, r"position_ids\[0, 2\].*3 after 1"),
+        ([[0, 1, 2]], [[1, 0, 0]], r"padding_mask row 0: must mark a suffix"),
+        ([[0, 1, 2]], [[0, 0]], r"must match position_ids' shape"),
+        ([0, 1, 2], None, r"position_ids: must be \[B, S\]"),
+    ],
+)
+def test_position_ids_errors(pos: list[list[int]], pad: list[list[int]] | None, match: str) -> None:
+    mask = None if pad is None else torch.tensor(pad, dtype=torch.bool)
+    with pytest.raises(ValueError, match=match):
+        PackSpec.from_position_ids(torch.tensor(pos), mask)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_spellings_agree(seed: int) -> None:
+    rng = random.Random(seed)
+    spec = random_spec(rng, rows=rng.randint(1, 4), row_len=rng.randint(1, 40))
+    back = PackSpec.from_position_ids(spec.position_ids(), spec.padding_mask())
+    assert back == spec
+    ids = spec.document_ids()
+    for b, row in enumerate(spec.doc_lens):
+        assert [int((ids[b] == d).sum()) for d in ids[b].unique().tolist() if d >= 0] == list(row)
+    one_row = PackSpec.from_seq_lens([spec.lengths().tolist()], spec.real_tokens)
+    assert PackSpec.from_cu_seqlens(one_row.cu_seqlens(), spec.real_tokens) == one_row
+
+
+def test_shift_labels_example() -> None:
+    spec = PackSpec.from_seq_lens([[3, 2, 1], [4]], 7)
+    ids = torch.arange(14).view(2, 7)
+    out = shift_labels_packed(ids, spec)
+    assert out.tolist() == [
+        [1, 2, -100, 4, -100, -100, -100],
+        [8, 9, 10, -100, -100, -100, -100],
+    ]
+    assert ids.tolist()[0] == list(range(7))  # not modified
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shift_labels_matches_a_per_document_loop(seed: int) -> None:
+    rng = random.Random(seed)
+    spec = random_spec(rng, rows=3, row_len=17)
+    labels = torch.randint(0, 50, (3, 17))
+    expect = torch.full_like(labels, -7)
+    for b, row in enumerate(spec.doc_lens):
+        start = 0
+        for n in row:
+            expect[b, start : start + n - 1] = labels[b, start + 1 : start + n]
+            start += n
+    assert torch.equal(shift_labels_packed(labels, spec, ignore_index=-7), expect)
+
+
+def test_shift_labels_shape_error() -> None:
+    spec = PackSpec.from_seq_lens([[3]], 4)
+    with pytest.raises(ValueError, match=r"labels: must be \[B, S\] = \[1, 4\]"):
+        shift_labels_packed(torch.zeros(1, 5), spec)
