@@ -88,8 +88,8 @@ def _seq_len_of(key: str, t: torch.Tensor, dim: int, batch_size: int, seq_len: i
             f"{tuple(t.shape)}), but the primary input has seq_len={seq_len}; every per-token "
             "tensor must have the same sequence length"
         )
-    bdim = dim - 1
-    if bdim >= 0 and t.shape[bdim] not in (1, batch_size):
+    bdim = 1 if key == "position_ids" and t.dim() == 3 else 0  # mRoPE is [3, B, S]
+    if bdim != dim and t.shape[bdim] not in (1, batch_size):
         raise ValueError(
             f"batch[{key!r}] has batch size {t.shape[bdim]} (shape {tuple(t.shape)}), but the "
             f"primary input has batch size {batch_size}; use {batch_size} or 1"
