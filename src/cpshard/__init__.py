@@ -1,1 +1,35 @@
-"""cpshard: context parallelism as one uniform, correct contract."""
+"""cpshard: context parallelism as one uniform, correct contract for PyTorch training loops.
+
+See ``cpshard.prepare_cp_forward`` (with a model) and ``cpshard.make_cp_batch_and_ctx``.
+"""
+
+from cpshard.batch import TokenKey, attention_mask_to_padding_mask
+from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
+from cpshard.labels import shift_labels
+from cpshard.layouts import (
+    ContiguousLayout,
+    NoneLayout,
+    RoundRobinLayout,
+    contiguous_local_indices,
+    round_robin_local_indices,
+)
+from cpshard.meta import TokenMeta
+from cpshard.sharder import CPContext, CPSharder, ShardFacts
+
+__all__ = [
+    "CPContext",
+    "CPSharder",
+    "ContiguousLayout",
+    "NoneLayout",
+    "RoundRobinLayout",
+    "ShardFacts",
+    "TokenKey",
+    "TokenMeta",
+    "attention_mask_to_padding_mask",
+    "closed_form_sharder",
+    "contiguous_local_indices",
+    "make_cp_batch_and_ctx",
+    "prepare_cp_forward",
+    "round_robin_local_indices",
+    "shift_labels",
+]

@@ -128,7 +128,7 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup, grad_mode: GradMode) -
     Returns:
         ``[C * N, *rest]``, rank-major.
     """
-    out: torch.Tensor = _AllGatherDim0.apply(x, group, grad_mode)
+    out: torch.Tensor = _AllGatherDim0.apply(x, group, grad_mode)  # type: ignore[no-untyped-call]
     return out
 
 

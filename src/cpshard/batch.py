@@ -1,0 +1,266 @@
+"""Batch conventions and ``shard_batch`` for ordinary ``[B, S]`` batches.
+
+Pad table (CP padding appended at the end of every row):
+
+=================  ====================================================
+key                pad value
+=================  ====================================================
+``input_ids``      ``padding_token_id``
+``inputs_embeds``  ``0``
+``labels``         ``-100``
+``loss_mask``      ``0``
+``padding_mask``   ``True`` (``True`` = pad)
+``position_ids``   continued (``last + 1, last + 2, ...``), so RoPE stays global
+extra keys         the caller's pad value (:class:`TokenKey`)
+=================  ====================================================
+
+``attention_mask`` (2-D ``[B, S]`` with 1 = keep, or 4-D ``[B, 1|H, S, S]``, bool or additive)
+becomes ``padding_mask``. Non-token keys pass through untouched (the same objects). Nothing of the
+caller's is mutated: every sharded tensor is a new tensor made by ``index_select`` (which is
+differentiable, so ``inputs_embeds`` that require grad pass gradients back).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard import _comm
+from cpshard.layouts import ClosedFormLayout
+from cpshard.meta import TokenMeta, pad_document_ids
+from cpshard.sharder import CPContext, ShardFacts, identity_context
+
+__all__ = [
+    "KNOWN_TOKEN_KEYS",
+    "TokenKey",
+    "attention_mask_to_padding_mask",
+    "normalize_batch",
+    "shard_batch_dense",
+]
+
+KNOWN_TOKEN_KEYS = (
+    "input_ids",
+    "inputs_embeds",
+    "labels",
+    "loss_mask",
+    "padding_mask",
+    "position_ids",
+)
+
+
+class TokenKey(NamedTuple):
+    """How to shard a caller-declared per-token key: its sequence dim and its pad value."""
+
+    seq_dim: int = 1
+    pad: float | int | bool = 0
+
+
+def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Convert an attention mask to a ``[B, S]`` bool padding mask (``True`` = pad).
+
+    Args:
+        mask: ``[B, S]`` (bool or int/float, nonzero = keep) or ``[B, 1|H, S, S]`` (bool:
+            ``True`` = attend; float: additive, ``0`` = attend). For 4-D masks a token is a pad
+            iff it cannot attend to itself (its diagonal entry is masked).
+
+    Returns:
+        BoolTensor ``[B, S]``.
+    """
+    if mask.dim() == 2:
+        return ~mask.bool() if mask.dtype == torch.bool else mask == 0
+    if mask.dim() == 4:
+        diag = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
+        return ~diag if diag.dtype == torch.bool else diag != 0
+    raise ValueError(
+        f"attention_mask must be 2-D [B, S] or 4-D [B, 1|H, S, S], got shape {tuple(mask.shape)}"
+    )
+
+
+def _seq_len_of(key: str, t: torch.Tensor, dim: int, batch_size: int, seq_len: int) -> None:
+    if t.shape[dim] != seq_len:
+        raise ValueError(
+            f"batch[{key!r}] has length {t.shape[dim]} on its sequence dim {dim} (shape "
+            f"{tuple(t.shape)}), but the primary input has seq_len={seq_len}; every per-token "
+            "tensor must have the same sequence length"
+        )
+    bdim = 1 if key == "position_ids" and t.dim() == 3 else 0  # mRoPE is [3, B, S]
+    if bdim != dim and t.shape[bdim] not in (1, batch_size):
+        raise ValueError(
+            f"batch[{key!r}] has batch size {t.shape[bdim]} (shape {tuple(t.shape)}), but the "
+            f"primary input has batch size {batch_size}; use {batch_size} or 1"
+        )
+
+
+def normalize_batch(
+    batch: Mapping[str, Any],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+) -> tuple[dict[str, Any], dict[str, int], str]:
+    """Validate a dense batch and bring it to the conventions (no CP yet, nothing mutated).
+
+    Args:
+        batch: Caller's batch with exactly one of ``input_ids`` ``[B, S]`` /
+            ``inputs_embeds`` ``[B, S, H]``; optional ``labels``, ``position_ids`` (``[B|1, S]``
+            or mRoPE ``[3, B, S]``), ``loss_mask``, ``attention_mask`` / ``padding_mask``.
+        loss_mask: Optional ``[B, S]`` mask given outside the batch; stored as ``loss_mask``.
+        extra_token_keys: Caller-declared per-token keys and how to shard them.
+
+    Returns:
+        ``(batch, seq_dims, primary_key)``: a new dict (global, unpadded) with ``position_ids``
+        filled in and ``attention_mask`` turned into ``padding_mask``; the sequence dim of every
+        per-token key; the name of the primary input.
+
+    Raises:
+        ValueError: both or neither primary input, mismatched lengths, bad shapes.
+    """
+    has_ids, has_emb = "input_ids" in batch, "inputs_embeds" in batch
+    if has_ids == has_emb:
+        raise ValueError(
+            "a CP batch needs exactly one of 'input_ids' [B, S] or 'inputs_embeds' [B, S, H], got "
+            f"{'both' if has_ids else 'neither'} (keys: {sorted(batch)}); pass one of them"
+        )
+    primary = "input_ids" if has_ids else "inputs_embeds"
+    x = batch[primary]
+    want = 2 if has_ids else 3
+    if not isinstance(x, torch.Tensor) or x.dim() != want:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"batch[{primary!r}] must be a {want}-D tensor, got {shape}")
+    bsz, seq_len = x.shape[0], x.shape[1]
+    out = dict(batch)
+    if "attention_mask" in out:
+        if "padding_mask" in out:
+            raise ValueError(
+                "the batch has both 'attention_mask' and 'padding_mask'; pass one of them "
+                "(attention_mask is converted to padding_mask)"
+            )
+        out["padding_mask"] = attention_mask_to_padding_mask(out.pop("attention_mask"))
+    if loss_mask is not None:
+        if "loss_mask" in out:
+            raise ValueError("loss_mask was given both in the batch and as an argument; pass one")
+        out["loss_mask"] = loss_mask
+    if "position_ids" not in out or out["position_ids"] is None:
+        out["position_ids"] = torch.arange(seq_len, device=x.device).expand(bsz, seq_len)
+    dims: dict[str, int] = {primary: 1}
+    for key in ("labels", "loss_mask", "padding_mask"):
+        if key in out:
+            dims[key] = 1
+    dims["position_ids"] = 2 if out["position_ids"].dim() == 3 else 1
+    for key, spec in (extra_token_keys or {}).items():
+        if key in KNOWN_TOKEN_KEYS:
+            raise ValueError(
+                f"extra_token_keys names {key!r}, which already has a built-in convention; "
+                "remove it from extra_token_keys"
+            )
+        if key not in out:
+            raise ValueError(f"extra_token_keys names {key!r}, which is not in the batch")
+        dims[key] = spec.seq_dim % out[key].dim()
+    for key, dim in dims.items():
+        t = out[key]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"batch[{key!r}] must be a tensor, got {type(t).__name__}")
+        _seq_len_of(key, t, dim, bsz, seq_len)
+    return out, dims, primary
+
+
+def _pad_value(
+    key: str, padding_token_id: int, extra: Mapping[str, TokenKey]
+) -> float | int | bool | None:
+    table: dict[str, float | int | bool | None] = {
+        "input_ids": padding_token_id,
+        "inputs_embeds": 0,
+        "labels": -100,
+        "loss_mask": 0,
+        "padding_mask": True,
+        "position_ids": None,  # continued
+    }
+    return table[key] if key in table else extra[key].pad
+
+
+def _pad(t: torch.Tensor, dim: int, n: int, value: float | int | bool | None) -> torch.Tensor:
+    if n == 0:
+        return t
+    if value is None:  # continue positions monotonically
+        last = t.narrow(dim, t.shape[dim] - 1, 1)
+        steps = torch.arange(1, n + 1, device=t.device, dtype=t.dtype)
+        shape = [1] * t.dim()
+        shape[dim] = n
+        return torch.cat([t, last + steps.reshape(shape)], dim=dim)
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+def shard_batch_dense(
+    cp_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    layout: ClosedFormLayout,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "all_gather",
+) -> tuple[CPContext, dict[str, Any]]:
+    """Pad and shard a dense ``[B, S]`` batch with a closed-form layout.
+
+    Args:
+        cp_mesh: 1-D CP mesh or ``None`` (``None`` / size 1 returns the batch unsharded).
+        tp_mesh: Unused by dense layouts; part of the ``shard_batch`` contract.
+        batch: Caller's batch (see :func:`normalize_batch`); never mutated.
+        loss_mask: Optional ``[B, S]`` loss mask.
+        padding_token_id: Pad id for ``input_ids``.
+        layout: The closed-form layout.
+        extra_token_keys: Caller-declared per-token keys.
+        attention: CP attention method activated by the returned context.
+
+    Returns:
+        ``(ctx, batch)``: ``ctx()`` makes SDPA inside it see the global sequence; ``batch`` holds
+        local ``[B, P/C]`` tensors in local layout order. ``ctx.facts`` are the captured facts.
+    """
+    del tp_mesh
+    rank, world = _comm.cp_rank_and_size(cp_mesh)
+    extra = dict(extra_token_keys or {})
+    out, dims, primary = normalize_batch(batch, loss_mask=loss_mask, extra_token_keys=extra)
+    x = out[primary]
+    bsz, seq_len = x.shape[0], x.shape[1]
+    padded = layout.padded_length(seq_len, world)
+    rank_map = layout.rank_map(world, padded, x.device)
+    stream = rank_map.reshape(1, -1)
+    pad_mask = out.get("padding_mask")
+    if pad_mask is None and padded == seq_len:
+        docs = torch.zeros(1, padded, dtype=torch.long, device=x.device)
+    else:
+        full_pad = torch.zeros(bsz, seq_len, dtype=torch.bool, device=x.device)
+        if pad_mask is not None:
+            full_pad = full_pad | pad_mask.bool()
+        full_pad = _pad(full_pad, 1, padded - seq_len, True)
+        docs = pad_document_ids(torch.zeros_like(full_pad, dtype=torch.long), full_pad)
+    meta = TokenMeta(rank, world, stream.expand(docs.shape[0], -1), docs.index_select(1, stream[0]))
+    facts = ShardFacts(seq_len, padded, rank_map=rank_map, token_meta=meta)
+    if world == 1:
+        # cp=1: the model's own attention is exact; hand the batch back as the caller wrote it.
+        same = dict(batch)
+        if loss_mask is not None:
+            same["loss_mask"] = loss_mask
+        return CPContext(identity_context, facts), same
+    local = rank_map[rank]
+    for key, dim in dims.items():
+        t = _pad(out[key], dim, padded - seq_len, _pad_value(key, padding_token_id, extra))
+        out[key] = t.index_select(dim, local).contiguous()
+    factory = functools.partial(_attention_context, cp_mesh, meta, attention)
+    return CPContext(factory, facts), out
+
+
+def _attention_context(
+    cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str
+) -> AbstractContextManager[Any]:
+    from cpshard.attention.context import cp_attention_context
+
+    ctx: AbstractContextManager[Any] = cp_attention_context(cp_mesh, meta, method)
+    return ctx

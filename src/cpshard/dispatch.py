@@ -1,0 +1,253 @@
+"""The one dispatch: pick a sharder, bind the mesh, shard the batch.
+
+Resolution order: **model-owned > balanced > packed > round_robin > none**. The caller's code is
+the same at every CP size: at ``cp_size == 1`` the sharder is the identity (``layout == "none"``)
+and its verbs still work.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard import _comm
+from cpshard.batch import TokenKey, shard_batch_dense
+from cpshard.layouts import ClosedFormLayout, ContiguousLayout, NoneLayout, RoundRobinLayout
+from cpshard.sharder import CPSharder, ShardBatchFn
+
+__all__ = [
+    "LayoutName",
+    "closed_form_sharder",
+    "make_cp_batch_and_ctx",
+    "prepare_cp_forward",
+]
+
+LayoutName = Literal["auto", "none", "contiguous", "round_robin", "packed", "balanced"]
+_LAYOUTS = ("auto", "none", "contiguous", "round_robin", "packed", "balanced")
+_METHODS = ("all_gather", "ring", "ulysses")
+_PACK_KEYS = ("seq_lens", "cu_seqlens")
+
+
+def closed_form_sharder(
+    layout: ClosedFormLayout,
+    *,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "all_gather",
+) -> CPSharder:
+    """A sharder for a closed-form layout and dense ``[B, S]`` batches.
+
+    Args:
+        layout: ``NoneLayout()``, ``ContiguousLayout(pad_multiple)`` or ``RoundRobinLayout()``.
+        extra_token_keys: Caller-declared per-token keys (seq dim and pad value).
+        attention: CP attention method the batch context activates.
+
+    Returns:
+        An unbound :class:`CPSharder` (the dispatcher binds the mesh).
+    """
+
+    def indices(cp_mesh: DeviceMesh | None, padded_seq_len: int, device: torch.device) -> Any:
+        rank, world = _comm.cp_rank_and_size(cp_mesh)
+        return layout.local_indices(rank, world, padded_seq_len, device)
+
+    shard: ShardBatchFn = functools.partial(
+        shard_batch_dense,
+        layout=layout,
+        extra_token_keys=extra_token_keys,
+        attention=attention,
+    )
+    return CPSharder(
+        shard_batch=shard,
+        local_token_global_indices=indices,
+        layout=layout.name,
+        rank_map_fn=layout.rank_map,
+    )
+
+
+def _is_packed(batch: Mapping[str, Any]) -> bool:
+    return any(batch.get(k) is not None for k in _PACK_KEYS)
+
+
+def _resolve(
+    cp_size: int,
+    batch: Mapping[str, Any],
+    layout: str,
+    pad_multiple: int,
+    extra_token_keys: Mapping[str, TokenKey] | None,
+    attention: str,
+) -> CPSharder:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got layout={layout!r}")
+    if attention not in _METHODS:
+        raise ValueError(f"attention must be one of {_METHODS}, got attention={attention!r}")
+    packed = _is_packed(batch)
+    if layout == "auto":
+        layout = "balanced" if packed else ("round_robin" if cp_size > 1 else "none")
+    if layout in ("packed", "balanced"):
+        from cpshard.batch_packed import packed_sharder
+
+        sharder: CPSharder = packed_sharder(
+            layout, extra_token_keys=extra_token_keys, attention=attention
+        )
+        return sharder
+    if packed:
+        raise ValueError(
+            f"the batch describes packed documents ({[k for k in _PACK_KEYS if k in batch]}), "
+            f"which layout={layout!r} cannot express; use layout='balanced' or 'packed'"
+        )
+    closed: ClosedFormLayout
+    if layout == "contiguous":
+        closed = ContiguousLayout(pad_multiple)
+    elif layout == "round_robin" and cp_size > 1:
+        closed = RoundRobinLayout()
+    else:  # "none", or round_robin at cp=1 (identical maps)
+        if layout == "none" and cp_size > 1:
+            raise ValueError(
+                f"layout='none' means no CP, but the CP mesh has {cp_size} ranks; use "
+                "layout='auto' or 'round_robin'"
+            )
+        closed = NoneLayout()
+    return closed_form_sharder(closed, extra_token_keys=extra_token_keys, attention=attention)
+
+
+def make_cp_batch_and_ctx(
+    cp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    layout: LayoutName = "auto",
+    padding_token_id: int = 0,
+    pad_multiple: int = 1,
+    cp_sharder: CPSharder | None = None,
+    loss_mask: torch.Tensor | None = None,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "all_gather",
+    tp_mesh: DeviceMesh | None = None,
+) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
+    """Resolve a sharder, bind the CP mesh and shard ``batch`` (the dispatch without a model).
+
+    Args:
+        cp_mesh: 1-D CP ``DeviceMesh`` or ``None``.
+        batch: Caller's batch (never mutated). Dense: ``input_ids``/``inputs_embeds``, ...;
+            packed: also ``seq_lens`` or ``cu_seqlens``.
+        layout: ``"auto"`` (packed batch: balanced; dense: round_robin at cp > 1, none at
+            cp = 1), or a layout name.
+        padding_token_id: Pad id for ``input_ids``.
+        pad_multiple: Per-rank length multiple of the ``contiguous`` layout.
+        cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
+        loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
+        extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
+        attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
+        tp_mesh: Optional TP mesh handed to ``shard_batch``.
+
+    Returns:
+        ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
+        per-token tensors between caller coordinates and this rank's shard.
+
+    Raises:
+        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches.
+    """
+    cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    _, cp_size = _comm.cp_rank_and_size(cp_mesh)
+    if cp_sharder is None:
+        cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys, attention)
+    cp_sharder.cp_mesh = cp_mesh
+    cp_sharder.tp_mesh = tp_mesh
+    ctx, out = cp_sharder.shard(batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+    return ctx, out, cp_sharder
+
+
+def _forward_accepts(model: nn.Module, *names: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(n in params for n in names)
+
+
+def _call_model_hook(model: nn.Module, batch: dict[str, Any], num_chunks: int) -> dict[str, Any]:
+    if _forward_accepts(model, "_pre_embed_only", "_cp_batch"):
+        # Through __call__, so FSDP2 pre-forward hooks unshard what the hook touches.
+        prepared = model(_pre_embed_only=True, _cp_batch=dict(batch), num_chunks=num_chunks)
+    else:
+        hook: Callable[..., Any] = getattr(model, "prepare_model_inputs_for_cp")  # noqa: B009
+        prepared = hook(dict(batch), num_chunks=num_chunks)
+    if not isinstance(prepared, Mapping):
+        raise TypeError(
+            "prepare_model_inputs_for_cp must return a dict {'cp_sharder': CPSharder, **updates},"
+            f" got {type(prepared).__name__}"
+        )
+    return dict(prepared)
+
+
+def prepare_cp_forward(
+    model: nn.Module,
+    cp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    layout: LayoutName = "auto",
+    pad_multiple: int = 1,
+    loss_mask: torch.Tensor | None = None,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "all_gather",
+    tp_mesh: DeviceMesh | None = None,
+) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
+    """Prepare one forward under CP: model hook, sharder resolution, batch shard.
+
+    A model may own its CP by defining ``prepare_model_inputs_for_cp(batch, *, num_chunks=1)``
+    returning ``{"cp_sharder": CPSharder, **updates}``; an update whose value is ``None`` removes
+    that key (a raw input the hook consumed). HF transformers models are switched to cpshard's
+    registered attention at ``cp_size > 1``, so their SDPA sees the global sequence in ``ctx()``.
+
+    Args:
+        model: The model (``nn.Module``).
+        cp_mesh: 1-D CP mesh or ``None``.
+        batch: Caller's batch; never mutated.
+        padding_token_id: Pad id for ``input_ids``.
+        num_chunks: Passed to the model hook.
+        layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh: As in
+            :func:`make_cp_batch_and_ctx`.
+
+    Returns:
+        ``(ctx, batch, sharder)``.
+    """
+    cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    _, cp_size = _comm.cp_rank_and_size(cp_mesh)
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
+    sharder: CPSharder | None = None
+    work = dict(batch)
+    if cp_size > 1 and hasattr(model, "prepare_model_inputs_for_cp"):
+        prepared = _call_model_hook(model, work, num_chunks)
+        sharder = prepared.pop("cp_sharder", None)
+        if sharder is not None and not isinstance(sharder, CPSharder):
+            raise TypeError(
+                f"the model hook's 'cp_sharder' must be a CPSharder, got {type(sharder).__name__}"
+            )
+        for key, value in prepared.items():
+            if value is None:
+                work.pop(key, None)
+            else:
+                work[key] = value
+    if cp_size > 1 and sharder is None and hasattr(model, "set_attn_implementation"):
+        from cpshard.attention.hf import use_cp_attention
+
+        use_cp_attention(model)
+    return make_cp_batch_and_ctx(
+        cp_mesh,
+        work,
+        layout=layout,
+        padding_token_id=padding_token_id,
+        pad_multiple=pad_multiple,
+        cp_sharder=sharder,
+        loss_mask=loss_mask,
+        extra_token_keys=extra_token_keys,
+        attention=attention,
+        tp_mesh=tp_mesh,
+    )

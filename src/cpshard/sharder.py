@@ -1,0 +1,378 @@
+"""``CPSharder``: the CP contract object, its captured facts and the caller-coordinate token verbs.
+
+A sharder is a closed set of verbs with open implementations: ``shard_batch`` and
+``local_token_global_indices`` are plain callables that a layout (or a model that owns its CP)
+fills in. The dispatcher binds the CP mesh, calls ``shard_batch`` once per batch, and installs the
+facts that shard learned (lengths, row shape, token repositioning, the rank map, attention
+metadata) on the sharder. The token verbs then move any per-token tensor between the caller's
+coordinates and the local shard, exactly as the batch was moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard import _comm
+from cpshard.layouts import inverse_permutation
+from cpshard.meta import TokenMeta
+
+__all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts"]
+
+ContextFactory = Callable[[], AbstractContextManager[Any]]
+IndicesFn = Callable[[DeviceMesh | None, int, torch.device], torch.Tensor]
+RankMapFn = Callable[[int, int, torch.device], torch.Tensor]
+
+
+class ShardBatchFn(Protocol):
+    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id=0)``."""
+
+    def __call__(
+        self,
+        cp_mesh: DeviceMesh | None,
+        tp_mesh: DeviceMesh | None,
+        batch: dict[str, Any],
+        *,
+        loss_mask: torch.Tensor | None = None,
+        padding_token_id: int = 0,
+    ) -> tuple[ContextFactory, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """What one ``shard_batch`` learned about the layout it applied.
+
+    Attributes:
+        original_seq_len: Caller's sequence length before CP padding (``None`` when there is no
+            single one, e.g. a packed stream addressed by row shape).
+        padded_seq_len: Length of the padded global stream that was sharded.
+        input_row_shape: ``(B, S)`` of the caller's rows when the layout flattened them into one
+            stream by a pure reshape.
+        input_token_stream_positions: LongTensor ``[B, S]``: padded-stream position of each
+            caller token for layouts that reposition tokens; ``-1`` = dropped pad slot.
+        rank_map: LongTensor ``[C, L]``: global positions of every rank's local tokens.
+        token_meta: Positions and document ids of every token for CP attention.
+    """
+
+    original_seq_len: int | None
+    padded_seq_len: int | None
+    input_row_shape: tuple[int, ...] | None = None
+    input_token_stream_positions: torch.Tensor | None = None
+    rank_map: torch.Tensor | None = None
+    token_meta: TokenMeta | None = None
+
+
+class CPContext:
+    """A context-manager factory that also carries the facts of the shard that made it.
+
+    Calling it returns a fresh context manager each time, so the same ``ctx`` can wrap several
+    forward passes (e.g. policy and reference model on one batch).
+    """
+
+    def __init__(self, factory: ContextFactory, facts: ShardFacts) -> None:
+        self._factory = factory
+        self.facts = facts
+
+    def __call__(self) -> AbstractContextManager[Any]:
+        return self._factory()
+
+
+def _norm_dim(t: torch.Tensor, seq_dim: int, name: str = "seq_dim") -> int:
+    if not -t.dim() <= seq_dim < t.dim():
+        raise ValueError(
+            f"{name}={seq_dim} is out of range for a {t.dim()}-D tensor of shape "
+            f"{tuple(t.shape)}; pass a dim in [{-t.dim()}, {t.dim() - 1}]"
+        )
+    return seq_dim % t.dim()
+
+
+@dataclass
+class CPSharder:
+    """The CP contract: shard a batch, and shard/gather any per-token tensor like it.
+
+    Attributes:
+        shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id) ->
+            (ctx_factory, batch)``; pads and shards the batch.
+        local_token_global_indices: ``(cp_mesh, padded_seq_len, device) -> LongTensor [P/C]``:
+            global position of each local token, local order; ``None`` for data-dependent layouts,
+            whose map is captured by ``shard_batch``.
+        layout: Diagnostic label only (``"none"``, ``"round_robin"``, ...); no code branches on it.
+        rank_map_fn: Optional ``(world_size, padded_seq_len, device) -> LongTensor [C, P/C]`` for
+            closed-form layouts, so gathers need no extra collective to learn other ranks' maps.
+        cp_mesh: The 1-D CP mesh, bound by the dispatcher (``None`` without CP).
+        tp_mesh: Optional TP mesh handed to ``shard_batch``.
+        original_seq_len, padded_seq_len, input_row_shape, input_token_stream_positions,
+        rank_map, token_meta: Facts captured by the last shard (see :class:`ShardFacts`).
+    """
+
+    shard_batch: ShardBatchFn
+    local_token_global_indices: IndicesFn | None
+    layout: str = "custom"
+    rank_map_fn: RankMapFn | None = None
+    cp_mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None = None
+    original_seq_len: int | None = None
+    padded_seq_len: int | None = None
+    input_row_shape: tuple[int, ...] | None = None
+    input_token_stream_positions: torch.Tensor | None = None
+    rank_map: torch.Tensor | None = None
+    token_meta: TokenMeta | None = None
+
+    # ------------------------------------------------------------------ sharding a batch
+    def shard(
+        self,
+        batch: dict[str, Any],
+        *,
+        loss_mask: torch.Tensor | None = None,
+        padding_token_id: int = 0,
+    ) -> tuple[ContextFactory, dict[str, Any]]:
+        """Run ``shard_batch`` on the bound mesh and install the facts it learned.
+
+        Args:
+            batch: The caller's batch; never mutated.
+            loss_mask: Optional ``[B, S]`` loss mask, sharded like the tokens.
+            padding_token_id: Pad id for ``input_ids``.
+
+        Returns:
+            ``(ctx_factory, sharded_batch)``.
+        """
+        ctx, out = self.shard_batch(
+            self.cp_mesh,
+            self.tp_mesh,
+            batch,
+            loss_mask=loss_mask,
+            padding_token_id=padding_token_id,
+        )
+        facts = getattr(ctx, "facts", None)
+        if isinstance(facts, ShardFacts):
+            self.install(facts)
+        return ctx, out
+
+    def install(self, facts: ShardFacts) -> None:
+        """Record the facts of a shard (the single installation point)."""
+        self.original_seq_len = facts.original_seq_len
+        self.padded_seq_len = facts.padded_seq_len
+        self.input_row_shape = facts.input_row_shape
+        self.input_token_stream_positions = facts.input_token_stream_positions
+        self.rank_map = facts.rank_map
+        self.token_meta = facts.token_meta
+
+    # ------------------------------------------------------------------ index maps
+    @property
+    def cp_size(self) -> int:
+        """Number of CP ranks (1 without a mesh)."""
+        return _comm.cp_rank_and_size(self.cp_mesh)[1]
+
+    def _local_indices(self, padded_seq_len: int, device: torch.device) -> torch.Tensor:
+        rank, world = _comm.cp_rank_and_size(self.cp_mesh)
+        if self.rank_map is not None:
+            expected = self.rank_map.numel()
+            if padded_seq_len != expected:
+                raise ValueError(
+                    f"the captured CP map covers a padded stream of {expected} tokens "
+                    f"({world} ranks x {self.rank_map.shape[1]}), got padded_seq_len="
+                    f"{padded_seq_len}; the tensor does not match the batch this sharder last "
+                    "sharded"
+                )
+            return self.rank_map[rank].to(device=device, dtype=torch.long)
+        if self.local_token_global_indices is None:
+            raise ValueError(
+                f"this sharder (layout={self.layout!r}) has a data-dependent token layout whose "
+                "map is captured by shard_batch; token-tensor shard/gather are unavailable "
+                "before the first shard. Shard a batch first."
+            )
+        return self.local_token_global_indices(self.cp_mesh, padded_seq_len, device).long()
+
+    def _stream_order(self, local: torch.Tensor, padded_seq_len: int) -> torch.Tensor:
+        """LongTensor ``[P]``: global position of each slot of the rank-major gathered stream."""
+        _, world = _comm.cp_rank_and_size(self.cp_mesh)
+        if self.rank_map is not None:
+            return self.rank_map.reshape(-1).to(local.device)
+        if self.rank_map_fn is not None:
+            return self.rank_map_fn(world, padded_seq_len, local.device).reshape(-1)
+        group = _comm.cp_group(self.cp_mesh)
+        if group is None:
+            return local
+        # A custom sharder with no closed-form rank map: learn the others' maps (small ints).
+        return _comm.all_gather_long(local, group)
+
+    # ------------------------------------------------------------------ token verbs
+    def _to_padded_stream(
+        self, t: torch.Tensor, seq_dim: int, fill: float | int | bool | None
+    ) -> tuple[torch.Tensor, int]:
+        """Map a caller-coordinate tensor onto the padded global stream (no collective)."""
+        positions = self.input_token_stream_positions
+        if positions is not None and tuple(t.shape[:2]) == tuple(positions.shape):
+            if fill is None:
+                raise ValueError(
+                    "sharding a tensor in input coordinates "
+                    f"{tuple(positions.shape)} on a layout that repositions tokens "
+                    f"(layout={self.layout!r}) requires `fill` for the padded slots; pass e.g. "
+                    "fill=0"
+                )
+            assert self.padded_seq_len is not None
+            valid = positions >= 0
+            out = t.new_full((self.padded_seq_len, *t.shape[2:]), fill)
+            out = out.index_put((positions[valid],), t[valid])
+            return out.unsqueeze(0), 1
+        row = self.input_row_shape
+        if row is not None and tuple(t.shape[: len(row)]) == tuple(row):
+            n = 1
+            for d in row:
+                n *= d
+            t = t.reshape(1, n, *t.shape[len(row) :])
+            seq_dim = 1
+        length = t.shape[seq_dim]
+        padded = self.padded_seq_len
+        if padded is None or length == padded:
+            return t, seq_dim
+        if length == self.original_seq_len and fill is not None:
+            pad_shape = list(t.shape)
+            pad_shape[seq_dim] = padded - length
+            return torch.cat([t, t.new_full(pad_shape, fill)], dim=seq_dim), seq_dim
+        accepted = [f"padded_seq_len={padded}"]
+        if self.original_seq_len is not None and self.original_seq_len != padded:
+            accepted.append(f"original_seq_len={self.original_seq_len} (with `fill`)")
+        if row is not None:
+            accepted.append(f"leading row shape {tuple(row)}")
+        if positions is not None:
+            accepted.append(f"input positions shape {tuple(positions.shape)} (with `fill`)")
+        hint = (
+            " An original-length tensor needs an explicit `fill` for the padded slots."
+            if length == self.original_seq_len
+            else ""
+        )
+        raise ValueError(
+            f"this sharder last sharded a batch with {', '.join(accepted)}; got a tensor of "
+            f"shape {tuple(t.shape)} whose length on dim {seq_dim} is {length}.{hint} Pass a "
+            "tensor in one of those coordinates, or pre-pad it yourself."
+        )
+
+    def shard_token_tensor(
+        self,
+        t: torch.Tensor,
+        *,
+        seq_dim: int = 1,
+        fill: float | int | bool | None = None,
+    ) -> torch.Tensor:
+        """Take this rank's shard of a per-token tensor given in the caller's coordinates.
+
+        Args:
+            t: Per-token tensor, e.g. advantages ``[B, S]`` or log-probs ``[B, S, K]``. Accepted
+                coordinates: the padded length, the original length (needs ``fill``), the
+                pre-flatten row shape ``[B, S, ...]`` of a flattened layout, or the input
+                positions ``[B, S]`` of a repositioning layout (needs ``fill``).
+            seq_dim: Sequence dim of ``t`` (ignored for row-shape and input-position tensors).
+            fill: Value of CP padding slots.
+
+        Returns:
+            The local shard, in the same local order as the sharded batch; differentiable.
+
+        Raises:
+            ValueError: ``seq_dim`` out of range, or a length that maps to no captured fact.
+        """
+        seq_dim = _norm_dim(t, seq_dim)
+        stream, dim = self._to_padded_stream(t, seq_dim, fill)
+        idx = self._local_indices(stream.shape[dim], stream.device)
+        return stream.index_select(dim, idx).contiguous()
+
+    def gather_token_tensor(
+        self,
+        t: torch.Tensor,
+        *,
+        seq_dim: int = 1,
+        trim: bool = False,
+        fill: float | int | bool | None = None,
+        grad: str = "sum",
+    ) -> torch.Tensor:
+        """All-gather a local per-token tensor back into global (or caller) coordinates.
+
+        One all-gather of exactly the payload; the reorder is a precomputed inverse permutation.
+
+        Args:
+            t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
+            seq_dim: Sequence dim of ``t``.
+            trim: Restore the caller's coordinates (original length, row shape or input
+                positions) instead of returning the padded global stream.
+            fill: Value for input slots whose token was dropped (repositioning layouts only).
+            grad: ``"sum"``: the backward is the exact adjoint of the all-gather (each rank
+                receives the sum over ranks of the upstream gradient of its tokens); use it when
+                each rank's loss covers a different part of the gathered tensor. ``"replicated"``:
+                for a loss computed identically on every CP rank; each rank keeps its own slice of
+                its own upstream gradient, so no rescaling by the CP size is needed.
+
+        Returns:
+            ``[..., P, ...]`` in global order, or the caller's coordinates with ``trim=True``.
+
+        Raises:
+            ValueError: unknown ``grad`` mode, ``seq_dim`` out of range, or a gathered length that
+                does not match the last shard.
+        """
+        if grad not in ("sum", "replicated"):
+            raise ValueError(
+                f"grad must be 'sum' (exact adjoint of the all-gather) or 'replicated' (loss "
+                f"identical on every CP rank), got grad={grad!r}"
+            )
+        seq_dim = _norm_dim(t, seq_dim)
+        world = self.cp_size
+        padded = t.shape[seq_dim] * world
+        if self.padded_seq_len is not None and padded != self.padded_seq_len:
+            raise ValueError(
+                f"a local tensor of length {t.shape[seq_dim]} on dim {seq_dim} gathers to "
+                f"{padded} tokens over {world} ranks, but this sharder last sharded "
+                f"padded_seq_len={self.padded_seq_len} (local length "
+                f"{self.padded_seq_len // world}); pass the local shard of that batch"
+            )
+        if trim and fill is None and self.input_token_stream_positions is not None:
+            raise ValueError(
+                "trimming to input coordinates on a layout that repositions tokens "
+                f"(layout={self.layout!r}) requires `fill` for dropped slots; pass e.g. fill=0"
+            )
+        local = self._local_indices(padded, t.device)
+        order = self._stream_order(local, padded)
+        group = _comm.cp_group(self.cp_mesh)
+        moved = t.movedim(seq_dim, 0)
+        if group is not None:
+            moved = _comm.all_gather_dim0(moved, group, "sum" if grad == "sum" else "replicated")
+        full = moved.index_select(0, inverse_permutation(order)).movedim(0, seq_dim)
+        return self._trim(full, seq_dim, fill) if trim else full
+
+    def _trim(
+        self, full: torch.Tensor, seq_dim: int, fill: float | int | bool | None
+    ) -> torch.Tensor:
+        positions = self.input_token_stream_positions
+        if positions is not None:
+            assert fill is not None
+            stream = full.select(seq_dim, 0) if full.shape[0] == 1 and seq_dim == 1 else None
+            if stream is None:
+                raise ValueError(
+                    "trimming to input coordinates needs the gathered [1, P, ...] stream "
+                    f"(seq_dim=1), got shape {tuple(full.shape)} with seq_dim={seq_dim}"
+                )
+            pos = positions.to(full.device)
+            picked = stream.index_select(0, pos.clamp(min=0).reshape(-1))
+            picked = picked.reshape(*pos.shape, *stream.shape[1:])
+            dropped = (pos < 0).reshape(*pos.shape, *([1] * (stream.dim() - 1)))
+            return picked.masked_fill(dropped, fill)
+        if self.input_row_shape is not None:
+            row = self.input_row_shape
+            n = 1
+            for d in row:
+                n *= d
+            return full.narrow(seq_dim, 0, n).reshape(*row, *full.shape[seq_dim + 1 :])
+        if self.original_seq_len is not None:
+            return full.narrow(seq_dim, 0, self.original_seq_len)
+        raise ValueError(
+            f"this sharder (layout={self.layout!r}) captured no caller coordinates to trim to; "
+            "gather with trim=False, or shard a batch first"
+        )
+
+
+def identity_context() -> AbstractContextManager[Any]:
+    """The no-op context of sharders whose attention needs no CP transport."""
+    return nullcontext()

@@ -1,0 +1,233 @@
+"""Rank functions for the sharder tests (top-level so ranks can import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing import assert_close
+
+import cpshard
+from cpshard.layouts import ContiguousLayout, NoneLayout, RoundRobinLayout
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.long,
+    "bool": torch.bool,
+}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _layout_obj(name: str, pad_multiple: int, world: int) -> Any:
+    if name == "contiguous":
+        return ContiguousLayout(pad_multiple)
+    return RoundRobinLayout() if world > 1 else NoneLayout()
+
+
+def _make(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=_gen(seed))
+    if dtype == torch.bool:
+        return x > 0
+    if dtype == torch.long:
+        return (x * 100).long()
+    return x.to(dtype)
+
+
+def round_trip(
+    cp_mesh: DeviceMesh, layout: str, seq_len: int, shape_kind: str, dtype: str, pad_mult: int
+) -> int:
+    """shard -> gather(trim=True) is the identity in caller coordinates; shards match the math."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    batch = {"input_ids": torch.arange(2 * seq_len).reshape(2, seq_len)}
+    _, out, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh,
+        batch,
+        layout=layout,
+        pad_multiple=pad_mult,  # type: ignore[arg-type]
+    )
+    lay = _layout_obj(layout, pad_mult, world)
+    padded = lay.padded_length(seq_len, world)
+    assert sharder.padded_seq_len == padded and sharder.original_seq_len == seq_len
+    local_idx = lay.local_indices(rank, world, padded)
+    shapes = {"bs": ((2, seq_len), 1), "bks": ((2, 3, seq_len), 2), "sk": ((seq_len, 3), 0)}
+    shape, seq_dim = shapes[shape_kind]
+    x = _make(shape, DTYPES[dtype], seed=7)
+    fill = False if dtype == "bool" else 0
+    local = sharder.shard_token_tensor(x, seq_dim=seq_dim - x.dim() if seq_dim else 0, fill=fill)
+    xp = torch.cat(
+        [
+            x,
+            torch.full_like(x.narrow(seq_dim, 0, 1), fill).expand(
+                *[padded - seq_len if d == seq_dim else s for d, s in enumerate(x.shape)]
+            ),
+        ],
+        dim=seq_dim,
+    )
+    assert torch.equal(local, xp.index_select(seq_dim, local_idx))
+    assert local.is_contiguous()
+    back = sharder.gather_token_tensor(local, seq_dim=seq_dim, trim=True)
+    assert torch.equal(back, x)
+    full = sharder.gather_token_tensor(local, seq_dim=seq_dim)
+    assert torch.equal(full, xp)
+    # the padded-length tensor is accepted without fill too
+    assert torch.equal(sharder.shard_token_tensor(xp, seq_dim=seq_dim), local)
+    if world > 1:
+        assert torch.equal(
+            out["input_ids"], _pad_ids(batch["input_ids"], padded).index_select(1, local_idx)
+        )
+    return int(local.shape[seq_dim])
+
+
+def _pad_ids(ids: torch.Tensor, padded: int, pad_id: int = 0) -> torch.Tensor:
+    return torch.cat([ids, ids.new_full((ids.shape[0], padded - ids.shape[1]), pad_id)], 1)
+
+
+def pad_table(cp_mesh: DeviceMesh, layout: str) -> None:
+    """Every key gets its pad value, is sharded like the tokens, and nothing is mutated."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    s = 5
+    ids = torch.arange(10, 20).reshape(2, s)
+    am = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    adv = torch.randn(2, s, generator=_gen(1))
+    pos3 = torch.arange(s).expand(3, 2, s).clone()
+    lm = torch.ones(2, s)
+    obj = {"not": "a token"}
+    batch = {
+        "input_ids": ids,
+        "labels": cpshard.shift_labels(ids),
+        "attention_mask": am,
+        "adv": adv,
+        "position_ids": pos3,
+        "image_meta": obj,
+    }
+    snapshot = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    ctx, out, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh,
+        batch,
+        layout=layout,  # type: ignore[arg-type]
+        padding_token_id=99,
+        loss_mask=lm,
+        extra_token_keys={"adv": cpshard.TokenKey(1, -7.5)},
+    )
+    assert set(batch) == set(snapshot)
+    for k, v in snapshot.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(batch[k], v), k
+    assert batch["image_meta"] is obj
+    if world == 1:
+        assert out["attention_mask"] is am and "padding_mask" not in out
+        return
+    assert out["image_meta"] is obj and "attention_mask" not in out
+    padded = sharder.padded_seq_len
+    assert padded is not None
+    idx = _layout_obj(layout, 1, world).local_indices(rank, world, padded)
+    n = padded - s
+
+    def pad(t: torch.Tensor, v: Any, dim: int = 1) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = n
+        return torch.cat([t, torch.full(shape, v, dtype=t.dtype)], dim)
+
+    assert torch.equal(out["input_ids"], pad(ids, 99).index_select(1, idx))
+    assert torch.equal(out["labels"], pad(batch["labels"], -100).index_select(1, idx))
+    assert torch.equal(out["loss_mask"], pad(lm, 0).index_select(1, idx))
+    assert torch.equal(out["padding_mask"], pad(am == 0, True).index_select(1, idx))
+    assert torch.equal(out["adv"], pad(adv, -7.5).index_select(1, idx))
+    cont = torch.arange(padded).expand(3, 2, padded)
+    assert torch.equal(out["position_ids"], cont.index_select(2, idx))
+    meta = sharder.token_meta
+    assert meta is not None
+    pos, doc = meta.local()
+    assert torch.equal(pos[0], idx)
+    gpad = pad(am == 0, True)
+    expect_doc = torch.where(gpad, -1 - torch.arange(padded), 0).index_select(1, idx)
+    assert torch.equal(doc, expect_doc)
+
+
+def grads(cp_mesh: DeviceMesh, mode: str, trim: bool) -> None:
+    """Gradients of shard -> gather match the single-process gradient in both modes."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    s = 11
+    batch = {"input_ids": torch.zeros(2, s, dtype=torch.long)}
+    _, _, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, batch)
+    padded = sharder.padded_seq_len
+    assert padded is not None
+    x = torch.randn(2, s, dtype=torch.float64, generator=_gen(3), requires_grad=True)
+    local = sharder.shard_token_tensor(x, fill=0.0) * 2.0
+    full = sharder.gather_token_tensor(local, trim=trim, grad=mode)
+    n = s if trim else padded
+    if mode == "sum":  # each rank's loss weighs the gathered tensor differently
+        weights = [
+            torch.randn(2, n, dtype=torch.float64, generator=_gen(100 + r)) for r in range(world)
+        ]
+        (full * weights[rank]).sum().backward()
+        expected = 2.0 * sum(weights)
+    else:  # one loss, identical on every rank
+        w = torch.randn(2, n, dtype=torch.float64, generator=_gen(100))
+        (full * w).sum().backward()
+        expected = 2.0 * w
+    assert x.grad is not None
+    g = x.grad.clone()
+    dist.all_reduce(g, group=cp_mesh.get_group())
+    assert_close(g, expected[:, :s])
+
+
+def embeds_grad(cp_mesh: DeviceMesh) -> None:
+    """Grad-carrying inputs_embeds shard out of place and gradients reach the caller's leaf."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    emb = torch.randn(2, 6, 4, generator=_gen(5), requires_grad=True)
+    before = emb.detach().clone()
+    _, out, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, {"inputs_embeds": emb})
+    assert torch.equal(emb.detach(), before)
+    out["inputs_embeds"].sum().backward()
+    padded = sharder.padded_seq_len
+    assert padded is not None and emb.grad is not None
+    lay = RoundRobinLayout() if world > 1 else NoneLayout()
+    owned = torch.zeros(padded)
+    owned[lay.local_indices(rank, world, padded)] = 1.0
+    assert_close(emb.grad, owned[:6].reshape(1, 6, 1).expand(2, 6, 4))
+
+
+def mesh_2d_rejected(cp_mesh: DeviceMesh) -> str:
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    with pytest.raises(ValueError, match=r"must be 1-D .* got a 2-D mesh .*mesh\['cp'\]") as e:
+        cpshard.make_cp_batch_and_ctx(mesh2, {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    # the sub-mesh works
+    _, out, _ = cpshard.make_cp_batch_and_ctx(
+        mesh2["cp"], {"input_ids": torch.arange(8).reshape(1, 8)}
+    )
+    assert out["input_ids"].shape == (1, 4)
+    return str(e.value)
+
+
+def bad_gather_raises_everywhere(cp_mesh: DeviceMesh) -> str:
+    _, _, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
+    )
+    with pytest.raises(ValueError, match="gathers to") as e:
+        sharder.gather_token_tensor(torch.randn(1, 3))
+    with (
+        pytest.raises(ValueError, match="original_seq_len=13")
+        if False
+        else pytest.raises(ValueError, match="padded_seq_len=16")
+    ):
+        sharder.shard_token_tensor(torch.randn(1, 15))
+    dist.barrier(group=cp_mesh.get_group())  # every rank got here: nobody hangs
+    return str(e.value)
+
+
+def original_len_needs_fill(cp_mesh: DeviceMesh) -> None:
+    _, _, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, {"input_ids": torch.zeros(1, 13, dtype=torch.long)}
+    )
+    if sharder.padded_seq_len == 13:
+        return
+    with pytest.raises(ValueError, match=r"original_seq_len=13 \(with `fill`\).*explicit `fill`"):
+        sharder.shard_token_tensor(torch.randn(1, 13))

@@ -1,0 +1,124 @@
+"""Batch conventions without a process group: normalisation, masks, errors, label shift."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpshard
+from cpshard.batch import TokenKey, attention_mask_to_padding_mask, normalize_batch
+
+
+def _ids(b: int = 2, s: int = 5) -> torch.Tensor:
+    return torch.arange(b * s).reshape(b, s) + 1
+
+
+def test_position_ids_created_global_and_mask_converted() -> None:
+    am = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    out, dims, primary = normalize_batch({"input_ids": _ids(), "attention_mask": am})
+    assert primary == "input_ids"
+    assert out["position_ids"].tolist() == [list(range(5))] * 2
+    assert out["padding_mask"].tolist() == [[False] * 3 + [True] * 2, [False] * 5]
+    assert "attention_mask" not in out
+    assert dims == {"input_ids": 1, "padding_mask": 1, "position_ids": 1}
+
+
+@pytest.mark.parametrize("kind", ["bool2d", "int2d", "bool4d", "additive4d"])
+def test_attention_mask_forms(kind: str) -> None:
+    keep = torch.tensor([[True, True, False], [False, True, True]])
+    if kind == "bool2d":
+        mask = keep
+    elif kind == "int2d":
+        mask = keep.long()
+    else:
+        causal = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+        m4 = causal & keep[:, None, :] & keep[:, :, None]
+        m4 = m4 | torch.eye(3, dtype=torch.bool) & keep[:, :, None]
+        m4 = m4[:, None]
+        if kind == "bool4d":
+            mask = m4
+        else:
+            mask = torch.zeros(m4.shape).masked_fill(~m4, float("-inf"))
+    assert torch.equal(attention_mask_to_padding_mask(mask), ~keep)
+
+
+def test_bad_attention_mask_rank() -> None:
+    with pytest.raises(ValueError, match=r"2-D \[B, S\] or 4-D"):
+        attention_mask_to_padding_mask(torch.ones(2, 3, 3))
+
+
+def test_extra_keys_and_mrope_dims() -> None:
+    pos3 = torch.arange(5).expand(3, 2, 5)
+    adv = torch.randn(2, 5)
+    logits_like = torch.randn(2, 7, 5)
+    out, dims, _ = normalize_batch(
+        {"input_ids": _ids(), "position_ids": pos3, "adv": adv, "feat": logits_like, "meta": "x"},
+        extra_token_keys={"adv": TokenKey(1, 0.0), "feat": TokenKey(-1, 0.0)},
+    )
+    assert dims["position_ids"] == 2 and dims["adv"] == 1 and dims["feat"] == 2
+    assert out["meta"] == "x"
+
+
+def test_inputs_embeds_primary() -> None:
+    emb = torch.randn(2, 5, 4)
+    out, dims, primary = normalize_batch({"inputs_embeds": emb})
+    assert primary == "inputs_embeds" and out["inputs_embeds"] is emb
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        ({}, "exactly one of 'input_ids'.*got neither"),
+        ({"input_ids": _ids(), "inputs_embeds": torch.randn(2, 5, 3)}, "got both"),
+        ({"input_ids": torch.arange(5)}, r"must be a 2-D tensor, got \(5,\)"),
+        (
+            {"input_ids": _ids(), "labels": _ids(2, 4)},
+            r"batch\['labels'\] has length 4 .*seq_len=5",
+        ),
+        ({"input_ids": _ids(), "labels": _ids(3, 5)}, "batch size 3"),
+        (
+            {
+                "input_ids": _ids(),
+                "attention_mask": torch.ones(2, 5),
+                "padding_mask": torch.ones(2, 5),
+            },
+            "both 'attention_mask' and 'padding_mask'",
+        ),
+        ({"input_ids": _ids(), "labels": [1, 2]}, "must be a tensor, got list"),
+    ],
+)
+def test_bad_batches(batch: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        normalize_batch(batch)
+
+
+def test_bad_extra_keys() -> None:
+    with pytest.raises(ValueError, match="already has a built-in convention"):
+        normalize_batch({"input_ids": _ids()}, extra_token_keys={"labels": TokenKey()})
+    with pytest.raises(ValueError, match="'nope', which is not in the batch"):
+        normalize_batch({"input_ids": _ids()}, extra_token_keys={"nope": TokenKey()})
+    with pytest.raises(ValueError, match="given both in the batch and as an argument"):
+        normalize_batch(
+            {"input_ids": _ids(), "loss_mask": torch.ones(2, 5)}, loss_mask=torch.ones(2, 5)
+        )
+
+
+def test_normalize_does_not_mutate_caller() -> None:
+    am = torch.ones(2, 5, dtype=torch.long)
+    batch = {"input_ids": _ids(), "attention_mask": am}
+    before = dict(batch)
+    normalize_batch(batch)
+    assert batch == before and batch["attention_mask"] is am
+
+
+def test_shift_labels() -> None:
+    ids = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    assert cpshard.shift_labels(ids).tolist() == [[6, 7, 8, -100], [2, 3, 4, -100]]
+    pad = torch.tensor([[False, False, True, True], [False] * 4])
+    out = cpshard.shift_labels(ids, padding_mask=pad, ignore_index=-1)
+    assert out.tolist() == [[6, -1, -1, -1], [2, 3, 4, -1]]
+    assert ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, 4]]
+    with pytest.raises(ValueError, match=r"expects \[B, S\]"):
+        cpshard.shift_labels(torch.arange(4))
+    with pytest.raises(ValueError, match="padding_mask shape"):
+        cpshard.shift_labels(ids, padding_mask=pad[:, :3])
