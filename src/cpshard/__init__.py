@@ -4,6 +4,7 @@ See ``cpshard.prepare_cp_forward`` (with a model) and ``cpshard.make_cp_batch_an
 """
 
 from cpshard.batch import TokenKey, attention_mask_to_padding_mask
+from cpshard.batch_packed import packed_sharder
 from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
 from cpshard.labels import shift_labels
 from cpshard.layouts import (
@@ -14,6 +15,7 @@ from cpshard.layouts import (
     round_robin_local_indices,
 )
 from cpshard.meta import TokenMeta
+from cpshard.packing import PackSpec, shift_labels_packed
 from cpshard.sharder import CPContext, CPSharder, ShardFacts
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "CPSharder",
     "ContiguousLayout",
     "NoneLayout",
+    "PackSpec",
     "RoundRobinLayout",
     "ShardFacts",
     "TokenKey",
@@ -29,7 +32,9 @@ __all__ = [
     "closed_form_sharder",
     "contiguous_local_indices",
     "make_cp_batch_and_ctx",
+    "packed_sharder",
     "prepare_cp_forward",
     "round_robin_local_indices",
     "shift_labels",
+    "shift_labels_packed",
 ]

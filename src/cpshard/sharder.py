@@ -348,7 +348,7 @@ class CPSharder:
         positions = self.input_token_stream_positions
         if positions is not None:
             assert fill is not None
-            stream = full.select(seq_dim, 0) if full.shape[0] == 1 and seq_dim == 1 else None
+            stream = full.select(0, 0) if full.shape[0] == 1 and seq_dim == 1 else None
             if stream is None:
                 raise ValueError(
                     "trimming to input coordinates needs the gathered [1, P, ...] stream "

@@ -1,0 +1,188 @@
+"""``shard_batch`` for packed batches: the ``packed`` (TE THD) and ``balanced`` layouts.
+
+A packed batch is a dense batch (see :mod:`cpshard.batch`) plus a description of its documents:
+
+* ``seq_lens``: per row of ``[B, S]``, the document lengths (rest of the row = padding), or
+* ``cu_seqlens``: offsets of the documents of a ``[1, T]`` stream (must end at ``T``).
+
+Every rank computes the same :class:`~cpshard.packed_layouts.PackedPlan` from the document
+lengths (no collective). The rows are flattened into one padded stream of ``P`` tokens (row-end
+padding dropped; layout padding added), and rank ``r`` keeps ``plan.rank_map[r]``: every local
+per-token tensor is ``[1, P / C, ...]``. Pad table as for dense batches (``input_ids`` ->
+``padding_token_id``, ``labels`` -> -100, ``loss_mask`` -> 0, ``padding_mask`` -> True,
+``inputs_embeds`` -> 0, extra keys -> their pad), except ``position_ids``: per document (computed
+from the documents when the caller gives none; layout pads continue their document).
+``seq_lens`` / ``cu_seqlens`` are consumed (not in the output batch): document ids of every
+token travel in ``ctx.facts.token_meta``, and the attention masks with them. Packed batches
+always need document masking, so ``ctx()`` activates cpshard attention even at ``cp_size == 1``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard import _comm
+from cpshard.batch import TokenKey, _attention_context, _pad_value, normalize_batch
+from cpshard.meta import TokenMeta, pad_document_ids
+from cpshard.packed_layouts import PackedPlan, plan_balanced, plan_packed
+from cpshard.packing import PackSpec
+from cpshard.sharder import CPContext, CPSharder, ShardFacts
+
+__all__ = ["PACKED_LAYOUTS", "pack_spec_of_batch", "packed_sharder", "shard_batch_packed"]
+
+PACKED_LAYOUTS = ("packed", "balanced")
+
+
+def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> PackSpec:
+    """The document structure a packed batch declares.
+
+    Args:
+        batch: Holds ``seq_lens`` (per row document lengths) or ``cu_seqlens`` (1-D offsets of
+            a ``[1, T]`` stream).
+        row_shape: ``(B, S)`` of the primary input.
+
+    Raises:
+        ValueError: neither or both keys, ``cu_seqlens`` with ``B != 1``, or invalid lengths.
+    """
+    has_lens = batch.get("seq_lens") is not None
+    has_cu = batch.get("cu_seqlens") is not None
+    if has_lens == has_cu:
+        raise ValueError(
+            "a packed batch needs exactly one of 'seq_lens' (document lengths per row) or "
+            f"'cu_seqlens' (offsets of a [1, T] stream), got {'both' if has_lens else 'neither'}"
+        )
+    bsz, seq_len = row_shape
+    if has_lens:
+        spec = PackSpec.from_seq_lens(batch["seq_lens"], seq_len)
+        if spec.num_rows != bsz:
+            raise ValueError(
+                f"seq_lens has {spec.num_rows} rows but the batch has B={bsz} rows; give one "
+                "list of document lengths per row"
+            )
+        return spec
+    if bsz != 1:
+        raise ValueError(
+            f"cu_seqlens describes one [1, T] stream, but the batch has B={bsz} rows; flatten "
+            "the rows to [1, B*S] or pass seq_lens per row"
+        )
+    return PackSpec.from_cu_seqlens(torch.as_tensor(batch["cu_seqlens"]), seq_len)
+
+
+def _shard_key(
+    plan: PackedPlan,
+    t: torch.Tensor,
+    dim: int,
+    fill: float | int | bool,
+    stream_fill: torch.Tensor | None,
+    local: torch.Tensor,
+) -> torch.Tensor:
+    """Caller tensor with sequence dim ``dim`` -> local ``[1, L, ...]`` (seq on dim 1)."""
+    moved = t.movedim(dim, 1)
+    rows = plan.input_row_shape[0]
+    if moved.shape[0] != rows:  # a batch-size-1 tensor broadcast over the rows
+        moved = moved.expand(rows, *moved.shape[1:])
+    stream = plan.to_stream(moved, fill)
+    if stream_fill is not None:  # pad slots take values from the plan (e.g. positions)
+        pad = plan.stream_padding_mask.to(t.device)
+        pad = pad.reshape(-1, *([1] * (stream.dim() - 1)))
+        stream = torch.where(pad, stream_fill.to(stream.dtype).reshape(pad.shape), stream)
+    return stream.index_select(0, local).unsqueeze(0).movedim(1, dim).contiguous()
+
+
+def shard_batch_packed(
+    cp_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    layout: str = "balanced",
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "all_gather",
+) -> tuple[CPContext, dict[str, Any]]:
+    """Shard a packed batch with the ``packed`` or ``balanced`` layout.
+
+    Args:
+        cp_mesh: 1-D CP mesh or ``None``.
+        tp_mesh: Unused; part of the ``shard_batch`` contract.
+        batch: Dense ``[B, S]`` batch plus ``seq_lens`` or ``cu_seqlens``; never mutated.
+        loss_mask: Optional ``[B, S]`` loss mask.
+        padding_token_id: Pad id for ``input_ids``.
+        layout: ``"packed"`` (TE THD: each document padded to ``2C``) or ``"balanced"``.
+        extra_token_keys: Caller-declared per-token keys.
+        attention: CP attention method activated by the returned context.
+
+    Returns:
+        ``(ctx, batch)``: local per-token tensors ``[1, P / C, ...]`` in local order; the other
+        keys pass through. ``ctx.facts`` captures ``padded_seq_len``, ``input_row_shape``,
+        ``input_token_stream_positions``, the rank map and the token meta.
+    """
+    del tp_mesh
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got layout={layout!r}")
+    rank, world = _comm.cp_rank_and_size(cp_mesh)
+    extra = dict(extra_token_keys or {})
+    given_positions = batch.get("position_ids") is not None
+    plain = {k: v for k, v in batch.items() if k not in ("seq_lens", "cu_seqlens")}
+    out, dims, primary = normalize_batch(plain, loss_mask=loss_mask, extra_token_keys=extra)
+    x = out[primary]
+    spec = pack_spec_of_batch(batch, (x.shape[0], x.shape[1]))
+    plan = plan_balanced(spec, world) if layout == "balanced" else plan_packed(spec, world)
+    device = x.device
+    rank_map = plan.rank_map.to(device)
+    local = rank_map[rank]
+    stream_pad = plan.stream_padding_mask.to(device)
+    if "padding_mask" in out:  # caller pads inside documents see only themselves too
+        stream_pad = stream_pad | plan.to_stream(out["padding_mask"].bool(), True)
+    docs = pad_document_ids(plan.stream_document_ids.to(device)[None], stream_pad[None])
+    order = rank_map.reshape(1, -1)
+    meta = TokenMeta(rank, world, order, docs.index_select(1, order[0]))
+    if not given_positions:
+        out["position_ids"] = plan.from_stream(plan.stream_position_ids.to(device), 0)
+    if out["position_ids"].dim() != 2:
+        raise ValueError(
+            "packed batches take 2-D position_ids [B, S] (per document); got shape "
+            f"{tuple(out['position_ids'].shape)}"
+        )
+    for key, dim in dims.items():
+        t = out[key]
+        if key == "position_ids":
+            out[key] = _shard_key(plan, t, dim, 0, plan.stream_position_ids.to(device), local)
+        else:
+            fill = _pad_value(key, padding_token_id, extra)
+            assert fill is not None
+            out[key] = _shard_key(plan, t, dim, fill, None, local)
+    facts = ShardFacts(
+        original_seq_len=None,
+        padded_seq_len=plan.padded_len,
+        input_row_shape=plan.input_row_shape,
+        input_token_stream_positions=plan.input_token_stream_positions.to(device),
+        rank_map=rank_map,
+        token_meta=meta,
+    )
+    factory = functools.partial(_attention_context, cp_mesh, meta, attention)
+    return CPContext(factory, facts), out
+
+
+def packed_sharder(
+    layout: str,
+    *,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "all_gather",
+) -> CPSharder:
+    """An unbound :class:`CPSharder` for packed batches (``layout`` ``"packed"``/``"balanced"``).
+
+    Its map is data-dependent (``local_token_global_indices is None``): the token verbs use the
+    rank map captured by the last ``shard_batch``.
+    """
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got layout={layout!r}")
+    shard = functools.partial(
+        shard_batch_packed, layout=layout, extra_token_keys=extra_token_keys, attention=attention
+    )
+    return CPSharder(shard_batch=shard, local_token_global_indices=None, layout=layout)

@@ -1,0 +1,118 @@
+"""Rank functions for the packed-batch sharder tests (top-level so ranks can import them)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+import cpshard
+from cpshard.packed_layouts import plan_balanced, plan_packed
+from cpshard.packing import PackSpec, shift_labels_packed
+
+SEQ_LENS = [[5, 1, 4], [7, 2], [1, 1, 1, 1, 9]]  # B=3, S=13: rows 0 and 1 end in padding
+ROW_LEN = 13
+
+
+def _plan(layout: str, spec: PackSpec, world: int):  # type: ignore[no-untyped-def]
+    return plan_balanced(spec, world) if layout == "balanced" else plan_packed(spec, world)
+
+
+def packed_round_trip(cp_mesh: DeviceMesh, layout: str, use_cu: bool) -> list[int]:
+    """Batch shard matches the plan; verbs round-trip in caller coordinates; nothing mutated."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    if use_cu:
+        spec = PackSpec.from_seq_lens([[4, 1, 6, 3]], 14)
+        pack = {"cu_seqlens": torch.tensor([0, 4, 5, 11, 14], dtype=torch.int32)}
+    else:
+        spec = PackSpec.from_seq_lens(SEQ_LENS, ROW_LEN)
+        pack = {"seq_lens": SEQ_LENS}
+    bsz, seq = spec.num_rows, spec.row_len
+    ids = torch.arange(1, bsz * seq + 1).reshape(bsz, seq)
+    labels = shift_labels_packed(ids, spec)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": ~spec.padding_mask(), **pack}
+    before = {k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    _, out, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, batch, layout=layout, padding_token_id=-1
+    )  # type: ignore[arg-type]
+    for k, v in before.items():
+        assert torch.equal(batch[k], v), k
+    plan = _plan(layout, spec, world)
+    mine = plan.rank_map[rank]
+    assert sharder.layout == layout and sharder.local_token_global_indices is None
+    assert torch.equal(sharder.rank_map, plan.rank_map)
+    assert sharder.padded_seq_len == plan.padded_len and sharder.original_seq_len is None
+    assert sharder.input_row_shape == (bsz, seq)
+    assert torch.equal(sharder.input_token_stream_positions, plan.input_token_stream_positions)
+    assert "seq_lens" not in out and "cu_seqlens" not in out
+    assert torch.equal(out["input_ids"][0], plan.to_stream(ids, -1)[mine])
+    assert torch.equal(out["labels"][0], plan.to_stream(labels, -100)[mine])
+    assert torch.equal(out["position_ids"][0], plan.stream_position_ids[mine])
+    assert torch.equal(out["padding_mask"][0], plan.stream_padding_mask[mine])
+    meta = sharder.token_meta
+    assert meta is not None
+    pos, doc = meta.local()
+    assert torch.equal(pos[0], mine)
+    real = plan.stream_document_ids[mine] >= 0
+    assert torch.equal(doc[0][real], plan.stream_document_ids[mine][real])
+    assert bool((doc[0][~real] < 0).all())
+    # verbs in caller coordinates, several dtypes and trailing dims
+    valid = plan.input_token_stream_positions >= 0
+    g = torch.Generator().manual_seed(5)  # the same tensors on every rank
+    for x, fill in (
+        (torch.randn(bsz, seq, generator=g), 0.0),
+        (torch.randn(bsz, seq, 3, generator=g).double(), -1.5),
+        (torch.randint(0, 9, (bsz, seq), generator=g), 7),
+        (torch.rand(bsz, seq, generator=g) > 0.5, False),
+    ):
+        local = sharder.shard_token_tensor(x, fill=fill)
+        assert local.shape[:2] == (1, plan.local_len)
+        back = sharder.gather_token_tensor(local, trim=True, fill=fill)
+        expect = x.clone()
+        expect[~valid] = fill
+        assert torch.equal(back, expect), (x.dtype, tuple(x.shape))
+        stream = sharder.gather_token_tensor(local)
+        assert torch.equal(stream[0], plan.to_stream(x, fill))
+    assert torch.equal(
+        sharder.gather_token_tensor(out["input_ids"], trim=True, fill=-1)[valid], ids[valid]
+    )
+    return mine.tolist()
+
+
+def packed_embeds_grad(cp_mesh: DeviceMesh, layout: str) -> None:
+    """inputs_embeds that require grad shard out of place; gradients reach the caller's tensor."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    spec = PackSpec.from_seq_lens(SEQ_LENS, ROW_LEN)
+    emb = torch.randn(3, ROW_LEN, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    _, out, _ = cpshard.make_cp_batch_and_ctx(
+        cp_mesh,
+        {"inputs_embeds": emb, "seq_lens": SEQ_LENS},
+        layout=layout,  # type: ignore[arg-type]
+    )
+    (out["inputs_embeds"].sum() * (rank + 1)).backward()
+    plan = _plan(layout, spec, world)
+    owner = torch.empty(plan.padded_len, dtype=torch.long)
+    owner[plan.rank_map.reshape(-1)] = torch.arange(world).repeat_interleave(plan.local_len)
+    pos = plan.input_token_stream_positions
+    # this rank's loss reaches exactly the caller tokens it owns, with weight rank + 1
+    mine = (pos >= 0) & (owner[pos.clamp(min=0)] == rank)
+    expect = torch.where(mine, rank + 1.0, 0.0)
+    assert emb.grad is not None
+    torch.testing.assert_close(emb.grad, expect[..., None].expand(-1, -1, 4))
+
+
+def packed_errors(cp_mesh: DeviceMesh) -> None:
+    import pytest
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cu_seqlens describes one \[1, T\] stream"):
+        cpshard.make_cp_batch_and_ctx(
+            cp_mesh, {"input_ids": ids, "cu_seqlens": torch.tensor([0, 8])}
+        )
+    with pytest.raises(ValueError, match=r"seq_lens has 1 rows but the batch has B=2"):
+        cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids, "seq_lens": [[4]]})
+    with pytest.raises(ValueError, match=r"seq_lens of row 0: must sum to <= the row length S=4"):
+        cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids, "seq_lens": [[5], [1]]})
+    with pytest.raises(ValueError, match=r"cannot express"):
+        cpshard.make_cp_batch_and_ctx(
+            cp_mesh, {"input_ids": ids, "seq_lens": [[4], [1]]}, layout="round_robin"
+        )
