@@ -47,7 +47,7 @@ def balance_tables() -> tuple[str, list[str]]:
                 docs[(dist, tokens)].append(spec.num_docs)
                 for c in CPS:
                     for plan in all_plans(spec, c):
-                        report = balance_report(plan, spec.real_tokens)
+                        report = balance_report(plan)
                         groups[(dist, tokens, c, plan.layout)].append(report)
     lines = [
         "| batch | docs | C | layout | imbalance | padding | remote K/V max | "

@@ -113,13 +113,13 @@ def remote_kv_tokens(plan: PackedPlan) -> torch.Tensor:
     return need.view(c, n_docs).sum(dim=1)
 
 
-def balance_report(plan: PackedPlan, real_tokens: int) -> BalanceReport:
+def balance_report(plan: PackedPlan) -> BalanceReport:
     """Metrics of ``plan`` (see the module docstring).
 
     Args:
-        plan: A layout of a packed batch.
-        real_tokens: Non-pad tokens of the batch (``spec.real_tokens``), ``>= 1``.
+        plan: A layout of a packed batch with at least one real token.
     """
+    real_tokens = int((plan.stream_document_ids >= 0).sum())
     work = rank_work(plan)
     remote = remote_kv_tokens(plan).double() / plan.padded_len
     mean = float(work.double().mean())

@@ -138,24 +138,21 @@ def _stream_facts(
     lens = spec.lengths().numpy()
     starts = np.cumsum(seg_lens) - seg_lens
     total = int(seg_lens.sum())
-    doc_of = np.repeat(np.arange(lens.size), seg_lens)
-    pos = np.arange(total) - np.repeat(starts, seg_lens)
-    if not np.array_equal(seg_lens, lens):
-        doc_ids = np.where(pos < lens[doc_of], doc_of, -1)
-    else:
-        doc_ids = doc_of
-    tail = padded_len - total
-    last = int(pos[-1]) + 1 if total else 0
-    pos = np.concatenate([pos, last + np.arange(tail)])
-    doc_ids = np.concatenate([doc_ids, np.full(tail, -1)])
-    in_doc = spec.document_ids()
-    in_pos = spec.position_ids()
-    start_t = torch.from_numpy(starts.astype(np.int64))
-    idx = torch.where(in_doc >= 0, start_t[in_doc.clamp(min=0)] + in_pos, -1)
+    real = int(lens.sum())
+    in_doc = np.arange(real) - np.repeat(np.cumsum(lens) - lens, lens)  # position in document
+    stream_real = np.repeat(starts, lens) + in_doc
+    doc_ids = np.full(padded_len, -1, dtype=np.int64)
+    doc_ids[stream_real] = np.repeat(np.arange(lens.size), lens)
+    pos = np.empty(padded_len, dtype=np.int64)
+    pos[:total] = np.arange(total) - np.repeat(starts, seg_lens)
+    last = int(pos[total - 1]) + 1 if total else 0
+    pos[total:] = last + np.arange(padded_len - total)  # the end pad continues the last doc
+    idx = np.full(spec.num_rows * spec.row_len, -1, dtype=np.int64)
+    idx[np.repeat(spec.input_starts().numpy(), lens) + in_doc] = stream_real
     return (
-        torch.from_numpy(doc_ids.astype(np.int64)),
-        torch.from_numpy(pos.astype(np.int64)),
-        idx,
+        torch.from_numpy(doc_ids),
+        torch.from_numpy(pos),
+        torch.from_numpy(idx).view(spec.num_rows, spec.row_len),
     )
 
 

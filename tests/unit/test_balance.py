@@ -49,7 +49,7 @@ def test_single_document_hand_values() -> None:
     rr = plan_closed_form(spec, 2, RoundRobinLayout())
     assert rank_work(rr).tolist() == [18, 18]
     assert remote_kv_tokens(rr).tolist() == [4, 2]  # r0 [0,1,6,7] needs 2..5; r1 needs 0,1
-    report = balance_report(contiguous, spec.real_tokens)
+    report = balance_report(contiguous)
     assert report.imbalance == pytest.approx(26 / 18)
     assert report.remote_kv_max == pytest.approx(0.5)
     assert report.remote_kv_mean == pytest.approx(0.25)
@@ -89,11 +89,11 @@ def test_balanced_meets_targets_on_realistic_batches(tokens: int, dist: str) -> 
     spec = sample_packed_batch(dist, tokens, seed=3)
     for world in (2, 3, 4, 8, 16):
         plan = plan_balanced(spec, world)
-        report = balance_report(plan, spec.real_tokens)
+        report = balance_report(plan)
         assert report.imbalance <= 1.01, (world, report)
         assert report.padding_overhead <= 0.005, (world, report)
         # and far better than the global head-tail on the same batch at C >= 4
-        rr = balance_report(plan_closed_form(spec, world, RoundRobinLayout()), spec.real_tokens)
+        rr = balance_report(plan_closed_form(spec, world, RoundRobinLayout()))
         assert report.remote_kv_mean <= 1.0
         if world >= 4:
             assert rr.imbalance > report.imbalance

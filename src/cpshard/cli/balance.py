@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         for label, spec in batches:
             for c in args.cp:
                 for plan in all_plans(spec, c, include_torch=not args.no_torch):
-                    rows.append((label, balance_report(plan, spec.real_tokens)))
+                    rows.append((label, balance_report(plan)))
     except ValueError as err:
         print(f"cpshard balance: {err}", file=sys.stderr)
         return 2
