@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/cpshard parity
+	$(BIN)/cpshard layouts
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -135,3 +135,29 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup, grad_mode: GradMode) -
 def all_gather_long(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Non-differentiable all-gather of an index tensor along dim 0 (``[N] -> [C * N]``)."""
     return _gather_dim0(x, group)
+
+
+def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60.0) -> None:
+    """Join a gloo process group of ``world_size`` processes on this machine (CLI and demos)."""
+    from datetime import timedelta
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group if one is initialised."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """In-place sum over ``group`` (no-op without a group); returns ``t``."""
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t

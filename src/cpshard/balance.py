@@ -205,10 +205,11 @@ def all_plans(spec: PackSpec, world_size: int, include_torch: bool = True) -> li
 
 
 def corpus_doc_lengths() -> tuple[int, ...]:
-    """Byte lengths of the 79 documents of CPython's ``pydoc_data.topics`` (real English)."""
-    from pydoc_data.topics import topics
+    """Byte lengths of the 79 documents of CPython's ``pydoc_data.topics`` (real English),
+    in :func:`cpshard.corpus.document_lengths` order."""
+    from cpshard.corpus import document_lengths
 
-    return tuple(len(text.encode()) for text in topics.values())
+    return tuple(document_lengths())
 
 
 def sample_packed_batch(distribution: str, tokens: int, seed: int) -> PackSpec:

@@ -34,6 +34,7 @@ __all__ = [
     "NoneLayout",
     "RoundRobinLayout",
     "check_rank_map",
+    "consecutive_runs",
     "contiguous_local_indices",
     "inverse_permutation",
     "padded_length",
@@ -286,3 +287,34 @@ class RoundRobinLayout(ClosedFormLayout):
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
         return round_robin_local_indices(rank, world_size, padded_seq_len, device)
+
+
+def consecutive_runs(idx: torch.Tensor, *, split_every: int | None = None) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive values in an index vector.
+
+    Closed-form layouts are unions of a few contiguous chunks, so a shard or a gather can copy
+    whole slices (one ``cat``) instead of indexing element by element.
+
+    Args:
+        idx: LongTensor ``[n]``.
+        split_every: Also end a run at every multiple of this many *values* (e.g. the local
+            length, so that no run crosses from one rank's gathered shard into the next).
+
+    Returns:
+        ``[(first_value, length), ...]`` covering ``idx`` in order.
+
+    Example:
+        >>> consecutive_runs(torch.tensor([0, 1, 6, 7]))
+        [(0, 2), (6, 2)]
+    """
+    n = idx.numel()
+    if n == 0:
+        return []
+    brk = idx[1:] != idx[:-1] + 1
+    if split_every is not None:
+        brk = brk | (idx[1:] % split_every == 0)
+    cut = (brk.nonzero().reshape(-1) + 1).tolist()
+    starts = [0, *cut]
+    ends = [*cut, n]
+    firsts = idx[starts].tolist()
+    return [(v, e - s) for v, s, e in zip(firsts, starts, ends, strict=True)]

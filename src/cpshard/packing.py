@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,20 +78,25 @@ class PackSpec:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_seq_lens(
-        cls, seq_lens: Sequence[Sequence[int]] | torch.Tensor, row_len: int
+        cls, seq_lens: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor, row_len: int
     ) -> PackSpec:
         """Spec from per-row document lengths.
 
         Args:
             seq_lens: One sequence of document lengths per row (or an int tensor ``[B, n]``
-                without sentinels). Row ``b`` must sum to ``<= row_len``.
+                without sentinels); a flat sequence of ints (or 1-D tensor) is one row.
+                Row ``b`` must sum to ``<= row_len``.
             row_len: ``S``.
 
         Raises:
             ValueError: negative or zero lengths, or a row that does not fit in ``S``.
         """
-        rows = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
-        return cls(int(row_len), tuple(tuple(int(n) for n in row) for row in rows))
+        items: list[Any] = (
+            seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        )
+        if items and all(isinstance(n, int) for n in items):  # a flat list: one row
+            items = [items]
+        return cls(int(row_len), tuple(tuple(int(n) for n in row) for row in items))
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total_len: int) -> PackSpec:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.layouts import inverse_permutation
+from cpshard.layouts import consecutive_runs, inverse_permutation
 from cpshard.meta import TokenMeta
 
 __all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts"]
@@ -27,6 +27,29 @@ __all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts"]
 ContextFactory = Callable[[], AbstractContextManager[Any]]
 IndicesFn = Callable[[DeviceMesh | None, int, torch.device], torch.Tensor]
 RankMapFn = Callable[[int, int, torch.device], torch.Tensor]
+Runs = list[tuple[int, int]]
+
+# Above this many contiguous runs a shard/gather indexes element-wise instead of copying slices.
+_MAX_RUNS = 256
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Index plan of one padded length: what shard and gather copy, and from where."""
+
+    local: torch.Tensor  # [L] global position of each local token
+    local_runs: Runs | None  # runs of `local` (value, length), None if too fragmented
+    inverse: torch.Tensor  # [P] stream slot holding each global position
+    gather_runs: Runs | None  # runs of `inverse` split at rank boundaries
+
+
+def _take(t: torch.Tensor, dim: int, idx: torch.Tensor, runs: Runs | None) -> torch.Tensor:
+    """``t.index_select(dim, idx)`` as a copy of a few slices when ``idx`` is a few runs."""
+    if runs is None:
+        return t.index_select(dim, idx)
+    if len(runs) == 1:
+        return t.narrow(dim, runs[0][0], runs[0][1]).contiguous()
+    return torch.cat([t.narrow(dim, v, n) for v, n in runs], dim=dim)
 
 
 class ShardBatchFn(Protocol):
@@ -122,6 +145,9 @@ class CPSharder:
     input_token_stream_positions: torch.Tensor | None = None
     rank_map: torch.Tensor | None = None
     token_meta: TokenMeta | None = None
+    _plans: dict[tuple[int, str], _Plan] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     # ------------------------------------------------------------------ sharding a batch
     def shard(
@@ -161,6 +187,7 @@ class CPSharder:
         self.input_token_stream_positions = facts.input_token_stream_positions
         self.rank_map = facts.rank_map
         self.token_meta = facts.token_meta
+        self._plans.clear()
 
     # ------------------------------------------------------------------ index maps
     @property
@@ -200,6 +227,23 @@ class CPSharder:
             return local
         # A custom sharder with no closed-form rank map: learn the others' maps (small ints).
         return _comm.all_gather_long(local, group)
+
+    def _plan(self, padded_seq_len: int, device: torch.device) -> _Plan:
+        key = (padded_seq_len, str(device))
+        plan = self._plans.get(key)
+        if plan is None:
+            local = self._local_indices(padded_seq_len, device)
+            inverse = inverse_permutation(self._stream_order(local, padded_seq_len))
+            local_runs = consecutive_runs(local)
+            gather_runs = consecutive_runs(inverse, split_every=max(local.numel(), 1))
+            plan = _Plan(
+                local,
+                local_runs if len(local_runs) <= _MAX_RUNS else None,
+                inverse,
+                gather_runs if len(gather_runs) <= _MAX_RUNS else None,
+            )
+            self._plans[key] = plan
+        return plan
 
     # ------------------------------------------------------------------ token verbs
     def _to_padded_stream(
@@ -278,8 +322,8 @@ class CPSharder:
         """
         seq_dim = _norm_dim(t, seq_dim)
         stream, dim = self._to_padded_stream(t, seq_dim, fill)
-        idx = self._local_indices(stream.shape[dim], stream.device)
-        return stream.index_select(dim, idx).contiguous()
+        plan = self._plan(stream.shape[dim], stream.device)
+        return _take(stream, dim, plan.local, plan.local_runs)
 
     def gather_token_tensor(
         self,
@@ -333,13 +377,20 @@ class CPSharder:
                 "trimming to input coordinates on a layout that repositions tokens "
                 f"(layout={self.layout!r}) requires `fill` for dropped slots; pass e.g. fill=0"
             )
-        local = self._local_indices(padded, t.device)
-        order = self._stream_order(local, padded)
+        plan = self._plan(padded, t.device)
         group = _comm.cp_group(self.cp_mesh)
-        moved = t.movedim(seq_dim, 0)
+        # [C, *t.shape]: one all-gather of exactly the payload, no transpose of the local shard
+        stacked = t.unsqueeze(0)
         if group is not None:
-            moved = _comm.all_gather_dim0(moved, group, "sum" if grad == "sum" else "replicated")
-        full = moved.index_select(0, inverse_permutation(order)).movedim(0, seq_dim)
+            mode: _comm.GradMode = "sum" if grad == "sum" else "replicated"
+            stacked = _comm.all_gather_dim0(stacked, group, mode)
+        n = t.shape[seq_dim]
+        if plan.gather_runs is not None:
+            parts = [stacked[s // n].narrow(seq_dim, s % n, k) for s, k in plan.gather_runs]
+            full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=seq_dim)
+        else:
+            full = stacked.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
+            full = full.index_select(seq_dim, plan.inverse)
         return self._trim(full, seq_dim, fill) if trim else full
 
     def _trim(

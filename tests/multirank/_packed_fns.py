@@ -116,3 +116,20 @@ def packed_errors(cp_mesh: DeviceMesh) -> None:
         cpshard.make_cp_batch_and_ctx(
             cp_mesh, {"input_ids": ids, "seq_lens": [[4], [1]]}, layout="round_robin"
         )
+
+
+def packed_corpus_batch(cp_mesh: DeviceMesh) -> None:
+    """The shipped corpus's packed batch (flat seq_lens, end padding) round-trips."""
+    from cpshard import corpus
+
+    ids, seq_lens = corpus.packed_batch(300, max_doc_len=70, seed=1)
+    labels = shift_labels_packed(ids, PackSpec.from_seq_lens(seq_lens, 300))
+    batch = {"input_ids": ids, "labels": labels, "seq_lens": seq_lens}
+    _, out, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, batch, padding_token_id=corpus.PAD_ID)
+    assert sharder.layout == "balanced"
+    real = ids[0, : sum(seq_lens)]
+    back = sharder.gather_token_tensor(out["input_ids"], trim=True, fill=corpus.PAD_ID)
+    assert torch.equal(back[0, : sum(seq_lens)], real)
+    assert bool((back[0, sum(seq_lens) :] == corpus.PAD_ID).all())
+    got = sharder.gather_token_tensor(out["labels"], trim=True, fill=-100)
+    assert torch.equal(got, labels)

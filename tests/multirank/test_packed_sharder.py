@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _packed_fns import packed_embeds_grad, packed_errors, packed_round_trip
+from _packed_fns import packed_corpus_batch, packed_embeds_grad, packed_errors, packed_round_trip
 
 from _ranks import Ranks
 
@@ -27,3 +27,8 @@ def test_packed_embeds_grad(ranks: Ranks, world: int, layout: str) -> None:
 
 def test_packed_errors(ranks: Ranks) -> None:
     ranks(2, packed_errors)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_packed_corpus_batch(ranks: Ranks, world: int) -> None:
+    ranks(world, packed_corpus_batch)

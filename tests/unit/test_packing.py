@@ -42,6 +42,8 @@ def test_all_pad_row_and_tensor_input() -> None:
     assert spec.document_ids().tolist() == [[0, 0, 1, 1], [-1, -1, -1, -1]]
     assert spec.position_ids()[1].tolist() == [0, 1, 2, 3]
     assert PackSpec.from_seq_lens(torch.tensor([[1, 3], [2, 2]]), 4).doc_lens == ((1, 3), (2, 2))
+    assert PackSpec.from_seq_lens([1, 3], 5).doc_lens == ((1, 3),)  # flat: one row
+    assert PackSpec.from_seq_lens(torch.tensor([2, 2]), 4).doc_lens == ((2, 2),)
 
 
 def test_cu_seqlens() -> None:

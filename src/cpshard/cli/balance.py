@@ -26,7 +26,7 @@ from cpshard.balance import (
 )
 from cpshard.packing import PackSpec
 
-__all__ = ["add_parser", "format_table", "run"]
+__all__ = ["add_arguments", "add_parser", "format_table", "run"]
 
 
 def _seq_lens(text: str) -> list[int]:
@@ -45,6 +45,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``balance`` options to ``p`` (the sub-command's parser)."""
+    p.add_argument("--dist", choices=DISTRIBUTIONS, default="lognormal", help="doc lengths")
+    p.add_argument("--tokens", type=_positive, default=32768, help="tokens per packed batch")
+    p.add_argument("--seed", type=int, nargs="+", default=[0], help="one batch per seed")
+    p.add_argument("--seq-lens", type=_seq_lens, default=None, help="explicit doc lengths")
+    p.add_argument("--cp", type=_positive, nargs="+", default=[8], help="CP sizes, e.g. 2 4 8")
+    p.add_argument("--no-torch", action="store_true", help="skip torch's load balancers")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="per-rank work bars")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``balance`` on an ``argparse`` subparsers object; returns its parser."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -53,13 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--dist", choices=DISTRIBUTIONS, default="lognormal", help="doc lengths")
-    p.add_argument("--tokens", type=_positive, default=32768, help="tokens per packed batch")
-    p.add_argument("--seed", type=int, nargs="+", default=[0], help="one batch per seed")
-    p.add_argument("--seq-lens", type=_seq_lens, default=None, help="explicit doc lengths")
-    p.add_argument("--cp", type=_positive, nargs="+", default=[8], help="CP sizes, e.g. 2 4 8")
-    p.add_argument("--no-torch", action="store_true", help="skip torch's load balancers")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="per-rank work bars")
+    add_arguments(p)
     p.set_defaults(run=run)
     return p
 

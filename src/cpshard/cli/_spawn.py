@@ -1,0 +1,82 @@
+"""Run a function on N local gloo ranks (forked, one thread each) and collect the results."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from cpshard import _comm
+
+__all__ = ["run_local_ranks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any
+) -> None:
+    torch.set_num_threads(1)  # forked children hang on their first parallel op otherwise
+    try:
+        _comm.init_local_gloo(rank, world, port)
+        mesh: DeviceMesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        out.put((rank, True, fn(mesh, *args)))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        _comm.destroy_process_group()
+
+
+def run_local_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0
+) -> list[Any]:
+    """Run ``fn(cp_mesh, *args)`` on ``world`` forked CPU ranks joined by gloo.
+
+    Args:
+        world: Number of ranks.
+        fn: Top-level function; its return value must be picklable.
+        *args: Passed to ``fn`` after the mesh.
+        timeout_s: Give up (and kill the ranks) after this long.
+
+    Returns:
+        The per-rank results, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is included) or did not finish in time.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got world={world}")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, out), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(got) < world:
+            rank, ok, payload = out.get(timeout=timeout_s)
+            got[rank] = (ok, payload)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+    except Exception as e:
+        for p in procs:
+            p.kill()
+        if isinstance(e, RuntimeError):
+            raise
+        raise RuntimeError(f"ranks did not finish within {timeout_s} s") from e
+    for p in procs:
+        p.join()
+    return [got[r][1] for r in range(world)]
