@@ -27,7 +27,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.batch import TokenKey, _attention_context, _pad_value, normalize_batch
+from cpshard.batch import (
+    TokenKey,
+    _attention_context,
+    _pad_value,
+    attention_mask_to_padding_mask,
+    normalize_batch,
+)
 from cpshard.meta import TokenMeta, pad_document_ids
 from cpshard.packed_layouts import PackedPlan, plan_balanced, plan_packed
 from cpshard.packing import PackSpec
@@ -42,8 +48,9 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
     """The document structure a packed batch declares.
 
     Args:
-        batch: Holds ``seq_lens`` (per row document lengths) or ``cu_seqlens`` (1-D offsets of
-            a ``[1, T]`` stream).
+        batch: Holds ``seq_lens`` (per row document lengths), ``cu_seqlens`` (1-D offsets of
+            a ``[1, T]`` stream), or else ``position_ids`` ``[B, S]`` that restart at 0 per
+            document (padding then only from ``padding_mask`` / ``attention_mask``).
         row_shape: ``(B, S)`` of the primary input.
 
     Raises:
@@ -51,10 +58,17 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
     """
     has_lens = batch.get("seq_lens") is not None
     has_cu = batch.get("cu_seqlens") is not None
+    if not has_lens and not has_cu and batch.get("position_ids") is not None:
+        # Documents from positions that restart at 0; padding only from an explicit mask.
+        pad = batch.get("padding_mask")
+        if pad is None and batch.get("attention_mask") is not None:
+            pad = attention_mask_to_padding_mask(batch["attention_mask"])
+        return PackSpec.from_position_ids(batch["position_ids"], pad)
     if has_lens == has_cu:
         raise ValueError(
-            "a packed batch needs exactly one of 'seq_lens' (document lengths per row) or "
-            f"'cu_seqlens' (offsets of a [1, T] stream), got {'both' if has_lens else 'neither'}"
+            "a packed batch needs exactly one of 'seq_lens' (document lengths per row), "
+            "'cu_seqlens' (offsets of a [1, T] stream) or 'position_ids' that restart at 0 per "
+            f"document, got {'both seq_lens and cu_seqlens' if has_lens else 'none of them'}"
         )
     bsz, seq_len = row_shape
     if has_lens:

@@ -133,3 +133,22 @@ def packed_corpus_batch(cp_mesh: DeviceMesh) -> None:
     assert bool((back[0, sum(seq_lens) :] == corpus.PAD_ID).all())
     got = sharder.gather_token_tensor(out["labels"], trim=True, fill=-100)
     assert torch.equal(got, labels)
+
+
+def packed_from_positions(cp_mesh: DeviceMesh, layout: str) -> None:
+    """Documents described by restarting position_ids shard exactly like seq_lens."""
+    spec = PackSpec.from_seq_lens(SEQ_LENS, ROW_LEN)
+    ids = torch.arange(1, spec.num_rows * ROW_LEN + 1).reshape(spec.num_rows, ROW_LEN)
+    mask = ~spec.padding_mask()
+    by_lens = {"input_ids": ids, "attention_mask": mask, "seq_lens": SEQ_LENS}
+    by_pos = {"input_ids": ids, "attention_mask": mask, "position_ids": spec.position_ids()}
+    _, a, sa = cpshard.make_cp_batch_and_ctx(cp_mesh, by_lens, layout=layout)  # type: ignore[arg-type]
+    _, b, sb = cpshard.make_cp_batch_and_ctx(cp_mesh, by_pos, layout=layout)  # type: ignore[arg-type]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert sa.token_meta is not None and sb.token_meta is not None
+    assert torch.equal(sa.token_meta.document_ids, sb.token_meta.document_ids)
+    # without layout="packed"/"balanced" restarting positions are just positions (dense)
+    _, dense, s_dense = cpshard.make_cp_batch_and_ctx(cp_mesh, by_pos)
+    assert s_dense.layout in ("none", "round_robin")

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from _packed_fns import packed_corpus_batch, packed_embeds_grad, packed_errors, packed_round_trip
+from _packed_fns import (
+    packed_corpus_batch,
+    packed_embeds_grad,
+    packed_errors,
+    packed_from_positions,
+    packed_round_trip,
+)
 
 from _ranks import Ranks
 
@@ -32,3 +38,9 @@ def test_packed_errors(ranks: Ranks) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_packed_corpus_batch(ranks: Ranks, world: int) -> None:
     ranks(world, packed_corpus_batch)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_packed_from_restarting_positions(ranks: Ranks, world: int, layout: str) -> None:
+    ranks(world, packed_from_positions, layout)
