@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _attention_common import DTYPES, inputs, make_case, make_meta
 from torch.distributed.device_mesh import DeviceMesh
 
+from _attention_common import DTYPES, inputs, make_case, make_meta
 from cpshard._comm import cp_group
 from cpshard.attention import cp_attention_context, cp_sdpa
 

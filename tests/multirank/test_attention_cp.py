@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_common import inputs, make_case, reference_with_grads
 from _attention_fns import cp_attention_case, cp_attention_error
 
+from _attention_common import inputs, make_case, reference_with_grads
 from _ranks import Ranks
 
 pytestmark = pytest.mark.multirank
@@ -86,9 +86,7 @@ def test_bf16_forward_smoke(ranks: Ranks, method: str) -> None:
     _check(ranks, 2, method, "round_robin", dtype="bf16", grads=False)
 
 
-@pytest.mark.parametrize(
-    ("heads", "which"), [((3, 1), "query heads"), ((4, 1), "key/value heads")]
-)
+@pytest.mark.parametrize(("heads", "which"), [((3, 1), "query heads"), ((4, 1), "key/value heads")])
 def test_ulysses_heads_not_divisible_raises_on_every_rank(
     ranks: Ranks, heads: tuple[int, int], which: str
 ) -> None:
