@@ -102,5 +102,7 @@ def reference_with_grads(
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     out = reference(q, k, v, docs, causal)
     out.backward(go.double())
-    assert q.grad is not None and k.grad is not None and v.grad is not None
+    assert q.grad is not None
+    assert k.grad is not None
+    assert v.grad is not None
     return out.detach(), q.grad, k.grad, v.grad

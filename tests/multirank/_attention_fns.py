@@ -45,7 +45,9 @@ def cp_attention_case(
         backend=backend,  # type: ignore[arg-type]
     )  # fmt: skip
     (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
-    assert ql.grad is not None and kl.grad is not None and vl.grad is not None
+    assert ql.grad is not None
+    assert kl.grad is not None
+    assert vl.grad is not None
     return {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "idx": idx}
 
 
