@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -90,7 +92,9 @@ class TinyAttention(torch.nn.Module):
         return y.transpose(1, 2).reshape(b, n, -1)
 
 
-def tiny_module_case(cp_mesh: DeviceMesh | None, method: str, layout: str, seq_len: int) -> Any:
+def tiny_module_case(
+    cp_mesh: DeviceMesh | None, method: str, layout: str, seq_len: int, use_context: bool = True
+) -> Any:
     """Output and parameter grads of :class:`TinyAttention` under ``cp_attention_context``."""
     rank, world = (0, 1) if cp_mesh is None else (cp_mesh.get_local_rank(), cp_mesh.size())
     rmap, docs = make_case(layout, world, seq_len, 1, 1, 0, 1)
@@ -101,8 +105,69 @@ def tiny_module_case(cp_mesh: DeviceMesh | None, method: str, layout: str, seq_l
     memory = torch.randn(2, 5, 4, dtype=torch.float64)
     idx = rmap[rank]
     meta = make_meta(rmap, docs, rank)
-    with cp_attention_context(cp_mesh, meta, method):
+    ctx = cp_attention_context(cp_mesh, meta, method) if use_context else contextlib.nullcontext()
+    with ctx:
         y = model(x.index_select(1, idx), memory)
     y.pow(2).sum().backward()  # backward outside the context
     grads = {n: p.grad for n, p in model.named_parameters()}
     return y.detach(), idx, grads
+
+
+def tiny_hf_model(arch: str) -> Any:
+    """A tiny random-init Llama or Qwen2 causal LM in fp64 (fixed seed, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    cfg = config_cls(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_cls(cfg).to(torch.float64)
+
+
+def hf_tokens(seq_len: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [1, P], labels [1, P])``: random ids, pre-shifted labels, pads at the end."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 128, (1, padded), generator=g)
+    ids[:, seq_len:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, : seq_len - 1] = ids[:, 1:seq_len]
+    return ids, labels
+
+
+def hf_case(
+    cp_mesh: DeviceMesh, arch: str, method: str, layout: str, seq_len: int
+) -> dict[str, Any]:
+    """Logits, loss and all-reduced grads of a tiny HF model under CP attention."""
+    from cpshard.attention import use_cp_attention
+
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    rmap, docs = make_case(layout, world, seq_len, 1, 1, 0, 1)
+    ids, labels = hf_tokens(seq_len, rmap.numel())
+    model = tiny_hf_model(arch)
+    use_cp_attention(model)
+    use_cp_attention(model)  # idempotent
+    idx = rmap[rank]
+    meta = make_meta(rmap, docs, rank)
+    n_tokens = int((labels != -100).sum())
+    with cp_attention_context(cp_mesh, meta, method):
+        logits = model(input_ids=ids[:, idx], position_ids=idx[None]).logits
+    loss = F.cross_entropy(logits[0], labels[0, idx], ignore_index=-100, reduction="sum") / n_tokens
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    group = cp_group(cp_mesh)
+    total = loss.detach().clone()
+    if group is not None:
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+        dist.all_reduce(total, group=group)
+    return {
+        "logits": logits.detach(),
+        "idx": idx,
+        "loss": float(total),
+        "grads": grads if rank == 0 else {},
+    }
