@@ -80,6 +80,11 @@ def use_cp_attention(model: torch.nn.Module) -> None:
     Args:
         model: A transformers ``PreTrainedModel``.
 
+    Note:
+        transformers (5.x) builds no mask for this name and drops a 2-D ``attention_mask`` given
+        to the model before the attention function sees it: under CP, padding must reach the
+        token meta through the sharder's ``padding_mask`` (pad tokens get their own documents).
+
     Raises:
         ImportError: transformers is not installed.
         TypeError: ``model`` has neither ``set_attn_implementation`` nor a ``config``.
