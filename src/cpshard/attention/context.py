@@ -10,7 +10,8 @@ the autograd Functions capture the group and meta, so ``backward()`` may run out
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -25,13 +26,9 @@ from cpshard.meta import TokenMeta
 __all__ = ["cp_attention_context"]
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-_SDPA_DEFAULTS: dict[str, Any] = {
-    "attn_mask": None,
-    "dropout_p": 0.0,
-    "is_causal": False,
-    "scale": None,
-    "enable_gqa": False,
-}
+_SDPA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+)
 
 
 def _is_sdpa(func: Callable[..., Any]) -> bool:

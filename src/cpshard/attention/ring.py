@@ -54,7 +54,8 @@ class _RingAttention(torch.autograd.Function):
         lse: torch.Tensor | None = None
         for step in range(world):
             src = (rank - step) % world
-            xfer = ring_shift_start(kv, group, _KV_TAG) if group and step < world - 1 else None
+            last = group is None or step == world - 1
+            xfer = None if last else ring_shift_start(kv, group, _KV_TAG)
             if plan(q_span, k_spans[src], causal):
                 o, l_ = attend(
                     q, kv[0], kv[1], q_span, k_spans[src], causal=causal, scale=scale,
@@ -84,7 +85,8 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
         for step in range(world):
             src = (rank - step) % world
-            xfer = ring_shift_start(kv, group, _KV_TAG) if group and step < world - 1 else None
+            last = group is None or step == world - 1
+            xfer = None if last else ring_shift_start(kv, group, _KV_TAG)
             res = attend_backward(
                 grad_out, q, kv[0], kv[1], out, lse, q_span, k_spans[src], causal=causal,
                 scale=scale, backend=backend,
