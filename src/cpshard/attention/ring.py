@@ -54,8 +54,11 @@ class _RingAttention(torch.autograd.Function):
         lse: torch.Tensor | None = None
         for step in range(world):
             src = (rank - step) % world
-            last = group is None or step == world - 1
-            xfer = None if last else ring_shift_start(kv, group, _KV_TAG)
+            xfer = (
+                ring_shift_start(kv, group, _KV_TAG)
+                if group is not None and step < world - 1
+                else None
+            )
             if plan(q_span, k_spans[src], causal):
                 o, l_ = attend(
                     q, kv[0], kv[1], q_span, k_spans[src], causal=causal, scale=scale,
@@ -85,8 +88,11 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
         for step in range(world):
             src = (rank - step) % world
-            last = group is None or step == world - 1
-            xfer = None if last else ring_shift_start(kv, group, _KV_TAG)
+            xfer = (
+                ring_shift_start(kv, group, _KV_TAG)
+                if group is not None and step < world - 1
+                else None
+            )
             res = attend_backward(
                 grad_out, q, kv[0], kv[1], out, lse, q_span, k_spans[src], causal=causal,
                 scale=scale, backend=backend,
