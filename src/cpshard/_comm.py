@@ -161,3 +161,105 @@ def all_reduce_sum_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     if group is not None:
         dist.all_reduce(t, group=group)
     return t
+
+
+# --- CP attention transport (cpshard.attention) ---------------------------------------------
+# Non-differentiable primitives: the attention autograd Functions call them in their forward and
+# backward themselves. Every tensor is made contiguous at the boundary.
+
+
+def group_rank_and_size(group: ProcessGroup) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process inside ``group``."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather ``x`` from every rank into a new leading dim.
+
+    Args:
+        x: Local tensor ``[N, *rest]`` (at least 1-D), the same shape and dtype on every rank.
+        group: The CP process group.
+
+    Returns:
+        ``[C, *x.shape]``; slice ``r`` is rank ``r``'s ``x``.
+    """
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    out = x.new_empty((world, *x.shape))
+    _all_gather_into(out.view(world * x.shape[0], *x.shape[1:]), x, group)
+    return out
+
+
+def reduce_scatter_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x [C, *shape]`` over ranks and keep slice ``rank``: the adjoint of the gather above.
+
+    Args:
+        x: ``[C, N, *rest]``; slice ``r`` is this rank's contribution to rank ``r``.
+        group: The CP process group.
+
+    Returns:
+        ``[*shape]``: the sum over ranks of their slice for this rank.
+    """
+    x = x.contiguous()
+    out = x.new_empty(x.shape[1:])
+    _reduce_scatter_into(out, x.view(-1, *x.shape[2:]), group)
+    return out
+
+
+def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-to-all over the leading dim: slice ``j`` goes to rank ``j``.
+
+    Args:
+        x: ``[C, *shape]``, the same shape on every rank.
+        group: The CP process group.
+
+    Returns:
+        ``[C, *shape]``; slice ``j`` is what rank ``j`` sent to this rank.
+    """
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class RingTransfer:
+    """An in-flight send of a tensor to the next rank and receive from the previous one."""
+
+    def __init__(self, works: list[Any], recv: torch.Tensor, send: torch.Tensor) -> None:
+        self._works = works
+        self._recv = recv
+        self._send = send  # kept alive until the send completes
+
+    def wait(self) -> torch.Tensor:
+        """Block until both sides completed; return the received tensor."""
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return self._recv
+
+
+def ring_shift_start(x: torch.Tensor, group: ProcessGroup, tag: int = 0) -> RingTransfer:
+    """Start sending ``x`` to rank ``(r + 1) % C`` and receiving the same shape from ``r - 1``.
+
+    The transfer runs while the caller computes; call :meth:`RingTransfer.wait` before using the
+    received tensor or reusing ``x``.
+
+    Args:
+        x: The tensor to send (made contiguous here).
+        group: The CP process group, ``C >= 2``.
+        tag: Message tag; concurrent rings (e.g. K/V and their gradients) use distinct tags.
+
+    Returns:
+        The in-flight :class:`RingTransfer`.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    send = x.contiguous()
+    recv = torch.empty_like(send)
+    nxt = dist.get_global_rank(group, (rank + 1) % world)
+    prv = dist.get_global_rank(group, (rank - 1) % world)
+    ops = [
+        dist.P2POp(dist.isend, send, nxt, group, tag),
+        dist.P2POp(dist.irecv, recv, prv, group, tag),
+    ]
+    works = dist.batch_isend_irecv(ops)
+    return RingTransfer(list(works), recv, send)

@@ -1,0 +1,209 @@
+"""Public CP attention entry points: :func:`cp_sdpa` and :func:`cp_attention`.
+
+Every check runs on facts all ranks share (shapes, dtypes, the token meta, the group size) before
+any collective, so a bad call raises the same ``ValueError`` on every rank and none is left
+waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Protocol, get_args
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard._comm import cp_group, group_rank_and_size
+from cpshard.attention.all_gather import all_gather_attention
+from cpshard.attention.blockwise import make_span
+from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.ring import ring_attention
+from cpshard.attention.ulysses import ulysses_attention
+from cpshard.meta import TokenMeta
+
+__all__ = ["AttentionMethod", "CPAttentionSharder", "cp_attention", "cp_sdpa"]
+
+AttentionMethod = Literal["all_gather", "ring", "ulysses"]
+METHODS: tuple[str, ...] = get_args(AttentionMethod)
+
+
+class CPAttentionSharder(Protocol):
+    """What :func:`cp_attention` reads from a sharder (e.g. ``cpshard.CPSharder``)."""
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The 1-D CP mesh, or ``None`` without CP."""
+
+    @property
+    def token_meta(self) -> TokenMeta | None:
+        """Token meta of the batch the sharder last sharded, or ``None`` before that."""
+
+
+def check_method(method: str) -> None:
+    """Raise ``ValueError`` unless ``method`` is one of :data:`AttentionMethod`."""
+    if method not in METHODS:
+        raise ValueError(
+            f"unknown CP attention method {method!r}; valid methods are {', '.join(METHODS)}"
+        )
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: TokenMeta,
+    method: str,
+    rank: int,
+    world: int,
+) -> None:
+    check_method(method)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"cp_sdpa needs {name} as [B, H, L, D], got shape {tuple(t.shape)}; "
+                "transpose [B, L, H, D] inputs with .transpose(1, 2)"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"cp_sdpa needs floating-point inputs, got {name}.dtype={t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    b, hq, lq, d = q.shape
+    _, hkv, lk, dk = k.shape
+    if k.shape[0] != b or dk != d:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head_dim"
+        )
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"query heads must be a multiple of key/value heads (GQA), got Hq={hq}, Hkv={hkv}"
+        )
+    if lq != meta.local_len or lk != meta.local_len:
+        raise ValueError(
+            f"local sequence length must equal meta.local_len={meta.local_len}, got "
+            f"q L={lq}, k L={lk}; shard q/k/v with the same sharder that built the meta"
+        )
+    if meta.positions.shape[0] not in (1, b):
+        raise ValueError(
+            f"meta batch dim must be 1 or B={b}, got {meta.positions.shape[0]}; "
+            "build the meta from the same batch"
+        )
+    if meta.world_size != world or meta.rank != rank:
+        raise ValueError(
+            f"meta is for rank {meta.rank} of {meta.world_size} but the process group gives rank "
+            f"{rank} of {world}; pass the CP group the batch was sharded over"
+        )
+    if method == "ulysses":
+        for what, h in (("query", hq), ("key/value", hkv)):
+            if h % world != 0:
+                raise ValueError(
+                    f"ulysses needs the number of {what} heads divisible by the CP size: got "
+                    f"{h} {what} heads at cp_size={world}; use method='ring' or 'all_gather', "
+                    f"or a CP size dividing {h}"
+                )
+
+
+def cp_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: ProcessGroup | None,
+    meta: TokenMeta,
+    method: str = "all_gather",
+    causal: bool = True,
+    scale: float | None = None,
+    backend: KernelBackend = "auto",
+) -> torch.Tensor:
+    """Scaled dot-product attention over the global sequence from local CP shards.
+
+    Query ``i`` sees key ``j`` iff they share a document id and (``causal``) key position
+    ``<=`` query position, with ids and positions from ``meta``, whatever the layout.
+
+    Args:
+        q: ``[B, Hq, L, D]`` local queries, ``L = meta.local_len`` (any strides).
+        k: ``[B, Hkv, L, D]`` local keys, ``Hq % Hkv == 0`` (GQA, not repeated).
+        v: ``[B, Hkv, L, D]`` local values.
+        group: The CP process group; ``None`` (or size 1) runs the same code without collectives.
+        meta: Token meta of the sharded batch (``meta.world_size`` equals the group size).
+        method: ``"all_gather"``, ``"ring"`` or ``"ulysses"`` (see :data:`AttentionMethod`).
+        causal: Causal masking by global position.
+        scale: Score scale; ``None`` -> ``1 / sqrt(D)``.
+        backend: Local kernel: ``"auto"`` (CPU flash op on CPU, fp32 math elsewhere),
+            ``"cpu_flash"`` or ``"math"``.
+
+    Returns:
+        ``[B, Hq, L, D]`` in q's dtype.
+
+    Raises:
+        ValueError: unknown method, inconsistent shapes/dtypes, a meta that does not match the
+            inputs or the group, or (ulysses) heads not divisible by the CP size.
+    """
+    rank, world = (0, 1) if group is None else group_rank_and_size(group)
+    _validate(q, k, v, meta, method, rank, world)
+    if group is not None and world == 1:
+        group = None
+    if meta.positions.device != q.device:
+        meta = meta.to(q.device)
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    n = meta.local_len
+    if method == "ulysses":
+        stream = make_span(meta.positions, meta.document_ids, n)
+        return ulysses_attention(
+            q, k, v, stream, group, world, causal=causal, scale=sc, backend=backend
+        )
+    q_span = make_span(*meta.local(), n)
+    if method == "ring":
+        spans = [make_span(*meta.rank_slice(r), n) for r in range(world)]
+        return ring_attention(
+            q, k, v, q_span, spans, group, causal=causal, scale=sc, backend=backend
+        )
+    stream = make_span(meta.positions, meta.document_ids, n)
+    return all_gather_attention(
+        q, k, v, q_span, stream, group, causal=causal, scale=sc, backend=backend
+    )
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    sharder: CPAttentionSharder,
+    method: str = "all_gather",
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """CP attention for models that call it explicitly, with the group and meta of a sharder.
+
+    Args:
+        q: ``[B, Hq, L, D]`` local queries.
+        k: ``[B, Hkv, L, D]`` local keys.
+        v: ``[B, Hkv, L, D]`` local values.
+        sharder: Anything with ``cp_mesh`` (1-D ``DeviceMesh`` or ``None``) and ``token_meta``.
+        method: See :func:`cp_sdpa`.
+        causal: Causal masking by global position.
+        scale: Score scale; ``None`` -> ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, Hq, L, D]`` in q's dtype.
+
+    Raises:
+        ValueError: the sharder has no token meta yet, or any error of :func:`cp_sdpa`.
+    """
+    meta = sharder.token_meta
+    if meta is None:
+        raise ValueError(
+            "cp_attention needs sharder.token_meta, which is None: the sharder has not sharded a "
+            "batch yet; call it through prepare_cp_forward / shard_batch first"
+        )
+    return cp_sdpa(
+        q, k, v, group=cp_group(sharder.cp_mesh), meta=meta, method=method, causal=causal,
+        scale=scale,
+    )  # fmt: skip

@@ -1,0 +1,125 @@
+"""Ulysses CP attention: all-to-all from sequence shards to head shards and back.
+
+Forward: one all-to-all turns the local ``[B, H, L, D]`` q/k/v (all three in one message) into
+``[B, H/C, C*L, D]``: a ``1/C`` slice of the heads over the whole rank-major stream. Each rank
+attends its heads over the stream with the mask from the token meta, and a second all-to-all
+returns ``[B, Hq, L, D]``. Backward mirrors it. Needs ``Hq % C == 0`` and ``Hkv % C == 0``; query
+head group ``j`` then uses exactly key head group ``j`` (the ``repeat_kv`` convention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from cpshard._comm import all_to_all_stacked
+from cpshard.attention.blockwise import Span, attend, attend_backward
+from cpshard.attention.kernels import KernelBackend
+
+__all__ = ["ulysses_attention"]
+
+
+def _seq_to_heads(
+    xs: list[torch.Tensor], group: ProcessGroup | None, world: int
+) -> list[torch.Tensor]:
+    """``[B, H_i, L, D]`` each -> ``[B, H_i/C, C*L, D]`` each, one all-to-all for all of them."""
+    if group is None:
+        return xs
+    parts = [torch.unflatten(x, 1, (world, x.shape[1] // world)).transpose(0, 1) for x in xs]
+    sizes = [p.shape[2] for p in parts]
+    recv = all_to_all_stacked(torch.cat(parts, dim=2), group)  # [C(src), B, sum H_i/C, L, D]
+    c, b, _, n, d = recv.shape
+    return [
+        r.permute(1, 2, 0, 3, 4).reshape(b, r.shape[2], c * n, d)
+        for r in torch.split(recv, sizes, dim=2)
+    ]
+
+
+def _heads_to_seq(
+    ys: list[torch.Tensor], group: ProcessGroup | None, world: int
+) -> list[torch.Tensor]:
+    """Inverse of :func:`_seq_to_heads`: ``[B, h_i, C*L, D]`` -> ``[B, h_i*C, L, D]``."""
+    if group is None:
+        return ys
+    parts = [torch.unflatten(y, 2, (world, y.shape[2] // world)).permute(2, 0, 1, 3, 4) for y in ys]
+    sizes = [p.shape[2] for p in parts]
+    recv = all_to_all_stacked(torch.cat(parts, dim=2), group)  # [C(head group), B, h, L, D]
+    c, b, _, n, d = recv.shape
+    return [
+        r.transpose(0, 1).reshape(b, c * r.shape[2], n, d) for r in torch.split(recv, sizes, dim=2)
+    ]
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        stream_span: Span,
+        group: ProcessGroup | None,
+        world: int,
+        causal: bool,
+        scale: float,
+        backend: KernelBackend,
+    ) -> torch.Tensor:
+        qh, kh, vh = _seq_to_heads([q, k, v], group, world)
+        out, lse = attend(
+            qh, kh, vh, stream_span, stream_span, causal=causal, scale=scale, backend=backend
+        )
+        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.args = (stream_span, group, world, causal, scale, backend)
+        (local,) = _heads_to_seq([out.to(q.dtype)], group, world)
+        return local
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        stream_span, group, world, causal, scale, backend = ctx.args
+        (gh,) = _seq_to_heads([grad_out.contiguous()], group, world)
+        res = attend_backward(
+            gh, qh, kh, vh, out, lse, stream_span, stream_span, causal=causal, scale=scale,
+            backend=backend,
+        )  # fmt: skip
+        if res is None:
+            res = (torch.zeros_like(out), torch.zeros_like(kh, dtype=out.dtype),
+                   torch.zeros_like(vh, dtype=out.dtype))  # fmt: skip
+        dq, dk, dv = _heads_to_seq(list(res), group, world)
+        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), *([None] * 6)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stream_span: Span,
+    group: ProcessGroup | None,
+    world: int,
+    *,
+    causal: bool,
+    scale: float,
+    backend: KernelBackend = "auto",
+) -> torch.Tensor:
+    """Differentiable Ulysses CP attention (inputs already validated, heads divisible by C).
+
+    Args:
+        q: ``[B, Hq, L, D]`` local queries.
+        k: ``[B, Hkv, L, D]`` local keys.
+        v: ``[B, Hkv, L, D]`` local values.
+        stream_span: Span of the whole rank-major stream ``[C * L]``.
+        group: CP process group, or ``None`` for world size 1.
+        world: CP size ``C``.
+        causal: Causal masking by global position.
+        scale: Score scale.
+        backend: Kernel backend.
+
+    Returns:
+        ``[B, Hq, L, D]`` in q's dtype.
+    """
+    out: torch.Tensor = _UlyssesAttention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, stream_span, group, world, causal, scale, backend
+    )
+    return out

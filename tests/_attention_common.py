@@ -1,0 +1,108 @@
+"""Shared builders for the CP attention tests: layouts, token meta, inputs and the reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cpshard.layouts import ContiguousLayout, RoundRobinLayout, padded_length
+from cpshard.meta import TokenMeta, pad_document_ids
+
+LAYOUTS = ("contiguous", "round_robin", "random")
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def rank_map(layout: str, world: int, padded: int, seed: int = 0) -> torch.Tensor:
+    """LongTensor ``[C, L]``: global positions of each rank's local tokens."""
+    if layout == "contiguous":
+        return ContiguousLayout().rank_map(world, padded)
+    if layout == "round_robin":
+        return RoundRobinLayout().rank_map(world, padded)
+    if layout == "random":  # stands in for the data-dependent packed/balanced layouts
+        g = torch.Generator().manual_seed(seed)
+        return torch.randperm(padded, generator=g).view(world, padded // world)
+    raise ValueError(layout)
+
+
+def document_ids(batch: int, seq_len: int, padded: int, n_docs: int, seed: int) -> torch.Tensor:
+    """``[B, P]`` doc ids: ``n_docs`` random-length documents per row, unique negative pads."""
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(seq_len - 1, generator=g)[: n_docs - 1] + 1
+        doc = torch.zeros(padded, dtype=torch.long)
+        for c in cuts.tolist():
+            doc[c:] += 1
+        rows.append(doc)
+    docs = torch.stack(rows)
+    pad = torch.arange(padded) >= seq_len
+    return pad_document_ids(docs, pad.expand(batch, padded))
+
+
+def make_case(
+    layout: str, world: int, seq_len: int, batch: int, n_docs: int, seed: int, meta_batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rank_map [C, L], doc [B or 1, P])`` for a test case (global order)."""
+    padded = padded_length(seq_len, 2 * world)
+    docs = document_ids(meta_batch, seq_len, padded, n_docs, seed)
+    return rank_map(layout, world, padded, seed), docs
+
+
+def make_meta(rmap: torch.Tensor, docs: torch.Tensor, rank: int) -> TokenMeta:
+    """TokenMeta for ``rank`` from a ``[C, L]`` rank map and global ``[B, P]`` doc ids."""
+    stream = rmap.reshape(-1)
+    positions = stream.unsqueeze(0).expand(docs.shape[0], -1).contiguous()
+    return TokenMeta(rank, rmap.shape[0], positions, docs[:, stream].contiguous())
+
+
+def inputs(
+    batch: int, hq: int, hkv: int, padded: int, dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global fp64 ``q [B,Hq,P,D]``, ``k``, ``v [B,Hkv,P,D]`` and an upstream grad like ``q``."""
+    g = torch.Generator().manual_seed(seed + 2)
+    q = torch.randn(batch, hq, padded, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, hkv, padded, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, hkv, padded, dim, generator=g, dtype=torch.float64)
+    go = torch.randn(batch, hq, padded, dim, generator=g, dtype=torch.float64)
+    return q, k, v, go
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain masked softmax attention in fp64 on the global sequence (positions = arange)."""
+    p = q.shape[-2]
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).double()
+    v = v.repeat_interleave(groups, dim=1).double()
+    vis = docs[:, :, None] == docs[:, None, :]
+    if causal:
+        vis = vis & torch.ones(p, p, dtype=torch.bool).tril()
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.double() @ k.transpose(-1, -2)) * sc
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def reference_with_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    go: torch.Tensor,
+    docs: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference output and ``(dq, dk, dv)`` for the upstream gradient ``go`` (global order)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = reference(q, k, v, docs, causal)
+    out.backward(go.double())
+    assert q.grad is not None
+    assert k.grad is not None
+    assert v.grad is not None
+    return out.detach(), q.grad, k.grad, v.grad

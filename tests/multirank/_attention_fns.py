@@ -1,0 +1,173 @@
+"""Rank functions for the CP attention tests (top-level, so pool ranks can import them)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from _attention_common import DTYPES, inputs, make_case, make_meta
+from cpshard._comm import cp_group
+from cpshard.attention import cp_attention_context, cp_sdpa
+
+
+def cp_attention_case(
+    cp_mesh: DeviceMesh,
+    method: str,
+    layout: str,
+    seq_len: int,
+    heads: tuple[int, int],
+    causal: bool,
+    dtype: str,
+    meta_batch: int = 1,
+    n_docs: int = 3,
+    seed: int = 0,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """Local output and gradients of ``cp_sdpa`` for one case (inputs sharded from global)."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    batch, dim = 2, 8
+    rmap, docs = make_case(layout, world, seq_len, batch, n_docs, seed, meta_batch)
+    q, k, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), dim, seed)
+    idx = rmap[rank]
+    # non-contiguous local shards, like the transposed views HF passes
+    ql, kl, vl = (
+        t.index_select(2, idx).transpose(1, 2).contiguous().transpose(1, 2).to(DTYPES[dtype])
+        for t in (q, k, v)
+    )
+    for t in (ql, kl, vl):
+        t.requires_grad_()
+    meta = make_meta(rmap, docs, rank)
+    out = cp_sdpa(
+        ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
+        backend=backend,  # type: ignore[arg-type]
+    )  # fmt: skip
+    (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
+    assert ql.grad is not None
+    assert kl.grad is not None
+    assert vl.grad is not None
+    return {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "idx": idx}
+
+
+def cp_attention_error(
+    cp_mesh: DeviceMesh, method: str, heads: tuple[int, int], seq_len: int
+) -> str:
+    """The ValueError message ``cp_sdpa`` raises on this rank (every rank must raise)."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    rmap, docs = make_case("round_robin", world, seq_len, 1, 1, 0, 1)
+    q, k, v, _ = inputs(1, heads[0], heads[1], rmap.numel(), 8, 0)
+    idx = rmap[rank]
+    try:
+        cp_sdpa(
+            q.index_select(2, idx), k.index_select(2, idx), v.index_select(2, idx),
+            group=cp_group(cp_mesh), meta=make_meta(rmap, docs, rank), method=method,
+        )  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+class TinyAttention(torch.nn.Module):
+    """A plain module that calls ``F.scaled_dot_product_attention`` twice: self and cross."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim, dtype=torch.float64)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.hd, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.hd).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        # cross-attention to a memory of another length: must pass through untouched
+        mk = memory.unsqueeze(1).expand(b, self.heads, -1, self.hd)
+        y = y + F.scaled_dot_product_attention(q, mk, mk)
+        return y.transpose(1, 2).reshape(b, n, -1)
+
+
+def tiny_module_case(
+    cp_mesh: DeviceMesh | None, method: str, layout: str, seq_len: int, use_context: bool = True
+) -> Any:
+    """Output and parameter grads of :class:`TinyAttention` under ``cp_attention_context``."""
+    rank, world = (0, 1) if cp_mesh is None else (cp_mesh.get_local_rank(), cp_mesh.size())
+    rmap, docs = make_case(layout, world, seq_len, 1, 1, 0, 1)
+    docs = torch.zeros_like(docs)  # one document, no padding: plain causal attention
+    torch.manual_seed(0)
+    model = TinyAttention(16, 4, 2)
+    x = torch.randn(2, rmap.numel(), 16, dtype=torch.float64)
+    memory = torch.randn(2, 5, 4, dtype=torch.float64)
+    idx = rmap[rank]
+    meta = make_meta(rmap, docs, rank)
+    ctx = cp_attention_context(cp_mesh, meta, method) if use_context else contextlib.nullcontext()
+    with ctx:
+        y = model(x.index_select(1, idx), memory)
+    y.pow(2).sum().backward()  # backward outside the context
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return y.detach(), idx, grads
+
+
+def tiny_hf_model(arch: str) -> Any:
+    """A tiny random-init Llama or Qwen2 causal LM in fp64 (fixed seed, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    cfg = config_cls(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_cls(cfg).to(torch.float64)
+
+
+def hf_tokens(seq_len: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [1, P], labels [1, P])``: random ids, pre-shifted labels, pads at the end."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 128, (1, padded), generator=g)
+    ids[:, seq_len:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, : seq_len - 1] = ids[:, 1:seq_len]
+    return ids, labels
+
+
+def hf_case(
+    cp_mesh: DeviceMesh, arch: str, method: str, layout: str, seq_len: int
+) -> dict[str, Any]:
+    """Logits, loss and all-reduced grads of a tiny HF model under CP attention."""
+    from cpshard.attention import use_cp_attention
+
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    rmap, docs = make_case(layout, world, seq_len, 1, 1, 0, 1)
+    ids, labels = hf_tokens(seq_len, rmap.numel())
+    model = tiny_hf_model(arch)
+    use_cp_attention(model)
+    use_cp_attention(model)  # idempotent
+    idx = rmap[rank]
+    meta = make_meta(rmap, docs, rank)
+    n_tokens = int((labels != -100).sum())
+    with cp_attention_context(cp_mesh, meta, method):
+        logits = model(input_ids=ids[:, idx], position_ids=idx[None]).logits
+    loss = F.cross_entropy(logits[0], labels[0, idx], ignore_index=-100, reduction="sum") / n_tokens
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    group = cp_group(cp_mesh)
+    total = loss.detach().clone()
+    if group is not None:
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+        dist.all_reduce(total, group=group)
+    return {
+        "logits": logits.detach(),
+        "idx": idx,
+        "loss": float(total),
+        "grads": grads if rank == 0 else {},
+    }

@@ -1,0 +1,99 @@
+"""CP attention (all_gather / ring / ulysses) against one process on the full sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_fns import cp_attention_case, cp_attention_error
+
+from _attention_common import inputs, make_case, reference_with_grads
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+
+METHODS = ("all_gather", "ring", "ulysses")
+TOL = {"fp64": {}, "fp32": {"atol": 2e-5, "rtol": 2e-5}, "bf16": {"atol": 3e-2, "rtol": 3e-2}}
+
+
+def _heads(world: int) -> tuple[int, int]:
+    """GQA heads that ulysses can split at this world size: Hq = 2 * Hkv."""
+    hkv = max(world, 2)
+    return 2 * hkv, hkv
+
+
+def _check(
+    ranks: Ranks,
+    world: int,
+    method: str,
+    layout: str,
+    causal: bool = True,
+    dtype: str = "fp64",
+    meta_batch: int = 1,
+    grads: bool = True,
+    backend: str = "auto",
+) -> None:
+    seq_len = 8 * world - 3  # odd: the layout pads it
+    heads = _heads(world)
+    res = ranks(
+        world, cp_attention_case, method, layout, seq_len, heads, causal, dtype, meta_batch,
+        3, 0, backend,
+    )  # fmt: skip
+    rmap, docs = make_case(layout, world, seq_len, 2, 3, 0, meta_batch)
+    q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
+    ref = reference_with_grads(q, k, v, go, docs, causal)
+    names = ("out", "dq", "dk", "dv") if grads else ("out",)
+    for r, got in enumerate(res):
+        assert torch.equal(got["idx"], rmap[r])
+        for name, want in zip(names, ref, strict=False):
+            torch.testing.assert_close(
+                got[name].double(), want.index_select(2, rmap[r]), **TOL[dtype],
+                msg=lambda m, r=r, name=name: f"rank {r} {name}: {m}",
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "round_robin", "random"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_causal_documents_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:
+    _check(ranks, world, method, layout)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_bidirectional_fp64(ranks: Ranks, world: int, method: str) -> None:
+    _check(ranks, world, method, "random", causal=False)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_per_row_meta_fp64(ranks: Ranks, method: str) -> None:
+    _check(ranks, 2, method, "round_robin", meta_batch=2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp32(ranks: Ranks, world: int, method: str) -> None:
+    _check(ranks, world, method, "round_robin", dtype="fp32")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_math_backend_fp64(ranks: Ranks, method: str) -> None:
+    """The device-agnostic fp32/fp64 math kernel (used off CPU) under real CP."""
+    _check(ranks, 3, method, "round_robin", backend="math")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_forward_smoke(ranks: Ranks, method: str) -> None:
+    _check(ranks, 2, method, "round_robin", dtype="bf16", grads=False)
+
+
+@pytest.mark.parametrize(("heads", "which"), [((3, 1), "query heads"), ((4, 1), "key/value heads")])
+def test_ulysses_heads_not_divisible_raises_on_every_rank(
+    ranks: Ranks, heads: tuple[int, int], which: str
+) -> None:
+    msgs = ranks(2, cp_attention_error, "ulysses", heads, 12)
+    assert all(f"number of {which} divisible by the CP size" in m for m in msgs), msgs
+
+
+def test_unknown_method_raises_on_every_rank(ranks: Ranks) -> None:
+    msgs = ranks(2, cp_attention_error, "zigzag", (2, 2), 12)
+    assert all("valid methods are all_gather, ring, ulysses" in m for m in msgs), msgs

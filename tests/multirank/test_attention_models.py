@@ -1,0 +1,67 @@
+"""CP attention inside real models: a plain SDPA module and tiny HF Llama / Qwen2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _attention_fns import hf_case, hf_tokens, tiny_hf_model, tiny_module_case
+
+from _attention_common import make_case
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize(
+    ("world", "method", "layout"),
+    [(2, "ring", "round_robin"), (3, "all_gather", "random"), (2, "ulysses", "contiguous")],
+)
+def test_plain_module_sdpa_is_routed(ranks: Ranks, world: int, method: str, layout: str) -> None:
+    seq_len = 6 * world
+    res = ranks(world, tiny_module_case, method, layout, seq_len)
+    # reference: the same module, one process, full sequence, plain SDPA (no context)
+    full_y, _, full_grads = tiny_module_case(None, method, "contiguous", seq_len, False)
+    for y, idx, _grads in res:
+        torch.testing.assert_close(y, full_y.index_select(1, idx))
+    for name, g in full_grads.items():
+        total = sum(grads[name] for _, _, grads in res)
+        torch.testing.assert_close(total, g, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _hf_reference(arch: str, seq_len: int, padded: int) -> tuple[torch.Tensor, float, dict]:
+    model = tiny_hf_model(arch)
+    ids, labels = hf_tokens(seq_len, padded)
+    logits = model(input_ids=ids[:, :seq_len]).logits
+    n = int((labels != -100).sum())
+    loss = F.cross_entropy(logits[0], labels[0, :seq_len], ignore_index=-100, reduction="sum") / n
+    loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), float(loss.detach()), grads
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "method", "layout"),
+    [
+        ("llama", 2, "ring", "round_robin"),
+        ("llama", 3, "all_gather", "random"),
+        ("qwen2", 2, "ulysses", "round_robin"),
+        ("qwen2", 4, "ring", "contiguous"),
+        ("llama", 1, "all_gather", "round_robin"),
+    ],
+)
+def test_hf_model_matches_one_process(
+    ranks: Ranks, arch: str, world: int, method: str, layout: str
+) -> None:
+    pytest.importorskip("transformers")
+    seq_len = 8 * world - 1  # odd: padded by the layout
+    rmap, _ = make_case(layout, world, seq_len, 1, 1, 0, 1)
+    ref_logits, ref_loss, ref_grads = _hf_reference(arch, seq_len, rmap.numel())
+    res = ranks(world, hf_case, arch, method, layout, seq_len)
+    for got in res:
+        real = got["idx"] < seq_len
+        torch.testing.assert_close(got["logits"][0, real], ref_logits[0, got["idx"][real]])
+        assert got["loss"] == pytest.approx(ref_loss, rel=1e-12)
+    assert ref_grads.keys() == res[0]["grads"].keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(res[0]["grads"][name], g, msg=lambda m, n=name: f"{n}: {m}")
