@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard import _comm
 from cpshard.layouts import ClosedFormLayout
 from cpshard.meta import TokenMeta, pad_document_ids
-from cpshard.sharder import CPContext, ShardFacts, identity_context
+from cpshard.sharder import CPContext, ShardFacts
 
 __all__ = [
     "KNOWN_TOKEN_KEYS",
@@ -210,7 +210,8 @@ def shard_batch_dense(
     """Pad and shard a dense ``[B, S]`` batch with a closed-form layout.
 
     Args:
-        cp_mesh: 1-D CP mesh or ``None`` (``None`` / size 1 returns the batch unsharded).
+        cp_mesh: 1-D CP mesh or ``None`` (``None`` / size 1: the same conventions, no copies
+            unless the layout pads).
         tp_mesh: Unused by dense layouts; part of the ``shard_batch`` contract.
         batch: Caller's batch (see :func:`normalize_batch`); never mutated.
         loss_mask: Optional ``[B, S]`` loss mask.
@@ -243,14 +244,12 @@ def shard_batch_dense(
         docs = pad_document_ids(torch.zeros_like(full_pad, dtype=torch.long), full_pad)
     meta = TokenMeta(rank, world, stream.expand(docs.shape[0], -1), docs.index_select(1, stream[0]))
     facts = ShardFacts(seq_len, padded, rank_map=rank_map, token_meta=meta)
-    if world == 1:
-        # cp=1: the model's own attention is exact; hand the batch back as the caller wrote it.
-        same = dict(batch)
-        if loss_mask is not None:
-            same["loss_mask"] = loss_mask
-        return CPContext(identity_context, facts), same
+    # cp=1 runs the same path (same keys, same attention semantics); only copies are skipped.
+    identity = world == 1 and padded == seq_len
     local = rank_map[rank]
     for key, dim in dims.items():
+        if identity:
+            continue
         t = _pad(out[key], dim, padded - seq_len, _pad_value(key, padding_token_id, extra))
         out[key] = t.index_select(dim, local).contiguous()
     factory = functools.partial(_attention_context, cp_mesh, meta, attention)

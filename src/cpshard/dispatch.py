@@ -203,7 +203,7 @@ def prepare_cp_forward(
     A model may own its CP by defining ``prepare_model_inputs_for_cp(batch, *, num_chunks=1)``
     returning ``{"cp_sharder": CPSharder, **updates}``; an update whose value is ``None`` removes
     that key (a raw input the hook consumed). HF transformers models are switched to cpshard's
-    registered attention at ``cp_size > 1``, so their SDPA sees the global sequence in ``ctx()``.
+    registered attention (at every CP size), so their SDPA sees the global sequence in ``ctx()``.
 
     Args:
         model: The model (``nn.Module``).
@@ -235,7 +235,9 @@ def prepare_cp_forward(
                 work.pop(key, None)
             else:
                 work[key] = value
-    if cp_size > 1 and sharder is None and hasattr(model, "set_attn_implementation"):
+    if sharder is None and hasattr(model, "set_attn_implementation"):
+        # At every CP size, so cp=1 and cp=N run the same attention semantics (padding and
+        # documents come from the sharder's token meta, not from HF's mask builders).
         from cpshard.attention.hf import use_cp_attention
 
         use_cp_attention(model)

@@ -11,7 +11,7 @@ coordinates and the local shard, exactly as the batch was moved.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -423,7 +423,3 @@ class CPSharder:
             "gather with trim=False, or shard a batch first"
         )
 
-
-def identity_context() -> AbstractContextManager[Any]:
-    """The no-op context of sharders whose attention needs no CP transport."""
-    return nullcontext()

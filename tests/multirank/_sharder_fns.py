@@ -121,9 +121,6 @@ def pad_table(cp_mesh: DeviceMesh, layout: str) -> None:
         if isinstance(v, torch.Tensor):
             assert torch.equal(batch[k], v), k
     assert batch["image_meta"] is obj
-    if world == 1:
-        assert out["attention_mask"] is am and "padding_mask" not in out
-        return
     assert out["image_meta"] is obj and "attention_mask" not in out
     padded = sharder.padded_seq_len
     assert padded is not None
