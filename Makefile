@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/cpshard layouts
+	$(BIN)/cpshard parity
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -422,4 +422,3 @@ class CPSharder:
             f"this sharder (layout={self.layout!r}) captured no caller coordinates to trim to; "
             "gather with trim=False, or shard a batch first"
         )
-

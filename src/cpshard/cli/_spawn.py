@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
+import queue
 import socket
 import traceback
 from collections.abc import Callable
@@ -29,7 +31,9 @@ def _rank_main(
     try:
         _comm.init_local_gloo(rank, world, port)
         mesh: DeviceMesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        out.put((rank, True, fn(mesh, *args)))
+        # Plain pickle bytes: torch's queue reducers would share tensors through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        out.put((rank, True, pickle.dumps(fn(mesh, *args))))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -71,12 +75,12 @@ def run_local_ranks(
             got[rank] = (ok, payload)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-    except Exception as e:
-        for p in procs:
-            p.kill()
-        if isinstance(e, RuntimeError):
-            raise
+    except queue.Empty as e:
         raise RuntimeError(f"ranks did not finish within {timeout_s} s") from e
+    finally:
+        for p in procs:
+            if p.is_alive() and len(got) < world:
+                p.kill()
     for p in procs:
         p.join()
-    return [got[r][1] for r in range(world)]
+    return [pickle.loads(got[r][1]) for r in range(world)]

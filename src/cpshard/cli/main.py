@@ -10,6 +10,10 @@ __all__ = ["main"]
 
 # sub-command name -> module under cpshard.cli with add_arguments(parser) and run(args) -> int
 _COMMANDS = {
+    "parity": (
+        "cpshard.cli.parity",
+        "loss and gradient parity, cp=N vs one process, per attention method and layout",
+    ),
     "layouts": ("cpshard.cli.layouts", "shard a batch in every layout on local ranks and back"),
     "balance": (
         "cpshard.cli.balance",
