@@ -1,0 +1,109 @@
+"""Rank functions for the dispatch tests: model-owned CP hooks (top-level for the pool)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import cpshard
+from cpshard.layouts import ContiguousLayout
+
+
+class HookModel(nn.Module):
+    """Owns its CP: folds ``pixel_values`` into ``inputs_embeds`` and picks a contiguous layout."""
+
+    def __init__(self, bad: str = "") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 4)
+        self.bad = bad
+        self.calls = 0
+
+    def prepare_model_inputs_for_cp(self, batch: dict[str, Any], *, num_chunks: int = 1) -> Any:
+        self.calls += 1
+        if self.bad == "not_a_dict":
+            return [1]
+        emb = self.embed(batch.pop("input_ids")) + batch["pixel_values"].sum()
+        sharder: Any = "nope" if self.bad == "sharder" else None
+        if sharder is None:
+            sharder = cpshard.closed_form_sharder(ContiguousLayout(pad_multiple=num_chunks))
+        return {
+            "cp_sharder": sharder,
+            "inputs_embeds": emb,
+            "input_ids": None,
+            "pixel_values": None,
+        }
+
+
+class ForwardHookModel(HookModel):
+    """Same hook, reached through ``__call__`` (``_pre_embed_only``), as FSDP2 needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre_forward_calls = 0
+        self.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.pre_forward_calls += 1
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        _pre_embed_only: bool = False,
+        _cp_batch: dict[str, Any] | None = None,
+        num_chunks: int = 1,
+    ) -> Any:
+        if _pre_embed_only:
+            assert _cp_batch is not None
+            return self.prepare_model_inputs_for_cp(_cp_batch, num_chunks=num_chunks)
+        raise AssertionError("not used in this test")
+
+
+def _batch() -> dict[str, Any]:
+    return {
+        "input_ids": torch.arange(10).reshape(1, 10),
+        "pixel_values": torch.ones(1, 3),
+        "labels": torch.arange(10).reshape(1, 10),
+    }
+
+
+def model_owned_hook(cp_mesh: DeviceMesh, through_forward: bool) -> None:
+    world = cp_mesh.size()
+    model = ForwardHookModel() if through_forward else HookModel()
+    batch = _batch()
+    keep = {k: v.clone() for k, v in batch.items()}
+    ctx, out, sharder = cpshard.prepare_cp_forward(model, cp_mesh, batch, num_chunks=3)
+    assert set(batch) == set(keep)
+    for k in keep:
+        assert torch.equal(batch[k], keep[k])
+    if world == 1:  # no CP: the hook is not needed and not called
+        assert model.calls == 0
+        assert sharder.layout == "none"
+        return
+    assert model.calls == 1
+    if through_forward:
+        assert isinstance(model, ForwardHookModel)
+        assert model.pre_forward_calls == 1
+    assert sharder.layout == "contiguous"
+    assert "input_ids" not in out and "pixel_values" not in out
+    padded = 10 + (-10) % (world * 3)
+    assert sharder.padded_seq_len == padded
+    assert out["inputs_embeds"].shape == (1, padded // world, 4)
+    # gradients reach the model's embedding through the out-of-place shard
+    out["inputs_embeds"].sum().backward()
+    assert model.embed.weight.grad is not None
+    with ctx():
+        pass
+
+
+def hook_errors(cp_mesh: DeviceMesh) -> None:
+    with pytest.raises(TypeError, match=r"must return a dict \{'cp_sharder'"):
+        cpshard.prepare_cp_forward(HookModel("not_a_dict"), cp_mesh, _batch())
+    with pytest.raises(TypeError, match="'cp_sharder' must be a CPSharder, got str"):
+        cpshard.prepare_cp_forward(HookModel("sharder"), cp_mesh, _batch())
+    with pytest.raises(ValueError, match="num_chunks must be >= 1"):
+        cpshard.prepare_cp_forward(HookModel(), cp_mesh, _batch(), num_chunks=0)

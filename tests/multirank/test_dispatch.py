@@ -1,0 +1,20 @@
+"""prepare_cp_forward with model-owned CP (the hook wins over every built-in layout)."""
+
+from __future__ import annotations
+
+import pytest
+from _dispatch_fns import hook_errors, model_owned_hook
+
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("through_forward", [False, True])
+def test_model_owned_hook(ranks: Ranks, world: int, through_forward: bool) -> None:
+    ranks(world, model_owned_hook, through_forward)
+
+
+def test_hook_errors(ranks: Ranks) -> None:
+    ranks(2, hook_errors)
