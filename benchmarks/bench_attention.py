@@ -157,7 +157,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="also S=16384 (several minutes)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default="BENCHMARKS.attention.md")
+    parser.add_argument(
+        "--out", default="attention.md", help="markdown file; its tables go into BENCHMARKS.md"
+    )
     args = parser.parse_args()
     import torch
 

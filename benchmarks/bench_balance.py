@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_balance.py --out BENCHMARKS.balance.md
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_balance.py --out /tmp/balance.md
 
 For 32k and 128k-token packed batches (``lognormal`` and ``corpus`` document lengths, three
 seeds) and C in {2, 4, 8, 16}: imbalance (max / mean causal work), padding overhead, remote
@@ -110,7 +110,9 @@ def solver_speed(repeats: int = 30) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="BENCHMARKS.balance.md")
+    parser.add_argument(
+        "--out", default="balance.md", help="markdown file; its tables go into BENCHMARKS.md"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
