@@ -165,3 +165,24 @@ def test_use_cp_attention_registers_and_selects_the_name() -> None:
     torch.testing.assert_close(model(input_ids=ids).logits, want)
     with pytest.raises(TypeError, match=r"needs a transformers model"):
         use_cp_attention(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+def test_low_precision_matches_fp32_reference(dtype: torch.dtype, method: str) -> None:
+    meta = _meta(seq_len=12, n_docs=2)
+    q, k, v = (t.float() for t in _qkv(n=12, hq=4, hkv=2))
+    ql, kl, vl = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = cp_sdpa(ql, kl, vl, group=None, meta=meta, method=method, causal=True)
+    assert out.dtype == dtype
+    g = torch.randn_like(q)
+    out.backward(g.to(dtype))
+    q32, k32, v32 = (t.to(dtype).float().requires_grad_() for t in (q, k, v))
+    want = reference(q32, k32, v32, meta.document_ids, True)
+    want.backward(g.to(dtype).float())
+    tol = {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+    for a, b in ((ql, q32), (kl, k32), (vl, v32)):
+        assert a.grad is not None and a.grad.dtype == dtype
+        assert b.grad is not None
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), **tol)
