@@ -39,6 +39,7 @@ __all__ = [
     "KNOWN_TOKEN_KEYS",
     "TokenKey",
     "attention_mask_to_padding_mask",
+    "check_batch_mapping",
     "normalize_batch",
     "shard_batch_dense",
 ]
@@ -82,6 +83,12 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _seq_len_of(key: str, t: torch.Tensor, dim: int, batch_size: int, seq_len: int) -> None:
+    if t.dim() <= dim:
+        want = "[B|1, S] or mRoPE [3, B, S]" if key == "position_ids" else f"sequence dim {dim}"
+        raise ValueError(
+            f"batch[{key!r}] is {t.dim()}-D with shape {tuple(t.shape)}, but a per-token tensor "
+            f"needs {want}; add the batch dim, e.g. t.unsqueeze(0)"
+        )
     if t.shape[dim] != seq_len:
         raise ValueError(
             f"batch[{key!r}] has length {t.shape[dim]} on its sequence dim {dim} (shape "
@@ -93,6 +100,25 @@ def _seq_len_of(key: str, t: torch.Tensor, dim: int, batch_size: int, seq_len: i
         raise ValueError(
             f"batch[{key!r}] has batch size {t.shape[bdim]} (shape {tuple(t.shape)}), but the "
             f"primary input has batch size {batch_size}; use {batch_size} or 1"
+        )
+
+
+def _check_pad_value(key: str, t: torch.Tensor, pad: float | int | bool) -> None:
+    integral = not t.is_floating_point() and not t.is_complex()
+    if integral and isinstance(pad, float) and not pad.is_integer():
+        raise ValueError(
+            f"extra_token_keys[{key!r}] has pad={pad}, which an integer tensor "
+            f"batch[{key!r}] ({t.dtype}) cannot hold (it would be truncated); pass an "
+            "integer pad or a floating-point tensor"
+        )
+
+
+def check_batch_mapping(batch: object) -> None:
+    """Raise ``TypeError`` unless ``batch`` is a mapping of input names (a dict)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batch must be a dict of named inputs (e.g. {{'input_ids': ids, 'labels': labels}}),"
+            f" got {type(batch).__name__}; wrap the tensors in a dict"
         )
 
 
@@ -119,7 +145,9 @@ def normalize_batch(
     Raises:
         ValueError: both or neither primary input, mismatched lengths, bad shapes.
     """
-    has_ids, has_emb = "input_ids" in batch, "inputs_embeds" in batch
+    # ``None`` means absent (HF-style batches carry e.g. ``input_ids=None`` with embeddings).
+    has_ids = batch.get("input_ids") is not None
+    has_emb = batch.get("inputs_embeds") is not None
     if has_ids == has_emb:
         raise ValueError(
             "a CP batch needs exactly one of 'input_ids' [B, S] or 'inputs_embeds' [B, S, H], got "
@@ -133,22 +161,22 @@ def normalize_batch(
         raise ValueError(f"batch[{primary!r}] must be a {want}-D tensor, got {shape}")
     bsz, seq_len = x.shape[0], x.shape[1]
     out = dict(batch)
-    if "attention_mask" in out:
-        if "padding_mask" in out:
+    if out.get("attention_mask") is not None:
+        if out.get("padding_mask") is not None:
             raise ValueError(
                 "the batch has both 'attention_mask' and 'padding_mask'; pass one of them "
                 "(attention_mask is converted to padding_mask)"
             )
         out["padding_mask"] = attention_mask_to_padding_mask(out.pop("attention_mask"))
     if loss_mask is not None:
-        if "loss_mask" in out:
+        if out.get("loss_mask") is not None:
             raise ValueError("loss_mask was given both in the batch and as an argument; pass one")
         out["loss_mask"] = loss_mask
     if "position_ids" not in out or out["position_ids"] is None:
         out["position_ids"] = torch.arange(seq_len, device=x.device).expand(bsz, seq_len)
     dims: dict[str, int] = {primary: 1}
     for key in ("labels", "loss_mask", "padding_mask"):
-        if key in out:
+        if out.get(key) is not None:
             dims[key] = 1
     dims["position_ids"] = 2 if out["position_ids"].dim() == 3 else 1
     for key, spec in (extra_token_keys or {}).items():
@@ -159,7 +187,17 @@ def normalize_batch(
             )
         if key not in out:
             raise ValueError(f"extra_token_keys names {key!r}, which is not in the batch")
-        dims[key] = spec.seq_dim % out[key].dim()
+        t = out[key]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"batch[{key!r}] must be a tensor, got {type(t).__name__}")
+        if not -t.dim() <= spec.seq_dim < t.dim():
+            raise ValueError(
+                f"extra_token_keys[{key!r}].seq_dim={spec.seq_dim} is out of range for a "
+                f"{t.dim()}-D tensor of shape {tuple(t.shape)}; pass a dim in "
+                f"[{-t.dim()}, {t.dim() - 1}]"
+            )
+        _check_pad_value(key, t, spec.pad)
+        dims[key] = spec.seq_dim % t.dim()
     for key, dim in dims.items():
         t = out[key]
         if not isinstance(t, torch.Tensor):

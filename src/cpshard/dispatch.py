@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.batch import TokenKey, shard_batch_dense
+from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.layouts import ClosedFormLayout, ContiguousLayout, NoneLayout, RoundRobinLayout
 from cpshard.sharder import CPSharder, ShardBatchFn
 
@@ -151,6 +151,7 @@ def make_cp_batch_and_ctx(
     Raises:
         TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches.
     """
+    check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if cp_sharder is None:
@@ -217,6 +218,7 @@ def prepare_cp_forward(
     Returns:
         ``(ctx, batch, sharder)``.
     """
+    check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if num_chunks < 1:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from _attention_common import DTYPES, inputs, make_case, make_meta
+from cpshard import prepare_cp_forward, shift_labels
 from cpshard._comm import cp_group
 from cpshard.attention import cp_attention_context, cp_sdpa
 
@@ -170,4 +171,79 @@ def hf_case(
         "idx": idx,
         "loss": float(total),
         "grads": grads if rank == 0 else {},
+    }
+
+
+def hf_padded_batch(padding: str) -> dict[str, torch.Tensor]:
+    """A ``[2, 11]`` batch with ``attention_mask`` (``padding``: right, left or mixed rows)."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 128, (2, 11), generator=g)
+    mask = torch.ones_like(ids)
+    if padding in ("left", "mixed"):
+        mask[0, :4] = 0
+    if padding in ("right", "mixed"):
+        mask[1, 7:] = 0
+    if padding == "left":
+        mask[1, :2] = 0
+    if padding == "right":
+        mask[0, 9:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = shift_labels(ids, padding_mask=mask == 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def hf_public_reference(arch: str, padding: str) -> dict[str, Any]:
+    """One process, the model's own ``sdpa`` attention and the batch's ``attention_mask``."""
+    batch = hf_padded_batch(padding)
+    model = tiny_hf_model(arch)
+    model.set_attn_implementation("sdpa")
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    n = int((labels != -100).sum())
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / n
+    loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return {
+        "logits": logits.detach(),
+        "loss": float(loss.detach()),
+        "grads": grads,
+        "mask": batch["attention_mask"],
+    }
+
+
+def hf_public_case(
+    cp_mesh: DeviceMesh, arch: str, method: str, padding: str, call: str
+) -> dict[str, Any]:
+    """The README path: ``prepare_cp_forward`` with an ``attention_mask`` batch, then the model."""
+    batch = hf_padded_batch(padding)
+    snapshot = {k: v.clone() for k, v in batch.items()}
+    model = tiny_hf_model(arch)
+    ctx, local, sharder = prepare_cp_forward(model, cp_mesh, batch, attention=method)
+    for key, value in snapshot.items():  # the caller's batch is untouched
+        assert torch.equal(batch[key], value), key
+    with ctx():
+        if call == "explicit":
+            out = model(
+                input_ids=local["input_ids"],
+                position_ids=local["position_ids"],
+                padding_mask=local.get("padding_mask"),
+            )
+        else:  # everything the sharded batch holds, except the pre-shifted labels
+            out = model(**{k: v for k, v in local.items() if k != "labels"})
+    logits = out.logits
+    n = int((batch["labels"] != -100).sum())
+    loss = F.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(), reduction="sum") / n
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    group = cp_group(cp_mesh)
+    total = loss.detach().clone()
+    if group is not None:
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+        dist.all_reduce(total, group=group)
+    full = sharder.gather_token_tensor(logits.detach(), trim=True)
+    return {
+        "logits": full,
+        "loss": float(total),
+        "grads": grads if cp_mesh.get_local_rank() == 0 else {},
     }

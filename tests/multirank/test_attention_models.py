@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_fns import hf_case, hf_tokens, tiny_hf_model, tiny_module_case
+from _attention_fns import (
+    hf_case,
+    hf_public_case,
+    hf_public_reference,
+    hf_tokens,
+    tiny_hf_model,
+    tiny_module_case,
+)
 
 from _attention_common import make_case
 from _ranks import Ranks
@@ -64,4 +71,32 @@ def test_hf_model_matches_one_process(
         assert got["loss"] == pytest.approx(ref_loss, rel=1e-12)
     assert ref_grads.keys() == res[0]["grads"].keys()
     for name, g in ref_grads.items():
+        torch.testing.assert_close(res[0]["grads"][name], g, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "method", "padding", "call"),
+    [
+        ("llama", 1, "all_gather", "left", "explicit"),
+        ("llama", 2, "ring", "right", "explicit"),
+        ("llama", 2, "all_gather", "left", "kwargs"),
+        ("qwen2", 3, "all_gather", "mixed", "explicit"),
+        ("qwen2", 2, "ulysses", "left", "kwargs"),
+        ("llama", 3, "ring", "left", "kwargs"),
+    ],
+)
+def test_hf_public_path_with_attention_mask(
+    ranks: Ranks, arch: str, world: int, method: str, padding: str, call: str
+) -> None:
+    """prepare_cp_forward(model, mesh, batch with attention_mask), then the model under ctx():
+    the same logits (real tokens), loss and gradients as one process with HF's sdpa and mask."""
+    pytest.importorskip("transformers")
+    ref = hf_public_reference(arch, padding)
+    real = ref["mask"].bool()
+    res = ranks(world, hf_public_case, arch, method, padding, call)
+    for got in res:
+        torch.testing.assert_close(got["logits"][real], ref["logits"][real])
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-12)
+    assert ref["grads"].keys() == res[0]["grads"].keys()
+    for name, g in ref["grads"].items():
         torch.testing.assert_close(res[0]["grads"][name], g, msg=lambda m, n=name: f"{n}: {m}")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cpshard
 from _attention_common import inputs, make_case, make_meta, reference
 from cpshard.attention import cp_attention, cp_attention_context, cp_sdpa, use_cp_attention
 from cpshard.attention.hf import cpshard_attention_forward
@@ -132,6 +133,7 @@ def test_context_rejects_unknown_method_before_running() -> None:
 
 class _Attn(torch.nn.Module):
     is_causal = True
+    num_key_value_groups = 2  # as on HF attention modules (Hq=4, Hkv=2 in these tests)
 
 
 def test_hf_function_is_plain_sdpa_outside_the_context_and_validates() -> None:
@@ -140,11 +142,28 @@ def test_hf_function_is_plain_sdpa_outside_the_context_and_validates() -> None:
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     assert weights is None
     torch.testing.assert_close(out, want.transpose(1, 2))
-    with pytest.raises(ValueError, match=r"got an attention_mask of shape \(1, 8\).*padding_mask"):
-        cpshard_attention_forward(_Attn(), q, k, v, torch.ones(1, 8))
-    with pytest.raises(ValueError, match=r"does not support dropout, got dropout=0.1 in training"):
-        cpshard_attention_forward(_Attn(), q, k, v, None, dropout=0.1)
-    cpshard_attention_forward(_Attn().eval(), q, k, v, None, dropout=0.1)  # eval: ignored
+    plain = out
+    # outside a CP context a mask is honoured (HF's sdpa semantics: the model may run without CP)
+    keep = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    keep[..., :3] = False
+    keep[..., :3, :3] = torch.eye(3, dtype=torch.bool)
+    out, _ = cpshard_attention_forward(_Attn(), q, k, v, keep, scaling=0.3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    # inside it, masks come from the token meta: an explicit one is rejected
+    # inside it, masks come from the token meta (an explicit one is rejected); no dropout
+    with cp_attention_context(None, _meta(), "all_gather"):
+        with pytest.raises(
+            ValueError, match=r"got an attention_mask of shape \(1, 8\).*padding_mask"
+        ):
+            cpshard_attention_forward(_Attn(), q, k, v, torch.ones(1, 8))
+        with pytest.raises(ValueError, match=r"does not support dropout, got dropout=0.1 in train"):
+            cpshard_attention_forward(_Attn(), q, k, v, None, dropout=0.1)
+        cpshard_attention_forward(_Attn().eval(), q, k, v, None, dropout=0.1)  # eval: ignored
+    # outside it, dropout is transformers' sdpa dropout (random, so the output differs)
+    torch.manual_seed(0)
+    dropped, _ = cpshard_attention_forward(_Attn(), q, k, v, None, dropout=0.5)
+    assert not torch.allclose(dropped, plain)
 
 
 def test_use_cp_attention_registers_and_selects_the_name() -> None:
@@ -165,3 +184,51 @@ def test_use_cp_attention_registers_and_selects_the_name() -> None:
     torch.testing.assert_close(model(input_ids=ids).logits, want)
     with pytest.raises(TypeError, match=r"needs a transformers model"):
         use_cp_attention(torch.nn.Linear(2, 2))
+
+
+def test_hf_model_outside_the_context_honours_attention_mask() -> None:
+    """After prepare_cp_forward the model still runs without CP (eval, generation): padding given
+    as attention_mask must not be dropped."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    ids = torch.randint(1, 128, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, 6:] = 0  # right padding
+    want = model(input_ids=ids, attention_mask=mask).logits  # stock "sdpa"
+    ctx, local, _ = cpshard.prepare_cp_forward(
+        model, None, {"input_ids": ids, "attention_mask": mask}
+    )
+    assert model.config._attn_implementation == "cpshard"
+    real = mask.bool()
+    got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], want[real])
+    with ctx():  # under the context the padding comes from the sharded batch
+        cp = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    torch.testing.assert_close(cp[real], want[real])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+def test_low_precision_matches_fp32_reference(dtype: torch.dtype, method: str) -> None:
+    meta = _meta(seq_len=12, n_docs=2)
+    q, k, v = (t.float() for t in _qkv(n=12, hq=4, hkv=2))
+    ql, kl, vl = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = cp_sdpa(ql, kl, vl, group=None, meta=meta, method=method, causal=True)
+    assert out.dtype == dtype
+    g = torch.randn_like(q)
+    out.backward(g.to(dtype))
+    q32, k32, v32 = (t.to(dtype).float().requires_grad_() for t in (q, k, v))
+    want = reference(q32, k32, v32, meta.document_ids, True)
+    want.backward(g.to(dtype).float())
+    tol = {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+    for a, b in ((ql, q32), (kl, k32), (vl, v32)):
+        assert a.grad is not None and a.grad.dtype == dtype
+        assert b.grad is not None
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), **tol)

@@ -122,3 +122,64 @@ def test_shift_labels() -> None:
         cpshard.shift_labels(torch.arange(4))
     with pytest.raises(ValueError, match="padding_mask shape"):
         cpshard.shift_labels(ids, padding_mask=pad[:, :3])
+
+
+@pytest.mark.parametrize(
+    ("batch", "extra", "match"),
+    [
+        (
+            {"input_ids": _ids(), "position_ids": torch.arange(5)},
+            None,
+            r"batch\['position_ids'\] is 1-D with shape \(5,\).*\[B\|1, S\] or mRoPE \[3, B, S\]",
+        ),
+        (
+            {"input_ids": _ids(), "labels": torch.arange(5)},
+            None,
+            r"batch\['labels'\] is 1-D with shape \(5,\).*sequence dim 1",
+        ),
+        (
+            {"input_ids": _ids(), "adv": torch.zeros(2, 5)},
+            {"adv": TokenKey(seq_dim=5)},
+            r"extra_token_keys\['adv'\].seq_dim=5 is out of range for a 2-D tensor",
+        ),
+        (
+            {"input_ids": _ids(), "adv": torch.zeros(2, 5)},
+            {"adv": TokenKey(seq_dim=-3)},
+            r"seq_dim=-3 is out of range",
+        ),
+        (
+            {"input_ids": _ids(), "adv": [0.0] * 5},
+            {"adv": TokenKey()},
+            r"batch\['adv'\] must be a tensor, got list",
+        ),
+        (
+            {"input_ids": _ids(), "adv": torch.zeros(2, 5, dtype=torch.long)},
+            {"adv": TokenKey(pad=0.5)},
+            r"pad=0.5, .*integer tensor batch\['adv'\] \(torch.int64\)",
+        ),
+    ],
+)
+def test_bad_token_tensors_raise_value_errors(
+    batch: dict[str, object], extra: dict[str, TokenKey] | None, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        normalize_batch(batch, extra_token_keys=extra)
+
+
+def test_none_values_mean_absent() -> None:
+    """HF-style batches carry ``None`` for absent inputs; they are not token tensors."""
+    emb = torch.randn(2, 5, 3)
+    out, dims, primary = normalize_batch(
+        {"input_ids": None, "inputs_embeds": emb, "attention_mask": None, "labels": None}
+    )
+    assert primary == "inputs_embeds" and out["inputs_embeds"] is emb
+    assert "padding_mask" not in out and set(dims) == {"inputs_embeds", "position_ids"}
+    with pytest.raises(ValueError, match="got neither"):
+        normalize_batch({"input_ids": None, "inputs_embeds": None})
+
+
+def test_batch_must_be_a_mapping() -> None:
+    with pytest.raises(TypeError, match=r"batch must be a dict.*got list"):
+        cpshard.make_cp_batch_and_ctx(None, [_ids()])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"batch must be a dict.*got tuple"):
+        cpshard.prepare_cp_forward(torch.nn.Linear(2, 2), None, (_ids(),))  # type: ignore[arg-type]

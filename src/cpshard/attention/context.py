@@ -23,7 +23,7 @@ from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
 from cpshard.meta import TokenMeta
 
-__all__ = ["cp_attention_context"]
+__all__ = ["cp_attention_context", "cp_context_active"]
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 _SDPA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
@@ -90,6 +90,14 @@ class _CPSDPAMode(TorchFunctionMode):
             q, k, call["value"], group=self.group, meta=self.meta, method=self.method,
             causal=bool(call["is_causal"]), scale=call["scale"],
         )  # fmt: skip
+
+
+def cp_context_active() -> bool:
+    """Whether a :func:`cp_attention_context` is active on this thread (innermost modes first)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    return any(isinstance(m, _CPSDPAMode) for m in stack)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,18 @@
 """HF transformers integration through its attention registry (no monkey-patching).
 
-:func:`use_cp_attention` registers the attention name ``"cpshard"`` and selects it on a model.
-Its function calls ``F.scaled_dot_product_attention`` with ``is_causal`` and no mask, so inside
-:func:`cpshard.attention.cp_attention_context` the call becomes CP attention, and outside it is
-plain local attention. A custom name matters: with the stock ``"sdpa"`` path, transformers reads
-jumps in sharded ``position_ids`` as packed-document boundaries and builds a wrong block mask;
-for an unregistered-mask name it builds no mask at all. transformers is imported lazily.
+:func:`use_cp_attention` registers the attention name ``"cpshard"`` (an attention function and a
+mask builder) and selects it on a model.
+
+* Inside :func:`cpshard.attention.cp_attention_context` the mask builder builds nothing and the
+  function calls ``F.scaled_dot_product_attention`` with ``is_causal`` and no mask, which the
+  context turns into CP attention (padding and documents come from the token meta). A custom name
+  matters: with the stock ``"sdpa"`` path, transformers reads jumps in sharded ``position_ids`` as
+  packed-document boundaries and builds a wrong block mask.
+* Outside it the name behaves exactly like transformers' ``"sdpa"`` (its mask builder and its
+  attention function), so a model prepared for CP still honours ``attention_mask`` when it runs
+  without CP (evaluation, generation).
+
+transformers is imported lazily.
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_NAME", "cpshard_attention_forward", "use_cp_attention"]
+from cpshard.attention.context import cp_context_active
+
+__all__ = [
+    "ATTENTION_NAME",
+    "cpshard_attention_forward",
+    "cpshard_attention_mask",
+    "use_cp_attention",
+]
 
 ATTENTION_NAME = "cpshard"
 
@@ -37,7 +51,8 @@ def cpshard_attention_forward(
         query: ``[B, Hq, S, D]``.
         key: ``[B, Hkv, S, D]`` (GQA not expanded).
         value: ``[B, Hkv, S, D]``.
-        attention_mask: Must be ``None``: under CP, masks come from the token meta.
+        attention_mask: Under CP must be ``None`` (masks come from the token meta); outside
+            a CP context, transformers' sdpa mask.
         dropout: Attention dropout; must be 0 while training.
         scaling: Score scale (``None`` -> ``1/sqrt(D)``).
         **kwargs: Ignored except ``is_causal``, which overrides ``module.is_causal``.
@@ -45,9 +60,18 @@ def cpshard_attention_forward(
     Returns:
         ``(attn_output [B, S, Hq, D], None)``.
 
+    Outside a CP context this is transformers' own ``sdpa`` attention (mask and dropout honoured).
+
     Raises:
-        ValueError: a mask was given, or dropout > 0 in training mode.
+        ValueError: inside a CP context, a mask was given, or dropout > 0 in training mode.
     """
+    if not cp_context_active():
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return out, None
     if attention_mask is not None:
         raise ValueError(
             f"the 'cpshard' attention got an attention_mask of shape "
@@ -74,6 +98,16 @@ def cpshard_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def cpshard_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask builder registered as ``"cpshard"``: none under CP, transformers' sdpa mask else."""
+    if cp_context_active():
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    mask: torch.Tensor | None = sdpa_mask(*args, **kwargs)
+    return mask
+
+
 def use_cp_attention(model: torch.nn.Module) -> None:
     """Register the ``"cpshard"`` attention name (idempotent) and select it on ``model``.
 
@@ -81,19 +115,24 @@ def use_cp_attention(model: torch.nn.Module) -> None:
         model: A transformers ``PreTrainedModel``.
 
     Note:
-        transformers (5.x) builds no mask for this name and drops a 2-D ``attention_mask`` given
-        to the model before the attention function sees it: under CP, padding must reach the
-        token meta through the sharder's ``padding_mask`` (pad tokens get their own documents).
+        Under CP (inside the batch's ``ctx()``) transformers builds no mask for this name, so a
+        2-D ``attention_mask`` given to the model is not used there: padding reaches the token
+        meta through the sharded batch (``attention_mask`` -> ``padding_mask``; pad tokens get
+        their own documents). Outside ``ctx()`` the model behaves as with ``"sdpa"``.
 
     Raises:
         ImportError: transformers is not installed.
         TypeError: ``model`` has neither ``set_attn_implementation`` nor a ``config``.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     registry = AttentionInterface()  # type: ignore[no-untyped-call]
     if registry.get(ATTENTION_NAME) is not cpshard_attention_forward:
         AttentionInterface.register(ATTENTION_NAME, cpshard_attention_forward)
+    masks = AttentionMaskInterface()  # type: ignore[no-untyped-call]
+    if masks.get(ATTENTION_NAME) is not cpshard_attention_mask:
+        AttentionMaskInterface.register(ATTENTION_NAME, cpshard_attention_mask)
     setter = getattr(model, "set_attn_implementation", None)
     if callable(setter):
         setter(ATTENTION_NAME)
