@@ -152,3 +152,96 @@ def packed_from_positions(cp_mesh: DeviceMesh, layout: str) -> None:
     # without layout="packed"/"balanced" restarting positions are just positions (dense)
     _, dense, s_dense = cpshard.make_cp_batch_and_ctx(cp_mesh, by_pos)
     assert s_dense.layout in ("none", "round_robin")
+
+
+def random_seq_lens(seed: int, rows: int, row_len: int) -> list[list[int]]:
+    """Random document lengths per row: every row starts with a 1-token document, lengths
+    1..9 (so more 1-token documents), row 0 ends in 1-3 pads, the other rows are full."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(rows):
+        budget = row_len - (int(torch.randint(1, 4, (1,), generator=g)) if b == 0 else 0)
+        lens = [1]
+        while sum(lens) < budget:
+            lens.append(min(int(torch.randint(1, 10, (1,), generator=g)), budget - sum(lens)))
+        out.append(lens)
+    return out
+
+
+def _reference_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, spec: PackSpec
+) -> tuple[torch.Tensor, ...]:
+    """fp64 one-process attention in caller coordinates ``[B, S, H, D]``: each document attends
+    causally within itself (pads see only themselves); output and ``(dq, dk, dv)``."""
+    from _attention_common import reference_with_grads
+    from cpshard.meta import pad_document_ids
+
+    docs = pad_document_ids(spec.document_ids(), spec.padding_mask())
+    out, dq, dk, dv = reference_with_grads(
+        *(t.transpose(1, 2) for t in (q, k, v, go)), docs, causal=True
+    )
+    return tuple(t.transpose(1, 2) for t in (out, dq, dk, dv))
+
+
+def packed_attention(cp_mesh: DeviceMesh, layout: str, pack: str, seed: int) -> int:
+    """Shard a packed batch with the dispatcher, run CP attention on sharded q/k/v (through
+    ``cp_attention`` and through ``ctx()`` + plain SDPA, every method), gather output and
+    dQ/dK/dV back to caller ``[B, S]`` coordinates and compare real tokens with one process.
+
+    Returns the number of (method, path) cases checked on this rank."""
+    import torch.nn.functional as F
+
+    from cpshard.attention import cp_attention
+
+    world = cp_mesh.size()
+    hkv = max(world, 2)  # ulysses splits heads over the CP ranks
+    hq, dim = 2 * hkv, 4
+    if pack == "seq_lens":
+        seq_lens = random_seq_lens(seed, 3, 4 * world + 7)
+        spec = PackSpec.from_seq_lens(seq_lens, 4 * world + 7)
+        extra: dict[str, object] = {"seq_lens": seq_lens}
+    else:
+        lens = random_seq_lens(seed, 1, 6 * world + 5)[0]
+        spec = PackSpec.from_seq_lens([lens], sum(lens))
+        extra = {"cu_seqlens": spec.cu_seqlens()}
+    bsz, seq = spec.num_rows, spec.row_len
+    g = torch.Generator().manual_seed(100 + seed)  # the same tensors on every rank
+    q = torch.randn(bsz, seq, hq, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(bsz, seq, hkv, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(bsz, seq, hkv, dim, generator=g, dtype=torch.float64)
+    go = torch.randn(bsz, seq, hq, dim, generator=g, dtype=torch.float64)
+    ref = _reference_grads(q, k, v, go, spec)
+    real = ~spec.padding_mask()
+    ids = torch.arange(1, bsz * seq + 1).reshape(bsz, seq)
+    checked = 0
+    for method in ("all_gather", "ring", "ulysses"):
+        for path in ("cp_attention", "ctx"):
+            ctx, out, sharder = cpshard.make_cp_batch_and_ctx(
+                cp_mesh,
+                {"input_ids": ids, **extra},
+                layout=layout,
+                attention=method,  # type: ignore[arg-type]
+            )
+            # caller [B, S, H, D] -> local [1, L, H, D] -> [1, H, L, D], leaves for the grads
+            ql, kl, vl = (
+                sharder.shard_token_tensor(t, fill=0.0).transpose(1, 2).requires_grad_()
+                for t in (q, k, v)
+            )
+            gol = sharder.shard_token_tensor(go, fill=0.0).transpose(1, 2)
+            if path == "cp_attention":
+                o = cp_attention(ql, kl, vl, sharder=sharder, method=method)
+            else:
+                with ctx():
+                    o = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+            (o * gol).sum().backward()
+            got = [o.detach(), ql.grad, kl.grad, vl.grad]
+            for name, local, want in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+                assert local is not None
+                full = sharder.gather_token_tensor(local.transpose(1, 2), trim=True, fill=0.0)
+                assert full.shape == want.shape
+                torch.testing.assert_close(
+                    full[real], want[real],
+                    msg=lambda m, n=name, p=path, me=method: f"{layout} {me} {p} {n}: {m}",
+                )  # fmt: skip
+            checked += 1
+    return checked
