@@ -189,13 +189,7 @@ def packed_attention(cp_mesh: DeviceMesh, layout: str, pack: str, seed: int) -> 
     dQ/dK/dV back to caller ``[B, S]`` coordinates and compare real tokens with one process.
 
     Returns the number of (method, path) cases checked on this rank."""
-    import torch.nn.functional as F
-
-    from cpshard.attention import cp_attention
-
     world = cp_mesh.size()
-    hkv = max(world, 2)  # ulysses splits heads over the CP ranks
-    hq, dim = 2 * hkv, 4
     if pack == "seq_lens":
         seq_lens = random_seq_lens(seed, 3, 4 * world + 7)
         spec = PackSpec.from_seq_lens(seq_lens, 4 * world + 7)
@@ -204,6 +198,27 @@ def packed_attention(cp_mesh: DeviceMesh, layout: str, pack: str, seed: int) -> 
         lens = random_seq_lens(seed, 1, 6 * world + 5)[0]
         spec = PackSpec.from_seq_lens([lens], sum(lens))
         extra = {"cu_seqlens": spec.cu_seqlens()}
+    return _attention_case(cp_mesh, layout, spec, extra, seed)
+
+
+def packed_attention_lens(
+    cp_mesh: DeviceMesh, layout: str, seq_lens: list[list[int]], row_len: int
+) -> int:
+    """:func:`packed_attention` on explicit document lengths (edge cases)."""
+    spec = PackSpec.from_seq_lens(seq_lens, row_len)
+    return _attention_case(cp_mesh, layout, spec, {"seq_lens": seq_lens}, 0)
+
+
+def _attention_case(
+    cp_mesh: DeviceMesh, layout: str, spec: PackSpec, extra: dict[str, object], seed: int
+) -> int:
+    import torch.nn.functional as F
+
+    from cpshard.attention import cp_attention
+
+    world = cp_mesh.size()
+    hkv = max(world, 2)  # ulysses splits heads over the CP ranks
+    hq, dim = 2 * hkv, 4
     bsz, seq = spec.num_rows, spec.row_len
     g = torch.Generator().manual_seed(100 + seed)  # the same tensors on every rank
     q = torch.randn(bsz, seq, hq, dim, generator=g, dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from _packed_fns import (
     packed_attention,
+    packed_attention_lens,
     packed_corpus_batch,
     packed_embeds_grad,
     packed_errors,
@@ -57,3 +58,23 @@ def test_packed_attention_matches_one_process(
     """Attention on a packed batch sharded by the dispatcher equals one fp64 process, forward
     and backward, for every method, through cp_attention and through ctx() + plain SDPA."""
     assert ranks(world, packed_attention, layout, pack, seed) == [6] * world
+
+
+EDGE_PACKS = {
+    "all_pad_row": ([[3, 1], [], [2, 5]], 8),
+    "all_pad_first_row": ([[], [6, 1, 1]], 8),
+    "one_long_document": ([[40], [1, 1, 1], [2]], 40),
+    "fewer_documents_than_ranks": ([[5, 6]], 12),
+    "one_token_per_rank": ([[1, 1, 1, 1]], 4),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("case", list(EDGE_PACKS))
+def test_packed_attention_edge_packs(ranks: Ranks, world: int, layout: str, case: str) -> None:
+    """All-padding rows, one document longer than all others, C > documents, C == tokens."""
+    seq_lens, row_len = EDGE_PACKS[case]
+    if case == "one_token_per_rank":
+        seq_lens, row_len = [[1] * world], world
+    assert ranks(world, packed_attention_lens, layout, seq_lens, row_len) == [6] * world
