@@ -260,3 +260,118 @@ def _attention_case(
                 )  # fmt: skip
             checked += 1
     return checked
+
+
+def _bad_packed_batches() -> dict[str, tuple[dict[str, object], str, str]]:
+    """name -> (batch, layout or "" for the rank's packed layout, expected message regex)."""
+    one = torch.arange(8).reshape(1, 8)
+    two = torch.arange(8).reshape(2, 4)
+    ok_lens = {"input_ids": two, "seq_lens": [[4], [1, 2]]}
+    ok_cu = {"input_ids": one, "cu_seqlens": torch.tensor([0, 3, 8])}
+    return {
+        "cu_not_from_0": (
+            {"input_ids": one, "cu_seqlens": torch.tensor([1, 4, 8])},
+            "",
+            r"cu_seqlens: must start at 0",
+        ),
+        "cu_decreasing": (
+            {"input_ids": one, "cu_seqlens": torch.tensor([0, 5, 4, 8])},
+            "",
+            r"cu_seqlens: must be strictly increasing.*cu\[1\]=5 >= cu\[2\]=4",
+        ),
+        "cu_repeated": (
+            {"input_ids": one, "cu_seqlens": torch.tensor([0, 4, 4, 8])},
+            "",
+            r"cu_seqlens: must be strictly increasing",
+        ),
+        "cu_short_of_stream": (
+            {"input_ids": one, "cu_seqlens": torch.tensor([0, 4, 7])},
+            "",
+            r"cu_seqlens: must end at the stream length T=8; got cu\[-1\]=7",
+        ),
+        "cu_past_stream": (
+            {"input_ids": one, "cu_seqlens": torch.tensor([0, 4, 9])},
+            "",
+            r"cu_seqlens: must end at the stream length T=8; got cu\[-1\]=9",
+        ),
+        "cu_with_rows": (
+            {"input_ids": two, "cu_seqlens": torch.tensor([0, 8])},
+            "",
+            r"cu_seqlens describes one \[1, T\] stream, but the batch has B=2",
+        ),
+        "seq_lens_overflow_row": (
+            {"input_ids": two, "seq_lens": [[3, 2], [1]]},
+            "",
+            r"seq_lens of row 0: must sum to <= the row length S=4",
+        ),
+        "seq_lens_wrong_rows": (
+            {"input_ids": two, "seq_lens": [[4]]},
+            "",
+            r"seq_lens has 1 rows but the batch has B=2",
+        ),
+        "seq_lens_negative": (
+            {"input_ids": two, "seq_lens": [[3, -1], [2]]},
+            "",
+            r"negative lengths are not allowed",
+        ),
+        "seq_lens_zero": (
+            {"input_ids": two, "seq_lens": [[3, 0], [2]]},
+            "",
+            r"empty documents are not allowed",
+        ),
+        "no_real_tokens": (
+            {"input_ids": two, "seq_lens": [[], []]},
+            "",
+            r"cannot shard 0 real tokens over world_size=",
+        ),
+        "both_seq_lens_and_cu": (
+            {"input_ids": one, "seq_lens": [[8]], "cu_seqlens": torch.tensor([0, 8])},
+            "",
+            r"exactly one of 'seq_lens'.*got both",
+        ),
+        "positions_not_restarting": (
+            {"input_ids": two, "position_ids": torch.tensor([[0, 2, 3, 4], [0, 1, 0, 1]])},
+            "",
+            r"position_ids\[0, 1\]: must restart at 0 or continue",
+        ),
+        **{
+            f"{key}_to_{lay}": (batch, lay, rf"which layout='{lay}' cannot express")
+            for key, batch in (("seq_lens", ok_lens), ("cu_seqlens", ok_cu))
+            for lay in ("none", "contiguous", "round_robin")
+        },
+    }
+
+
+def packed_bad_inputs(cp_mesh: DeviceMesh, layout: str) -> list[str]:
+    """Every bad packed input raises a clear ValueError on this rank, before any collective (a
+    collective after each error proves no rank went ahead); the caller's batch is unchanged.
+    Returns the names of the cases that raised."""
+    import copy
+
+    import pytest
+    import torch.distributed as dist
+
+    world = cp_mesh.size()
+    cases = _bad_packed_batches()
+    few = torch.arange(6).reshape(2, 3)  # 3 real tokens: too few for world 4
+    cases["more_ranks_than_tokens"] = (
+        {"input_ids": few, "seq_lens": [[1, 1], [1]]} if world > 3 else {},
+        "",
+        rf"cannot shard 3 real tokens over world_size={world} CP ranks",
+    )
+    raised = []
+    for name, (batch, lay, match) in cases.items():
+        if not batch:
+            continue
+        before = copy.deepcopy(batch)
+        with pytest.raises(ValueError, match=match):
+            cpshard.make_cp_batch_and_ctx(cp_mesh, batch, layout=lay or layout)  # type: ignore[arg-type]
+        assert batch.keys() == before.keys(), name
+        for k, v in before.items():
+            got = batch[k]
+            assert torch.equal(got, v) if isinstance(v, torch.Tensor) else got == v, (name, k)
+        raised.append(name)
+        flag = torch.ones(1)
+        dist.all_reduce(flag, group=cp_mesh.get_group())  # every rank got here
+        assert int(flag) == world, name
+    return raised

@@ -6,6 +6,7 @@ import pytest
 from _packed_fns import (
     packed_attention,
     packed_attention_lens,
+    packed_bad_inputs,
     packed_corpus_batch,
     packed_embeds_grad,
     packed_errors,
@@ -78,3 +79,14 @@ def test_packed_attention_edge_packs(ranks: Ranks, world: int, layout: str, case
     if case == "one_token_per_rank":
         seq_lens, row_len = [[1] * world], world
     assert ranks(world, packed_attention_lens, layout, seq_lens, row_len) == [6] * world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_bad_packed_inputs_raise_on_every_rank(ranks: Ranks, world: int, layout: str) -> None:
+    """cu_seqlens not from 0 / not increasing / not ending at T, seq_lens not fitting or
+    negative, more ranks than tokens, packed batches for layouts without documents: the same
+    ValueError on every rank through the dispatcher, no hang, the caller's batch unchanged."""
+    names = ranks(world, packed_bad_inputs, layout)
+    assert all(n == names[0] for n in names)
+    assert len(names[0]) == 19 + (world > 3)
