@@ -375,3 +375,81 @@ def packed_bad_inputs(cp_mesh: DeviceMesh, layout: str) -> list[str]:
         dist.all_reduce(flag, group=cp_mesh.get_group())  # every rank got here
         assert int(flag) == world, name
     return raised
+
+
+def packed_keys_verbs_grads(cp_mesh: DeviceMesh, layout: str) -> None:
+    """labels / loss_mask / extra keys (trailing dims, seq dim 0) shard like the tokens with
+    their pad values; the verbs raise clear errors on mismatched shapes; gradients through
+    shard -> gather match one process in both ``grad`` modes, trimmed and untrimmed."""
+    import pytest
+    import torch.distributed as dist
+
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    spec = PackSpec.from_seq_lens(SEQ_LENS, ROW_LEN)
+    bsz, seq = spec.num_rows, ROW_LEN
+    g = torch.Generator().manual_seed(11)
+    ids = torch.arange(1, bsz * seq + 1).reshape(bsz, seq)
+    labels = shift_labels_packed(ids, spec)
+    lm = (torch.rand(bsz, seq, generator=g) > 0.3).long()
+    adv = torch.randn(bsz, seq, generator=g)
+    lp = torch.randn(bsz, seq, 5, generator=g)
+    tr = torch.randn(seq, bsz, generator=g)  # sequence on dim 0
+    batch = {"input_ids": ids, "labels": labels, "adv": adv, "lp": lp, "tr": tr, "tag": "keep"}
+    extra = {"adv": cpshard.TokenKey(1, 0.5), "lp": cpshard.TokenKey(1, -1.0)}
+    extra["tr"] = cpshard.TokenKey(0, 9.0)
+    _, out, sh = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, {**batch, "seq_lens": SEQ_LENS}, layout=layout, loss_mask=lm,  # type: ignore[arg-type]
+        extra_token_keys=extra,
+    )  # fmt: skip
+    plan = _plan(layout, spec, world)
+    mine = plan.rank_map[rank]
+    assert out["tag"] == "keep"
+    for key, full, fill in (
+        ("labels", labels, -100),
+        ("loss_mask", lm, 0),
+        ("adv", adv, 0.5),
+        ("lp", lp, -1.0),
+    ):
+        assert torch.equal(out[key][0], plan.to_stream(full, fill)[mine]), key
+    assert out["tr"].shape == (plan.local_len, 1)
+    assert torch.equal(out["tr"][:, 0], plan.to_stream(tr.t(), 9.0)[mine])
+    # verbs: mismatched shapes raise, naming what is accepted
+    x = torch.randn(bsz, seq, dtype=torch.float64, generator=g)
+    with pytest.raises(ValueError, match=r"requires `fill` for the padded slots"):
+        sh.shard_token_tensor(x)
+    for bad in ((bsz, seq + 1), (bsz + 1, seq), (1, bsz * seq)):
+        with pytest.raises(ValueError, match=rf"input positions shape \({bsz}, {seq}\)"):
+            sh.shard_token_tensor(torch.zeros(bad), fill=0.0)
+    local = sh.shard_token_tensor(x, fill=0.0)
+    with pytest.raises(ValueError, match=r"requires `fill` for dropped slots"):
+        sh.gather_token_tensor(local, trim=True)
+    with pytest.raises(ValueError, match=rf"padded_seq_len={plan.padded_len}"):
+        sh.gather_token_tensor(torch.zeros(1, plan.local_len + 1))
+    with pytest.raises(ValueError, match=r"needs the gathered \[1, P, \.\.\.\] stream"):
+        sh.gather_token_tensor(local.unsqueeze(1), seq_dim=2, trim=True, fill=0.0)
+    # gradients in both modes against the one-process gradient
+    valid = (plan.input_token_stream_positions >= 0).double()
+    for mode in ("sum", "replicated"):
+        for trim in (True, False):
+            xg = x.clone().requires_grad_()
+            full = sh.gather_token_tensor(
+                sh.shard_token_tensor(xg, fill=0.0) * 2.0, trim=trim, fill=0.0, grad=mode
+            )
+            # "sum": each rank weighs the gathered tensor differently; "replicated": one loss
+            seeds = range(world) if mode == "sum" else [0]
+            ws = [torch.randn(full.shape, dtype=torch.float64, generator=_seeded(s)) for s in seeds]
+            (full * ws[rank if mode == "sum" else 0]).sum().backward()
+            w = sum(ws)
+            assert isinstance(w, torch.Tensor)
+            if not trim:  # stream weights back to caller coordinates
+                w = plan.from_stream(w[0], 0.0)
+            assert xg.grad is not None
+            grad = xg.grad.clone()
+            dist.all_reduce(grad, group=cp_mesh.get_group())
+            torch.testing.assert_close(
+                grad, 2.0 * w * valid, msg=lambda m, mo=mode, t=trim: f"{mo} trim={t}: {m}"
+            )
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 + seed)

@@ -11,6 +11,7 @@ from _packed_fns import (
     packed_embeds_grad,
     packed_errors,
     packed_from_positions,
+    packed_keys_verbs_grads,
     packed_round_trip,
 )
 
@@ -90,3 +91,9 @@ def test_bad_packed_inputs_raise_on_every_rank(ranks: Ranks, world: int, layout:
     names = ranks(world, packed_bad_inputs, layout)
     assert all(n == names[0] for n in names)
     assert len(names[0]) == 19 + (world > 3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_packed_keys_verbs_and_grads(ranks: Ranks, world: int, layout: str) -> None:
+    ranks(world, packed_keys_verbs_grads, layout)
