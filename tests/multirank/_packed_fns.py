@@ -149,6 +149,10 @@ def packed_from_positions(cp_mesh: DeviceMesh, layout: str) -> None:
         assert torch.equal(a[k], b[k]), k
     assert sa.token_meta is not None and sb.token_meta is not None
     assert torch.equal(sa.token_meta.document_ids, sb.token_meta.document_ids)
+    # seq_lens as tensors (one per row; rows hold different numbers of documents) == lists
+    by_tensors = {**by_lens, "seq_lens": [torch.tensor(r) for r in SEQ_LENS]}
+    _, c, _ = cpshard.make_cp_batch_and_ctx(cp_mesh, by_tensors, layout=layout)  # type: ignore[arg-type]
+    assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
     # without layout="packed"/"balanced" restarting positions are just positions (dense)
     _, dense, s_dense = cpshard.make_cp_batch_and_ctx(cp_mesh, by_pos)
     assert s_dense.layout in ("none", "round_robin")
