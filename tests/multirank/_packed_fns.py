@@ -346,6 +346,19 @@ def _bad_packed_batches() -> dict[str, tuple[dict[str, object], str, str]]:
     }
 
 
+def _dispatch(cp_mesh: DeviceMesh, batch: dict[str, object], how: str, sharders: dict) -> None:  # type: ignore[type-arg]
+    """Shard ``batch`` by layout name, by a closed-form ``cp_sharder`` or via a model hook."""
+    from _dispatch_fns import HookModel
+
+    if how == "model":
+        cpshard.prepare_cp_forward(HookModel(), cp_mesh, batch)
+    elif how.startswith("sharder:"):
+        sharder = cpshard.closed_form_sharder(sharders[how.split(":")[1]])
+        cpshard.make_cp_batch_and_ctx(cp_mesh, batch, cp_sharder=sharder)
+    else:
+        cpshard.make_cp_batch_and_ctx(cp_mesh, batch, layout=how)  # type: ignore[arg-type]
+
+
 def packed_bad_inputs(cp_mesh: DeviceMesh, layout: str) -> list[str]:
     """Every bad packed input raises a clear ValueError on this rank, before any collective (a
     collective after each error proves no rank went ahead); the caller's batch is unchanged.
@@ -363,13 +376,31 @@ def packed_bad_inputs(cp_mesh: DeviceMesh, layout: str) -> list[str]:
         "",
         rf"cannot shard 3 real tokens over world_size={world} CP ranks",
     )
+    from cpshard.layouts import ContiguousLayout, NoneLayout, RoundRobinLayout
+
+    lens_batch = {"input_ids": torch.arange(8).reshape(2, 4), "seq_lens": [[4], [1, 2]]}
+    # closed-form sharders handed over directly (model-owned CP) cannot express documents either
+    for closed in (NoneLayout(), ContiguousLayout(), RoundRobinLayout()):
+        cases[f"cp_sharder_{closed.name}"] = (
+            lens_batch,
+            f"sharder:{closed.name}",
+            rf"packed documents \(\['seq_lens'\]\), which layout='{closed.name}' cannot",
+        )
+    if world > 1:  # the model hook runs at cp > 1 and returns a contiguous sharder
+        cases["model_owned_contiguous"] = (
+            {**lens_batch, "pixel_values": torch.ones(1, 3)},
+            "model",
+            r"which layout='contiguous' cannot express",
+        )
+    sharders = {"none": NoneLayout(), "contiguous": ContiguousLayout()}
+    sharders["round_robin"] = RoundRobinLayout()
     raised = []
     for name, (batch, lay, match) in cases.items():
         if not batch:
             continue
         before = copy.deepcopy(batch)
         with pytest.raises(ValueError, match=match):
-            cpshard.make_cp_batch_and_ctx(cp_mesh, batch, layout=lay or layout)  # type: ignore[arg-type]
+            _dispatch(cp_mesh, batch, lay or layout, sharders)
         assert batch.keys() == before.keys(), name
         for k, v in before.items():
             got = batch[k]
