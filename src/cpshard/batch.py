@@ -251,7 +251,8 @@ def shard_batch_dense(
         cp_mesh: 1-D CP mesh or ``None`` (``None`` / size 1: the same conventions, no copies
             unless the layout pads).
         tp_mesh: Unused by dense layouts; part of the ``shard_batch`` contract.
-        batch: Caller's batch (see :func:`normalize_batch`); never mutated.
+        batch: Caller's batch (see :func:`normalize_batch`); never mutated. A packed batch
+            (``seq_lens`` / ``cu_seqlens``) raises: closed-form layouts cannot express documents.
         loss_mask: Optional ``[B, S]`` loss mask.
         padding_token_id: Pad id for ``input_ids``.
         layout: The closed-form layout.
@@ -263,6 +264,13 @@ def shard_batch_dense(
         local ``[B, P/C]`` tensors in local layout order. ``ctx.facts`` are the captured facts.
     """
     del tp_mesh
+    packed = [k for k in ("seq_lens", "cu_seqlens") if batch.get(k) is not None]
+    if packed:  # e.g. a model-owned or hand-built closed-form sharder given a packed batch
+        raise ValueError(
+            f"the batch describes packed documents ({packed}), which layout={layout.name!r} "
+            "cannot express (its attention would cross documents); shard it with "
+            "layout='balanced' or 'packed', or drop the key if the rows are single documents"
+        )
     rank, world = _comm.cp_rank_and_size(cp_mesh)
     extra = dict(extra_token_keys or {})
     out, dims, primary = normalize_batch(batch, loss_mask=loss_mask, extra_token_keys=extra)

@@ -22,10 +22,13 @@ Documents have length ``>= 1``; a row may hold no document at all (all padding).
 from __future__ import annotations
 
 import itertools
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["PackSpec", "shift_labels_packed"]
@@ -33,6 +36,24 @@ __all__ = ["PackSpec", "shift_labels_packed"]
 
 def _fix(what: str, rule: str, value: object, fix: str) -> ValueError:
     return ValueError(f"{what}: {rule}; got {value}. Fix: {fix}")
+
+
+def _is_scalar(n: object) -> bool:
+    """A single number: Python / numpy scalars and 0-d tensors or arrays."""
+    if isinstance(n, torch.Tensor | np.ndarray):
+        return n.ndim == 0
+    return isinstance(n, numbers.Number)
+
+
+def _as_int(n: Any, what: str) -> int:
+    """``n`` as an ``int``; a non-integral value (``2.5``) raises instead of truncating."""
+    try:
+        return operator.index(n)  # ints, numpy ints, 0-d integer tensors
+    except TypeError:
+        value = float(n)
+    if not value.is_integer():
+        raise _fix(what, "must be whole numbers", n, "pass integer lengths / offsets")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -92,11 +113,14 @@ class PackSpec:
             ValueError: negative or zero lengths, or a row that does not fit in ``S``.
         """
         items: list[Any] = (
-            seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+            seq_lens.tolist() if isinstance(seq_lens, torch.Tensor | np.ndarray) else list(seq_lens)
         )
-        if items and all(isinstance(n, int) for n in items):  # a flat list: one row
+        if items and all(_is_scalar(n) for n in items):  # a flat list: one row
             items = [items]
-        return cls(int(row_len), tuple(tuple(int(n) for n in row) for row in items))
+        rows = tuple(
+            tuple(_as_int(n, f"seq_lens row {b}") for n in row) for b, row in enumerate(items)
+        )
+        return cls(int(row_len), rows)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total_len: int) -> PackSpec:
@@ -117,7 +141,7 @@ class PackSpec:
                 f"shape {tuple(cu_seqlens.shape)}",
                 "pass [0, len0, len0 + len1, ...]",
             )
-        cu = [int(v) for v in cu_seqlens.tolist()]
+        cu = [_as_int(v, "cu_seqlens") for v in cu_seqlens.tolist()]
         if cu[0] != 0:
             raise _fix("cu_seqlens", "must start at 0", cu[:4], "prepend 0")
         diffs = [b - a for a, b in itertools.pairwise(cu)]

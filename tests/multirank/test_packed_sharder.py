@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 from _packed_fns import (
+    packed_attention,
+    packed_attention_lens,
+    packed_bad_inputs,
     packed_corpus_batch,
     packed_embeds_grad,
     packed_errors,
     packed_from_positions,
+    packed_keys_verbs_grads,
     packed_round_trip,
 )
 
@@ -44,3 +48,53 @@ def test_packed_corpus_batch(ranks: Ranks, world: int) -> None:
 @pytest.mark.parametrize("layout", ["packed", "balanced"])
 def test_packed_from_restarting_positions(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, packed_from_positions, layout)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("pack", ["seq_lens", "cu_seqlens"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_packed_attention_matches_one_process(
+    ranks: Ranks, world: int, layout: str, pack: str, seed: int
+) -> None:
+    """Attention on a packed batch sharded by the dispatcher equals one fp64 process, forward
+    and backward, for every method, through cp_attention and through ctx() + plain SDPA."""
+    assert ranks(world, packed_attention, layout, pack, seed) == [6] * world
+
+
+EDGE_PACKS = {
+    "all_pad_row": ([[3, 1], [], [2, 5]], 8),
+    "all_pad_first_row": ([[], [6, 1, 1]], 8),
+    "one_long_document": ([[40], [1, 1, 1], [2]], 40),
+    "fewer_documents_than_ranks": ([[5, 6]], 12),
+    "one_token_per_rank": ([[1, 1, 1, 1]], 4),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("case", list(EDGE_PACKS))
+def test_packed_attention_edge_packs(ranks: Ranks, world: int, layout: str, case: str) -> None:
+    """All-padding rows, one document longer than all others, C > documents, C == tokens."""
+    seq_lens, row_len = EDGE_PACKS[case]
+    if case == "one_token_per_rank":
+        seq_lens, row_len = [[1] * world], world
+    assert ranks(world, packed_attention_lens, layout, seq_lens, row_len) == [6] * world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_bad_packed_inputs_raise_on_every_rank(ranks: Ranks, world: int, layout: str) -> None:
+    """cu_seqlens not from 0 / not increasing / not ending at T, seq_lens not fitting or
+    negative, more ranks than tokens, packed batches for layouts without documents (by name,
+    as a closed-form ``cp_sharder``, or from a model-owned hook): the same
+    ValueError on every rank through the dispatcher, no hang, the caller's batch unchanged."""
+    names = ranks(world, packed_bad_inputs, layout)
+    assert all(n == names[0] for n in names)
+    assert len(names[0]) == 22 + (world > 1) + (world > 3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_packed_keys_verbs_and_grads(ranks: Ranks, world: int, layout: str) -> None:
+    ranks(world, packed_keys_verbs_grads, layout)

@@ -138,3 +138,21 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
         main(["balance", "--seq-lens", "3,x"])
     with pytest.raises(SystemExit):
         main(["balance", "--cp", "0"])
+
+
+def test_cli_times_after_one_warm_up(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The printed plan times do not include first-call warm-up, and the table says so."""
+    import cpshard.cli.balance as cli_balance
+
+    calls: list[int] = []
+
+    def counting(spec: PackSpec, c: int, include_torch: bool = True) -> list[PackedPlan]:
+        calls.append(c)
+        return all_plans(spec, c, include_torch=include_torch)
+
+    monkeypatch.setattr(cli_balance, "all_plans", counting)
+    assert main(["balance", "--tokens", "2048", "--cp", "2", "4", "--seed", "0", "1"]) == 0
+    assert calls == [2, 2, 4, 2, 4]  # one untimed warm-up, then 2 batches x 2 CP sizes
+    assert "after one untimed warm-up pass" in capsys.readouterr().out

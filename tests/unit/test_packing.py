@@ -153,3 +153,21 @@ def test_shift_labels_shape_error() -> None:
     spec = PackSpec.from_seq_lens([[3]], 4)
     with pytest.raises(ValueError, match=r"labels: must be \[B, S\] = \[1, 4\]"):
         shift_labels_packed(torch.zeros(1, 5), spec)
+
+
+def test_seq_lens_spellings_numpy_and_tensor_items() -> None:
+    import numpy as np
+
+    want = ((3, 5),)
+    assert PackSpec.from_seq_lens([np.int64(3), np.int64(5)], 8).doc_lens == want
+    assert PackSpec.from_seq_lens([torch.tensor(3), torch.tensor(5)], 8).doc_lens == want
+    assert PackSpec.from_seq_lens(np.array([3, 5]), 8).doc_lens == want
+    assert PackSpec.from_seq_lens([torch.tensor([3, 5]), [2]], 8).doc_lens == (*want, (2,))
+    assert PackSpec.from_seq_lens(torch.tensor([[3.0, 5.0]]), 8).doc_lens == want
+
+
+def test_fractional_lengths_raise_instead_of_truncating() -> None:
+    with pytest.raises(ValueError, match=r"seq_lens row 0: must be whole numbers; got 2.5"):
+        PackSpec.from_seq_lens([[2.5, 3]], 8)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"cu_seqlens: must be whole numbers; got 4.5"):
+        PackSpec.from_cu_seqlens(torch.tensor([0.0, 4.5, 8.0]), 8)

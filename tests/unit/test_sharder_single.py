@@ -67,3 +67,40 @@ def test_bad_mesh_and_names() -> None:
         cpshard.make_cp_batch_and_ctx(None, _batch(), layout="zigzag")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="attention must be one of"):
         cpshard.make_cp_batch_and_ctx(None, _batch(), attention="flash")
+
+
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+def test_packed_attention_without_mesh(layout: str, method: str) -> None:
+    """cp_mesh=None: packed batches still get per-document causal attention (ctx() + SDPA and
+    cp_attention), matching fp64 one-process attention forward and backward."""
+    import torch.nn.functional as F
+
+    from _attention_common import reference_with_grads
+    from cpshard.attention import cp_attention
+    from cpshard.meta import pad_document_ids
+    from cpshard.packing import PackSpec
+
+    seq_lens = [[3, 1], [], [2, 5]]  # an all-padding row and a row ending in padding
+    spec = PackSpec.from_seq_lens(seq_lens, 8)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(3, 8, 2, 4, dtype=torch.float64, generator=g) for _ in range(4))
+    docs = pad_document_ids(spec.document_ids(), spec.padding_mask())
+    ref = reference_with_grads(*(t.transpose(1, 2) for t in (q, k, v, go)), docs, causal=True)
+    real = ~spec.padding_mask()
+    batch = {"input_ids": torch.zeros(3, 8, dtype=torch.long), "seq_lens": seq_lens}
+    ctx, _, sh = cpshard.make_cp_batch_and_ctx(None, batch, layout=layout, attention=method)  # type: ignore[arg-type]
+    for path in ("ctx", "cp_attention"):
+        ql, kl, vl = (
+            sh.shard_token_tensor(t, fill=0.0).transpose(1, 2).requires_grad_() for t in (q, k, v)
+        )
+        if path == "ctx":
+            with ctx():
+                o = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+        else:
+            o = cp_attention(ql, kl, vl, sharder=sh, method=method)
+        (o * sh.shard_token_tensor(go, fill=0.0).transpose(1, 2)).sum().backward()
+        for local, want in zip((o.detach(), ql.grad, kl.grad, vl.grad), ref, strict=True):
+            assert local is not None
+            full = sh.gather_token_tensor(local.transpose(1, 2), trim=True, fill=0.0)
+            torch.testing.assert_close(full[real], want.transpose(1, 2)[real])
