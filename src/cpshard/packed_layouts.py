@@ -27,6 +27,7 @@ the work error is one token's work per rank (plus ``work_tolerance``).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -130,25 +131,65 @@ def _check_world(spec: PackSpec, world_size: int) -> None:
         )
 
 
+def _doc_lengths(spec: PackSpec) -> _I64:
+    """:meth:`PackSpec.lengths` as an int64 array, without the tensor round trip."""
+    flat = itertools.chain.from_iterable(spec.doc_lens)
+    return np.fromiter(flat, dtype=np.int64, count=spec.num_docs)
+
+
+def _runs(first: _I64, counts: _I64, step: _I64 | int) -> _I64:
+    """``concat(first[i] + step[i] * arange(counts[i]))`` as one int64 array, built in place
+    (a repeat and a cumsum over the output; no ``[P]`` temporaries)."""
+    keep = counts > 0
+    first, counts = first[keep], counts[keep]
+    if isinstance(step, int):
+        out = np.full(int(counts.sum()), step, dtype=np.int64)
+        step_kept: _I64 | int = step
+    else:
+        step_kept = step[keep]
+        out = np.repeat(step_kept, counts)
+    if not counts.size:
+        return out
+    offsets = np.cumsum(counts) - counts
+    jump = first.copy()
+    jump[1:] -= first[:-1] + (counts[:-1] - 1) * (
+        step_kept if isinstance(step_kept, int) else step_kept[:-1]
+    )
+    out[offsets] = jump
+    np.cumsum(out, out=out)
+    return out
+
+
 def _stream_facts(
-    spec: PackSpec, seg_lens: _I64, padded_len: int
+    spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stream doc ids, positions and the input map when document ``d`` occupies
-    ``[start_d, start_d + seg_lens[d])`` of the stream (real tokens first)."""
-    lens = spec.lengths().numpy()
+    ``[start_d, start_d + seg_lens[d])`` of the stream (its ``lens[d]`` real tokens first)."""
+    n_docs = lens.size
     starts = np.cumsum(seg_lens) - seg_lens
     total = int(seg_lens.sum())
-    real = int(lens.sum())
-    in_doc = np.arange(real) - np.repeat(np.cumsum(lens) - lens, lens)  # position in document
-    stream_real = np.repeat(starts, lens) + in_doc
-    doc_ids = np.full(padded_len, -1, dtype=np.int64)
-    doc_ids[stream_real] = np.repeat(np.arange(lens.size), lens)
-    pos = np.empty(padded_len, dtype=np.int64)
-    pos[:total] = np.arange(total) - np.repeat(starts, seg_lens)
-    last = int(pos[total - 1]) + 1 if total else 0
-    pos[total:] = last + np.arange(padded_len - total)  # the end pad continues the last doc
-    idx = np.full(spec.num_rows * spec.row_len, -1, dtype=np.int64)
-    idx[np.repeat(spec.input_starts().numpy(), lens) + in_doc] = stream_real
+    tail = padded_len - total  # the end pad
+    # doc ids: runs of d (real) and -1 (document padding), then the end pad
+    ids = np.empty(2 * n_docs + 1, dtype=np.int64)
+    ids[0:-1:2] = np.arange(n_docs)
+    ids[1::2] = -1
+    ids[-1] = -1
+    cnt = np.empty(2 * n_docs + 1, dtype=np.int64)
+    cnt[0:-1:2] = lens
+    cnt[1:-1:2] = seg_lens - lens
+    cnt[-1] = tail
+    doc_ids = np.repeat(ids, cnt)
+    # positions restart at every document; the end pad continues the last document
+    last = int(seg_lens[-1]) if n_docs else 0
+    pos = _runs(np.append(np.zeros(n_docs, dtype=np.int64), last), np.append(seg_lens, tail), 1)
+    # input map: per row, the documents' real tokens, then the row's pad (-1)
+    rows = spec.doc_lens
+    row_ends = np.cumsum(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
+    row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
+    first = np.insert(starts, row_ends, -1)
+    counts = np.insert(lens, row_ends, row_pad)
+    step = np.insert(np.ones(n_docs, dtype=np.int64), row_ends, 0)
+    idx = _runs(first, counts, step)
     return (
         torch.from_numpy(doc_ids),
         torch.from_numpy(pos),
@@ -173,10 +214,11 @@ def plan_from_stream(
             or ``None`` for unpadded documents; the stream end is padded up to ``C * L``.
         solver_seconds: Time the caller spent computing ``rank_map``.
     """
-    lens = spec.lengths() if doc_padded_lens is None else doc_padded_lens
     padded = int(rank_map.numel())
     check_rank_map(rank_map, padded)
-    doc_ids, pos, idx = _stream_facts(spec, lens.numpy().astype(np.int64), padded)
+    lens = _doc_lengths(spec)
+    seg = lens if doc_padded_lens is None else doc_padded_lens.numpy().astype(np.int64)
+    doc_ids, pos, idx = _stream_facts(spec, lens, seg, padded)
     return PackedPlan(
         layout=layout,
         world_size=int(rank_map.shape[0]),
