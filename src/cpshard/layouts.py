@@ -26,6 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -153,19 +154,27 @@ def check_rank_map(rank_map: torch.Tensor, padded_seq_len: int) -> None:
             f"a rank map must be [C, L] with C*L == padded_seq_len={padded_seq_len}, "
             f"got shape {tuple(rank_map.shape)}"
         )
-    seen = torch.zeros(padded_seq_len, dtype=torch.long, device=rank_map.device)
     flat = rank_map.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= padded_seq_len):
-        raise ValueError(
-            f"a rank map holds positions outside [0, {padded_seq_len}): "
-            f"min={int(flat.min())}, max={int(flat.max())}"
-        )
-    seen.index_add_(0, flat, torch.ones_like(flat))
-    if not bool((seen == 1).all()):
-        bad = int((seen != 1).nonzero()[0])
+    if flat.numel():
+        lo, hi = (int(v) for v in torch.aminmax(flat))
+        if lo < 0 or hi >= padded_seq_len:
+            raise ValueError(
+                f"a rank map holds positions outside [0, {padded_seq_len}): min={lo}, max={hi}"
+            )
+    # C * L == P positions in range: a bijection iff every position is hit (pigeonhole)
+    if flat.device.type == "cpu":
+        hit = np.zeros(padded_seq_len, dtype=bool)
+        hit[flat.numpy()] = True
+        covered = bool(hit.all())
+    else:
+        seen = torch.zeros(padded_seq_len, dtype=torch.bool, device=flat.device)
+        covered = bool(seen.index_fill_(0, flat, True).all())
+    if not covered:
+        counts = torch.bincount(flat, minlength=padded_seq_len)
+        bad = int((counts != 1).nonzero()[0])
         raise ValueError(
             f"a rank map must cover each of the {padded_seq_len} positions exactly once; "
-            f"position {bad} appears {int(seen[bad])} times"
+            f"position {bad} appears {int(counts[bad])} times"
         )
 
 

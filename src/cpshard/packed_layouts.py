@@ -393,7 +393,6 @@ def plan_balanced(spec: PackSpec, world_size: int, work_tolerance: float = 1e-3)
     if work_tolerance < 0:
         raise ValueError(f"work_tolerance must be >= 0, got work_tolerance={work_tolerance}")
     t0 = time.perf_counter()
-    lens = spec.lengths().numpy().astype(np.int64)
-    rank_map = torch.from_numpy(_balanced_rank_map(lens, world_size, work_tolerance))
+    rank_map = torch.from_numpy(_balanced_rank_map(_doc_lengths(spec), world_size, work_tolerance))
     plan = plan_from_stream(spec, "balanced", rank_map, None)
     return replace(plan, solver_seconds=time.perf_counter() - t0)

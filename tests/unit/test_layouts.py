@@ -95,3 +95,27 @@ def test_check_rank_map_rejects_non_bijections() -> None:
         check_rank_map(torch.tensor([[0, 1], [2, 9]]), 4)
     with pytest.raises(ValueError, match=r"\[C, L\]"):
         check_rank_map(torch.tensor([0, 1, 2, 3]), 4)
+    with pytest.raises(ValueError, match="exactly once; position 1 appears 0 times"):
+        check_rank_map(torch.tensor([[0, 2], [2, 3]]), 4)
+    with pytest.raises(ValueError, match=r"outside \[0, 4\): min=-1, max=3"):
+        check_rank_map(torch.tensor([[0, -1], [2, 3]]), 4)
+    check_rank_map(torch.empty(2, 0, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_check_rank_map_catches_any_non_bijection(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(50):
+        c = int(torch.randint(1, 6, (1,), generator=gen))
+        p = c * int(torch.randint(1, 9, (1,), generator=gen))
+        perm = torch.randperm(p, generator=gen)
+        check_rank_map(perm.view(c, -1), p)
+        broken = perm.clone()
+        i, j = (int(v) for v in torch.randint(0, p, (2,), generator=gen))
+        broken[i] = perm[j]
+        if i == j:
+            continue
+        counts = torch.bincount(broken, minlength=p)
+        bad = int((counts != 1).nonzero()[0])
+        with pytest.raises(ValueError, match=f"position {bad} appears {int(counts[bad])} times"):
+            check_rank_map(broken.view(c, -1), p)
