@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from test_packing import random_spec
@@ -151,3 +152,59 @@ def test_plan_argument_errors() -> None:
         plan.to_stream(torch.zeros(1, 5), 0)
     with pytest.raises(ValueError, match=r"stream \[P, ...\] with P=4"):
         plan.from_stream(torch.zeros(5), 0)
+
+
+def _reference_balanced(spec: PackSpec, world: int, tol: float) -> tuple[list[list[int]], ...]:
+    """The balanced layout spelled out token by token (the solver's first, slow version):
+    every pool token's rank from the same cut search, then each rank's stream positions."""
+    lens = spec.lengths().tolist()
+    real = sum(lens)
+    padded = -(-real // world) * world
+    local = padded // world
+    starts = [sum(lens[:d]) for d in range(len(lens))]
+    pool: list[int] = []  # stream position of each pool token
+    work: list[int] = []
+    bound = {0, *range(real, padded + 1)}
+    for d in sorted(range(len(lens)), key=lambda d: -lens[d]):  # stable: longest first
+        n = lens[d]
+        for j in range(n):
+            p = j // 2 if j % 2 == 0 else n - 1 - j // 2  # outside-in
+            pool.append(starts[d] + p)
+            work.append(p + 1)
+        bound.add(len(pool))
+    pool += range(real, padded)
+    work += [0] * (padded - real)
+    cum = np.concatenate([[0], np.cumsum(work)]).astype(np.int64)
+    boundary = np.array([i in bound for i in range(padded + 1)], dtype=np.int8)
+    owner = [world - 1] * padded
+    lo, hi = 0, padded
+    for r in range(world - 1):
+        target = (cum[hi] - cum[lo]) / (world - r)
+        err = np.abs(
+            cum[lo : lo + local + 1] - cum[lo] + cum[hi] - cum[hi - local : hi + 1] - target
+        )
+        cuts = boundary[lo : lo + local + 1] + boundary[hi - local : hi + 1]
+        score = np.where(err <= err.min() + tol * target, cuts, -1)
+        cand = np.flatnonzero(score == score.max())
+        k = int(cand[np.argmin(err[cand])])
+        for i in [*range(lo, lo + k), *range(hi - local + k, hi)]:
+            owner[i] = r
+        lo, hi = lo + k, hi - local + k
+    rank_of_stream = [0] * padded
+    for i, s in enumerate(pool):
+        rank_of_stream[s] = owner[i]
+    rows = tuple([s for s in range(padded) if rank_of_stream[s] == r] for r in range(world))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_balanced_matches_token_by_token_reference(seed: int) -> None:
+    rng = random.Random(300 + seed)
+    for _ in range(15):
+        spec = random_spec(rng, rows=rng.randint(1, 4), row_len=rng.randint(1, 120))
+        world = rng.randint(1, min(12, spec.real_tokens) or 1)
+        if spec.real_tokens < world:
+            continue
+        tol = rng.choice([0.0, 1e-3, 0.05])
+        plan = plan_balanced(spec, world, tol)
+        assert tuple(plan.rank_map.tolist()) == _reference_balanced(spec, world, tol)
