@@ -244,20 +244,17 @@ def plan_packed(spec: PackSpec, world_size: int) -> PackedPlan:
     _check_world(spec, world_size)
     t0 = time.perf_counter()
     two_c = 2 * world_size
-    padded = (spec.lengths() + two_c - 1) // two_c * two_c
+    padded = (_doc_lengths(spec) + two_c - 1) // two_c * two_c
     chunk = padded // two_c
-    starts = torch.cumsum(padded, 0) - padded
-    per_rank = 2 * chunk  # tokens each rank takes from each document
-    local = int(per_rank.sum())
-    offsets = torch.cumsum(per_rank, 0) - per_rank
-    j = torch.arange(local) - torch.repeat_interleave(offsets, per_rank)
-    c = torch.repeat_interleave(chunk, per_rank)
-    s = torch.repeat_interleave(starts, per_rank)
-    r = torch.arange(world_size).unsqueeze(1)
-    head = j < c
-    which = torch.where(head, r, two_c - 1 - r)
-    rank_map = s + which * c + torch.where(head, j, j - c)
-    plan = plan_from_stream(spec, "packed", rank_map, padded)
+    starts = np.cumsum(padded) - padded
+    r = np.arange(world_size)[:, None]
+    first = np.empty((world_size, padded.size, 2), dtype=np.int64)  # rank, document, head/tail
+    first[:, :, 0] = starts + r * chunk
+    first[:, :, 1] = starts + (two_c - 1 - r) * chunk
+    counts = np.broadcast_to(chunk[None, :, None], first.shape)
+    flat = _runs(first.reshape(-1), counts.reshape(-1), 1)
+    rank_map = torch.from_numpy(flat.reshape(world_size, -1))
+    plan = plan_from_stream(spec, "packed", rank_map, torch.from_numpy(padded))
     return replace(plan, solver_seconds=time.perf_counter() - t0)
 
 
