@@ -137,13 +137,16 @@ def _doc_lengths(spec: PackSpec) -> _I64:
     return np.fromiter(flat, dtype=np.int64, count=spec.num_docs)
 
 
-def _runs(first: _I64, counts: _I64, step: _I64 | int) -> _I64:
+def _runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) -> _I64:
     """``concat(first[i] + step[i] * arange(counts[i]))`` as one int64 array, built in place
-    (a repeat and a cumsum over the output; no ``[P]`` temporaries)."""
+    (a repeat and a cumsum over the output; no ``[P]`` temporaries), into ``out`` if given
+    (only with a scalar ``step``)."""
     keep = counts > 0
     first, counts = first[keep], counts[keep]
     if isinstance(step, int):
-        out = np.full(int(counts.sum()), step, dtype=np.int64)
+        if out is None:
+            out = np.empty(int(counts.sum()), dtype=np.int64)
+        out.fill(step)
         step_kept: _I64 | int = step
     else:
         step_kept = step[keep]
@@ -330,7 +333,16 @@ def _balanced_rank_map(lens: _I64, world_size: int, work_tolerance: float) -> _I
     range_lo[-1], range_len[-1], range_rank[-1] = lo, hi - lo, world_size - 1
     used = range_len > 0
     return _pool_to_rank_map(
-        lens, order, seg, seg_end, range_lo[used], range_rank[used], real, padded, world_size
+        lens,
+        order,
+        seg,
+        seg_end,
+        range_lo[used],
+        range_rank[used],
+        real,
+        padded,
+        world_size,
+        cum[:padded],  # the work prefix is done with: its memory holds the map
     )
 
 
@@ -344,11 +356,12 @@ def _pool_to_rank_map(
     real: int,
     padded: int,
     world_size: int,
+    out: _I64,
 ) -> _I64:
-    """``[C, L]`` rank map from the ranks' non-empty pool ranges (``range_lo`` their starts,
-    they tile ``[0, padded)``): each range is split at document
-    boundaries; a piece ``[m0, m1)`` of a document's outside-in order (length ``n``, stream
-    start ``s``) is the stream head ``[s + ceil(m0/2), s + ceil(m1/2))`` and tail
+    """``[C, L]`` rank map, written into ``out`` (``[P]``), from the ranks' non-empty pool
+    ranges (``range_lo`` their starts; they tile ``[0, padded)``): each range is split at
+    document boundaries; a piece ``[m0, m1)`` of a document's outside-in order (length ``n``,
+    stream start ``s``) is the stream head ``[s + ceil(m0/2), s + ceil(m1/2))`` and tail
     ``[s + n - m1 // 2, s + n - m0 // 2)``; pads map to themselves. Each rank's intervals, in
     stream order, are its local tokens."""
     by_lo = np.argsort(range_lo, kind="stable")
@@ -366,7 +379,7 @@ def _pool_to_rank_map(
     ends = np.concatenate([s + (m1 + 1) // 2, s + n - m0 // 2, b[~is_doc]])
     owner = np.concatenate([rank[is_doc], rank[is_doc], rank[~is_doc]])
     keyed = np.argsort(owner * (padded + 1) + starts)
-    flat = _runs(starts[keyed], ends[keyed] - starts[keyed], 1)
+    flat = _runs(starts[keyed], ends[keyed] - starts[keyed], 1, out=out)
     return flat.reshape(world_size, padded // world_size)
 
 
