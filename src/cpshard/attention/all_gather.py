@@ -17,7 +17,8 @@ from torch.distributed import ProcessGroup
 
 from cpshard._comm import all_gather_stacked, reduce_scatter_stacked
 from cpshard.attention.blockwise import Span, attend, attend_backward_into
-from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.kernels import KernelBackend, pick_backend
+from cpshard.attention.merge import accumulation_dtype
 
 __all__ = ["all_gather_attention"]
 
@@ -57,15 +58,18 @@ class _AllGatherAttention(torch.autograd.Function):
         out, lse = attend(
             q, k_all, v_all, q_span, stream_span, causal=causal, scale=scale, backend=backend
         )
-        ctx.save_for_backward(q, k, v, full, out, lse)
+        result = out.to(q.dtype)
+        # As in the ring: keep the returned tensor, not an fp32 copy, for the flash backward.
+        keep = result if pick_backend(q, backend) == "cpu_flash" else out
+        ctx.save_for_backward(q, k, v, full, keep, lse)
         ctx.args = (q_span, stream_span, group, causal, scale, backend)
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, full, out, lse = ctx.saved_tensors
         q_span, stream_span, group, causal, scale, backend = ctx.args
-        acc = out.dtype
+        acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         if full is None:
             k_all, v_all = k, v

@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 
 from cpshard._comm import RingTransfer, group_rank_and_size, ring_shift_start
 from cpshard.attention.blockwise import Span, attend, attend_backward_into, plan
-from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
 
 __all__ = ["ring_attention"]
@@ -74,16 +74,20 @@ class _RingAttention(torch.autograd.Function):
         del kv
         if out is None or lse is None:  # no query sees any key (cannot happen for a real meta)
             out, lse = empty_partial(tuple(q.shape), accumulation_dtype(q.dtype), q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)
+        # The flash backward reads the output in q's dtype: for bf16/fp16 keep the returned
+        # tensor, not a second, fp32 copy of it (for fp32 they are the same tensor).
+        keep = result if pick_backend(q, backend) == "cpu_flash" else out
+        ctx.save_for_backward(q, k, v, keep, lse)
         ctx.args = (q_span, k_spans, group, causal, scale, backend)
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         q_span, k_spans, group, causal, scale, backend = ctx.args
         rank, world = _rank_and_size(group)
-        acc = out.dtype
+        acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
         kv: list[torch.Tensor] = [k, v]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
