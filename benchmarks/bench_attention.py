@@ -5,6 +5,16 @@ with 2 threads on the full sequence (``F.scaled_dot_product_attention(is_causal=
 single-process path), or 2 gloo ranks with 1 thread each running ``cpshard.attention.cp_sdpa`` on
 round_robin shards. Efficiency is ``t_single / t_cp``: 1.0 means perfect 2x scaling of the work.
 
+Memory, two measures per process (max over ranks):
+
+* peak RSS delta: ``ru_maxrss`` minus the RSS before the inputs were made; crude (inputs included,
+  glibc keeps freed blocks, gloo buffers, allocator slack).
+* tensor allocations (:func:`_alloc_profile`): one extra, untimed fwd+bwd step under
+  ``torch.profiler(profile_memory=True)``, which records every CPU tensor allocation and free made
+  on the calling thread (inside kernels too). From that sequence: *peak* live bytes allocated during
+  the step (inputs excluded, output and gradients included) and *saved* bytes still live when the
+  backward starts (the output plus what the forward keeps for the backward: the activation memory).
+
 Usage::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_attention.py [--long] [--out FILE]
@@ -54,6 +64,47 @@ def _inputs(s: int, hq: int, hkv: int, d: int) -> tuple[Any, ...]:
     return q, k, v, go
 
 
+_BWD = "cpshard_bench_backward"
+
+
+def _alloc_profile(fwd: Any, bwd: Any) -> tuple[float, float]:
+    """``(peak, saved)`` MB of CPU tensor allocations in one fwd+bwd step, from the profiler.
+
+    ``peak``: the maximum over the step of (bytes allocated - bytes freed) since its start.
+    ``saved``: that running sum when the backward starts (output + tensors kept for backward).
+    Allocations of other threads (gloo's, OpenMP workers') are not recorded; CPU SDPA allocates
+    its buffers on the calling thread.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        o = fwd()
+        with record_function(_BWD):
+            bwd(o)
+        del o
+    allocs: list[tuple[int, int]] = []
+    bwd_start: int | None = None
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            allocs.append((node.start_time_ns, node.extra_fields.alloc_size))
+        elif node.name == _BWD and bwd_start is None:
+            bwd_start = node.start_time_ns
+        stack.extend(node.children)
+    assert bwd_start is not None
+    allocs.sort()
+    cur = peak = 0
+    saved = None
+    for t, size in allocs:
+        if saved is None and t >= bwd_start:
+            saved = cur
+        cur += size
+        peak = max(peak, cur)
+    return peak / 2**20, (cur if saved is None else saved) / 2**20
+
+
 def _time(fn: Any, reps: int, sync: Any = None) -> float:
     fn()  # warm-up
     times = []
@@ -75,12 +126,17 @@ def _single(cfg: dict[str, int], reps: int, threads: int, out: Any) -> None:
     q, k, v, go = _inputs(cfg["s"], cfg["hq"], cfg["hkv"], cfg["d"])
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
-    def step() -> None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def fwd() -> Any:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def bwd(o: Any) -> None:
         o.backward(go)
 
-    t = _time(step, reps)
-    out.put((0, t, _peak_mb() - rss0))
+    t = _time(lambda: bwd(fwd()), reps)
+    rss = _peak_mb() - rss0
+    for x in (q, k, v):
+        x.grad = None
+    out.put((0, t, rss, *_alloc_profile(fwd, bwd)))
 
 
 def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out: Any) -> None:
@@ -105,17 +161,23 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
     ql, kl, vl, gl = _inputs(s // 2, cfg["hq"], cfg["hkv"], cfg["d"])
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
 
-    def step() -> None:
-        o = cp_sdpa(ql, kl, vl, group=group, meta=meta, method=method, causal=True)
+    def fwd() -> Any:
+        return cp_sdpa(ql, kl, vl, group=group, meta=meta, method=method, causal=True)
+
+    def bwd(o: Any) -> None:
         o.backward(gl)
 
-    t = _time(step, reps, sync=dist.barrier)
+    t = _time(lambda: bwd(fwd()), reps, sync=dist.barrier)
     dist.barrier()
-    out.put((rank, t, _peak_mb() - rss0))
+    rss = _peak_mb() - rss0
+    for x in (ql, kl, vl):
+        x.grad = None
+    dist.barrier()
+    out.put((rank, t, rss, *_alloc_profile(fwd, bwd)))
     dist.destroy_process_group()
 
 
-def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float]:
+def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float, float, float]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     with socket.socket() as sock:
@@ -130,7 +192,12 @@ def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float]:
     res = [out.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join()
-    return max(r[1] for r in res), max(r[2] for r in res)
+    return (
+        max(r[1] for r in res),
+        max(r[2] for r in res),
+        max(r[3] for r in res),
+        max(r[4] for r in res),
+    )
 
 
 def comm_bytes(method: str, c: int, cfg: dict[str, int], itemsize: int) -> tuple[int, int]:
@@ -157,6 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="also S=16384 (several minutes)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument(
         "--out", default="attention.md", help="markdown file; its tables go into BENCHMARKS.md"
     )
@@ -170,30 +238,34 @@ def main() -> None:
         reps = min(args.reps, 2) if s > 8192 else args.reps
         for hq, hkv in ((8, 8), (8, 2)):
             cfg = {"s": s, "hq": hq, "hkv": hkv, "d": 64}
-            t1, m1 = _run(_single, 1, cfg, reps, 2)
-            t0, m0 = _run(_single, 1, cfg, reps, 1)
-            rows.append((s, f"{hq}/{hkv}", "single, 2 threads", t1, 1.0, t0 / (2 * t1), 0, 0, m1))
-            rows.append((s, f"{hq}/{hkv}", "single, 1 thread", t0, t1 / t0, 0.5, 0, 0, m0))
+            t1, *m1 = _run(_single, 1, cfg, reps, 2)
+            t0, *m0 = _run(_single, 1, cfg, reps, 1)
+            base = m1[1]
+            rows.append((s, f"{hq}/{hkv}", "single, 2 threads", t1, 1.0, t0 / (2 * t1), 0, 0, *m1,
+                         1.0))  # fmt: skip
+            rows.append((s, f"{hq}/{hkv}", "single, 1 thread", t0, t1 / t0, 0.5, 0, 0, *m0,
+                         m0[1] / base))  # fmt: skip
             print(rows[-2:], flush=True)
             formula = (2 - 1) / 2 * s * 2 * hkv * 64 * 4
-            for method in METHODS:
-                t2, m2 = _run(_rank, 2, cfg, method, reps)
+            for method in args.methods.split(","):
+                t2, *m2 = _run(_rank, 2, cfg, method, reps)
                 fwd_b, _ = comm_bytes(method, 2, cfg, 4)
                 rows.append(
                     (s, f"{hq}/{hkv}", f"cp=2 {method}", t2, t1 / t2, t0 / (2 * t2), fwd_b,
-                     formula, m2)
+                     formula, *m2, m2[1] / base)
                 )  # fmt: skip
                 print(rows[-1], flush=True)
     head = (
         "| S | Hq/Hkv | run | fwd+bwd s | efficiency t_single/t_cp | per-core efficiency "
         "t_1thread/(2 t) | fwd MB sent/rank/layer | formula (C-1)/C*S*2*Hkv*D*b MB "
-        "| peak RSS delta MB/rank |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "| peak RSS delta MB/rank | tensor peak MB/rank | saved at bwd start MB/rank "
+        "| tensor peak / single |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
         f"| {s} | {h} | {name} | {t:.3f} | {eff:.2f} | {core:.2f} | {b / 2**20:.2f} "
-        f"| {f / 2**20:.2f} | {m:.0f} |\n"
-        for s, h, name, t, eff, core, b, f, m in rows
+        f"| {f / 2**20:.2f} | {m:.0f} | {peak:.1f} | {saved:.1f} | {ratio:.2f} |\n"
+        for s, h, name, t, eff, core, b, f, m, peak, saved, ratio in rows
     )
     cmd = "OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_attention.py" + (
         " --long" if args.long else ""

@@ -8,6 +8,7 @@ all-gather of ``torch.distributed.nn``), and the CPU SDPA backward returns exact
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -223,43 +224,56 @@ def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 class RingTransfer:
-    """An in-flight send of a tensor to the next rank and receive from the previous one."""
+    """In-flight sends of tensors to the next rank and receives of their shapes from the last."""
 
-    def __init__(self, works: list[Any], recv: torch.Tensor, send: torch.Tensor) -> None:
+    def __init__(
+        self, works: list[Any], recv: list[torch.Tensor], send: list[torch.Tensor]
+    ) -> None:
         self._works = works
         self._recv = recv
-        self._send = send  # kept alive until the send completes
+        self._send: list[torch.Tensor] | None = send  # kept alive until the sends complete
 
-    def wait(self) -> torch.Tensor:
-        """Block until both sides completed; return the received tensor."""
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every send and receive completed; return the received tensors in order.
+
+        The send buffers are released here (not when this object dies), so a sent tensor that the
+        caller no longer references is freed at once.
+        """
         for w in self._works:
             w.wait()
         self._works = []
+        self._send = None
         return self._recv
 
 
-def ring_shift_start(x: torch.Tensor, group: ProcessGroup, tag: int = 0) -> RingTransfer:
-    """Start sending ``x`` to rank ``(r + 1) % C`` and receiving the same shape from ``r - 1``.
+def ring_shift_start(
+    xs: Sequence[torch.Tensor], group: ProcessGroup, tags: Sequence[int]
+) -> RingTransfer:
+    """Start sending ``xs`` to rank ``(r + 1) % C`` and receiving the same shapes from ``r - 1``.
 
-    The transfer runs while the caller computes; call :meth:`RingTransfer.wait` before using the
-    received tensor or reusing ``x``.
+    One point-to-point message per tensor (no stacking copy), all in one batch. The transfers run
+    while the caller computes; call :meth:`RingTransfer.wait` before using the received tensors or
+    writing to ``xs``.
 
     Args:
-        x: The tensor to send (made contiguous here).
+        xs: The tensors to send (each made contiguous here).
         group: The CP process group, ``C >= 2``.
-        tag: Message tag; concurrent rings (e.g. K/V and their gradients) use distinct tags.
+        tags: One message tag per tensor; concurrent rings (e.g. K/V and their gradients) use
+            distinct tags.
 
     Returns:
         The in-flight :class:`RingTransfer`.
     """
+    if len(xs) != len(tags):
+        raise ValueError(f"one tag per tensor, got {len(xs)} tensors and {len(tags)} tags")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    send = x.contiguous()
-    recv = torch.empty_like(send)
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
-    ops = [
-        dist.P2POp(dist.isend, send, nxt, group, tag),
-        dist.P2POp(dist.irecv, recv, prv, group, tag),
-    ]
+    sends = [x.contiguous() for x in xs]
+    recvs = [torch.empty_like(x) for x in sends]
+    ops = []
+    for send, recv, tag in zip(sends, recvs, tags, strict=True):
+        ops.append(dist.P2POp(dist.isend, send, nxt, group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
     works = dist.batch_isend_irecv(ops)
-    return RingTransfer(list(works), recv, send)
+    return RingTransfer(list(works), recvs, sends)

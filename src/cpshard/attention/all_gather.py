@@ -1,8 +1,10 @@
 """All-gather CP attention (Llama-3 style): gather K/V over the group, attend locally.
 
-Forward: one all-gather of the stacked local ``(k, v)``; the local queries attend to the whole
-stream with the mask from the token meta. Backward: local gradients against the whole stream,
-then one reduce-scatter (sum) of the stacked ``(dk, dv)`` in fp32 back to the owning ranks.
+Forward: one all-gather of the local ``(k, v)`` stacked sequence-major (``[L, 2, B, H, D]``), so
+the gathered buffer is the rank-major stream and its k/v are strided views (no reordering copy);
+the local queries attend to the whole stream with the mask from the token meta. Backward: local
+gradients against the whole stream, accumulated in place into one fp32 buffer of the gathered
+layout, then one reduce-scatter (sum) of it back to the owning ranks.
 Bytes sent per rank and layer: ``(C-1)/C * S * 2 * Hkv * D * itemsize`` forward.
 """
 
@@ -14,22 +16,21 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import all_gather_stacked, reduce_scatter_stacked
-from cpshard.attention.blockwise import Span, attend, attend_backward
-from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.blockwise import Span, attend, attend_backward_into
+from cpshard.attention.kernels import KernelBackend, pick_backend
+from cpshard.attention.merge import accumulation_dtype
 
 __all__ = ["all_gather_attention"]
 
 
-def _to_stream(kv: torch.Tensor) -> torch.Tensor:
-    """``[C, 2, B, H, L, D]`` -> ``[2, B, H, C*L, D]`` (rank-major stream order)."""
-    c, two, b, h, n, d = kv.shape
-    return kv.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, c * n, d)
+def _seq_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``k, v [B, H, L, D]`` -> one contiguous ``[L, 2, B, H, D]`` (sequence-major)."""
+    return torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1)
 
 
-def _from_stream(kv: torch.Tensor, world: int) -> torch.Tensor:
-    """``[2, B, H, C*L, D]`` -> ``[C, 2, B, H, L, D]``, the inverse of :func:`_to_stream`."""
-    two, b, h, cn, d = kv.shape
-    return kv.reshape(two, b, h, world, cn // world, d).permute(3, 0, 1, 2, 4, 5)
+def _stream_views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, 2, B, H, D]`` -> strided views ``(k, v)`` ``[B, H, N, D]`` of it, no copy."""
+    return buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -46,44 +47,50 @@ class _AllGatherAttention(torch.autograd.Function):
         scale: float,
         backend: KernelBackend,
     ) -> torch.Tensor:
-        kv = torch.stack([k, v])
-        full = kv if group is None else _to_stream(all_gather_stacked(kv, group))
+        if group is None:
+            full = None
+            k_all, v_all = k, v
+        else:
+            # Sequence-major, the gathered buffer [C*L, 2, B, H, D] is the rank-major stream and
+            # its k/v are plain strided views: no reordering copy of the full K/V.
+            full = all_gather_stacked(_seq_major(k, v), group).flatten(0, 1)
+            k_all, v_all = _stream_views(full)
         out, lse = attend(
-            q, full[0], full[1], q_span, stream_span, causal=causal, scale=scale, backend=backend
+            q, k_all, v_all, q_span, stream_span, causal=causal, scale=scale, backend=backend
         )
-        ctx.save_for_backward(q, full, out, lse)
+        result = out.to(q.dtype)
+        # As in the ring: keep the returned tensor, not an fp32 copy, for the flash backward.
+        keep = result if pick_backend(q, backend) == "cpu_flash" else out
+        ctx.save_for_backward(q, k, v, full, keep, lse)
         ctx.args = (q_span, stream_span, group, causal, scale, backend)
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, full, out, lse = ctx.saved_tensors
+        q, k, v, full, out, lse = ctx.saved_tensors
         q_span, stream_span, group, causal, scale, backend = ctx.args
-        res = attend_backward(
-            grad_out.contiguous(),
-            q,
-            full[0],
-            full[1],
-            out,
-            lse,
-            q_span,
-            stream_span,
-            causal=causal,
-            scale=scale,
-            backend=backend,
-        )
-        if res is None:
-            dq = torch.zeros_like(q)
-            dfull = torch.zeros(full.shape, dtype=out.dtype, device=full.device)
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        if full is None:
+            k_all, v_all = k, v
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         else:
-            dq, dk_full, dv_full = res
-            dfull = torch.stack([dk_full, dv_full])
-        if group is None:
-            dkv = dfull
-        else:
-            world = full.shape[3] // q.shape[2]
-            dkv = reduce_scatter_stacked(_from_stream(dfull, world), group)
-        return dq.to(q.dtype), dkv[0].to(full.dtype), dkv[1].to(full.dtype), *([None] * 6)
+            k_all, v_all = _stream_views(full)
+            # One fp32 buffer in the gathered layout: its rank-major chunks are what the
+            # reduce-scatter sends, so dK/dV of the stream are accumulated in place, no stacking.
+            dfull = torch.zeros(full.shape, dtype=acc, device=full.device)
+            dk, dv = _stream_views(dfull)
+        attend_backward_into(
+            grad_out.contiguous(), q, k_all, v_all, out, lse, q_span, stream_span, dq, dk, dv,
+            causal=causal, scale=scale, backend=backend,
+        )  # fmt: skip
+        if full is not None:
+            world = full.shape[0] // q.shape[2]
+            mine = reduce_scatter_stacked(dfull.view(world, -1, *dfull.shape[1:]), group)
+            del dfull, dk, dv
+            dk, dv = (t.contiguous() for t in _stream_views(mine))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 
 def all_gather_attention(

@@ -24,7 +24,16 @@ import torch
 from cpshard.attention.kernels import KernelBackend, block_attention, block_attention_backward
 from cpshard.attention.merge import accumulation_dtype, merge_into
 
-__all__ = ["MAX_TILES", "PairKind", "Span", "attend", "attend_backward", "make_span", "plan"]
+__all__ = [
+    "MAX_TILES",
+    "PairKind",
+    "Span",
+    "attend",
+    "attend_backward",
+    "attend_backward_into",
+    "make_span",
+    "plan",
+]
 
 MAX_TILES = 8
 """Above this many runs a span is tiled per segment instead (mask-only, no fast paths)."""
@@ -206,6 +215,74 @@ def attend(
     return out, lse
 
 
+def attend_backward_into(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    qs: Span,
+    ks: Span,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: KernelBackend = "auto",
+) -> bool:
+    """Add the gradients of :func:`attend` for one key set into caller-owned accumulators.
+
+    Only tile-sized temporaries are allocated: each (query tile, key tile) result is added into
+    the accumulators at once, so no full-size per-block ``dq``/``dk``/``dv`` exists.
+
+    Args:
+        grad_out: ``[B, Hq, Nq, D]`` upstream gradient.
+        q: ``[B, Hq, Nq, D]`` queries.
+        k: ``[B, Hkv, Nk, D]`` keys.
+        v: ``[B, Hkv, Nk, D]`` values.
+        out: ``[B, Hq, Nq, D]`` global output (merged over every key set).
+        lse: ``[B, Hq, Nq]`` global LSE.
+        qs: Query span.
+        ks: Key span.
+        dq: ``[B, Hq, Nq, D]`` accumulator (accumulation dtype, any strides), added to in place.
+        dk: ``[B, Hkv, Nk, D]`` accumulator, added to in place.
+        dv: ``[B, Hkv, Nk, D]`` accumulator, added to in place.
+        causal: Causal masking.
+        scale: Score scale.
+        backend: Kernel backend.
+
+    Returns:
+        Whether anything was added (``False`` when no query sees any key).
+    """
+    added = False
+    out_q = out.to(q.dtype)
+    for i, j, kind in plan(qs, ks, causal):
+        qa, qb = qs.tiles[i]
+        ka, kb = ks.tiles[j]
+        mask = _mask(qs, ks, qs.tiles[i], ks.tiles[j], causal) if kind == PairKind.MASKED else None
+        if mask is not None and not bool(mask.any()):
+            continue
+        gq, gk, gv = block_attention_backward(
+            grad_out[:, :, qa:qb],
+            q[:, :, qa:qb],
+            k[:, :, ka:kb],
+            v[:, :, ka:kb],
+            out_q[:, :, qa:qb],
+            lse[:, :, qa:qb],
+            mask=mask,
+            is_causal=kind == PairKind.DIAG,
+            scale=scale,
+            backend=backend,
+        )
+        dq[:, :, qa:qb] += gq
+        dk[:, :, ka:kb] += gk
+        dv[:, :, ka:kb] += gv
+        added = True
+    return added
+
+
 def attend_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -240,34 +317,13 @@ def attend_backward(
         when no query sees any key (all gradients zero).
     """
     acc = accumulation_dtype(q.dtype)
-    dq: torch.Tensor | None = None
-    dk = dv = q.new_empty(0)
-    out_q = out.to(q.dtype)
-    for i, j, kind in plan(qs, ks, causal):
-        qa, qb = qs.tiles[i]
-        ka, kb = ks.tiles[j]
-        mask = _mask(qs, ks, qs.tiles[i], ks.tiles[j], causal) if kind == PairKind.MASKED else None
-        if mask is not None and not bool(mask.any()):
-            continue
-        if dq is None:
-            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        gq, gk, gv = block_attention_backward(
-            grad_out[:, :, qa:qb],
-            q[:, :, qa:qb],
-            k[:, :, ka:kb],
-            v[:, :, ka:kb],
-            out_q[:, :, qa:qb],
-            lse[:, :, qa:qb],
-            mask=mask,
-            is_causal=kind == PairKind.DIAG,
-            scale=scale,
-            backend=backend,
-        )
-        dq[:, :, qa:qb] += gq
-        dk[:, :, ka:kb] += gk
-        dv[:, :, ka:kb] += gv
-    if dq is None:
+    if not plan(qs, ks, causal):
         return None
-    return dq, dk, dv
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    added = attend_backward_into(
+        grad_out, q, k, v, out, lse, qs, ks, dq, dk, dv, causal=causal, scale=scale,
+        backend=backend,
+    )  # fmt: skip
+    return (dq, dk, dv) if added else None

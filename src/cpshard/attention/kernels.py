@@ -124,8 +124,11 @@ def block_attention(
         )
         outs.append(o)
         lses.append(lse)
-    out = torch.stack(outs, dim=2).flatten(1, 2)
-    lse_all = torch.stack(lses, dim=2).flatten(1, 2).to(acc)
+    if g == 1:  # no stacking copy without query groups
+        out, lse_all = outs[0], lses[0].to(acc)
+    else:
+        out = torch.stack(outs, dim=2).flatten(1, 2)
+        lse_all = torch.stack(lses, dim=2).flatten(1, 2).to(acc)
     if mask is not None:
         empty = ~mask.any(dim=-1)  # [B', Lq]: the op reports lse = 0 there
         lse_all = lse_all.masked_fill(empty.unsqueeze(1), float("-inf"))
@@ -210,4 +213,5 @@ def block_attention_backward(
         dv_sum = dv_i.to(acc) if dv_sum is None else dv_sum + dv_i
     assert dk_sum is not None
     assert dv_sum is not None
-    return torch.stack(dqs, dim=2).flatten(1, 2), dk_sum, dv_sum
+    dq = dqs[0] if g == 1 else torch.stack(dqs, dim=2).flatten(1, 2)
+    return dq, dk_sum, dv_sum

@@ -20,14 +20,14 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import RingTransfer, group_rank_and_size, ring_shift_start
-from cpshard.attention.blockwise import Span, attend, attend_backward, plan
-from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.blockwise import Span, attend, attend_backward_into, plan
+from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
 
 __all__ = ["ring_attention"]
 
-_KV_TAG = 0
-_GRAD_TAG = 1
+_KV_TAGS = (0, 1)  # one message each for k and v (no stacked copy)
+_GRAD_TAGS = (2, 3)  # their fp32 gradient accumulators, in flight together with K/V
 
 
 def _rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:
@@ -49,13 +49,13 @@ class _RingAttention(torch.autograd.Function):
         backend: KernelBackend,
     ) -> torch.Tensor:
         rank, world = _rank_and_size(group)
-        kv = torch.stack([k, v])
+        kv: list[torch.Tensor] = [k, v]  # step 0 attends to the inputs themselves, no copy
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         for step in range(world):
             src = (rank - step) % world
             xfer = (
-                ring_shift_start(kv, group, _KV_TAG)
+                ring_shift_start(kv, group, _KV_TAGS)
                 if group is not None and step < world - 1
                 else None
             )
@@ -68,48 +68,59 @@ class _RingAttention(torch.autograd.Function):
                     out, lse = o, l_
                 else:
                     merge_into(out, lse, o, l_)
+                del o, l_
             if xfer is not None:
-                kv = xfer.wait()
+                kv = xfer.wait()  # the block just used is released (unless it is the input)
+        del kv
         if out is None or lse is None:  # no query sees any key (cannot happen for a real meta)
             out, lse = empty_partial(tuple(q.shape), accumulation_dtype(q.dtype), q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)
+        # The flash backward reads the output in q's dtype: for bf16/fp16 keep the returned
+        # tensor, not a second, fp32 copy of it (for fp32 they are the same tensor).
+        keep = result if pick_backend(q, backend) == "cpu_flash" else out
+        ctx.save_for_backward(q, k, v, keep, lse)
         ctx.args = (q_span, k_spans, group, causal, scale, backend)
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         q_span, k_spans, group, causal, scale, backend = ctx.args
         rank, world = _rank_and_size(group)
+        acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
-        kv = torch.stack([k, v])
-        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        kv: list[torch.Tensor] = [k, v]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         grad_xfer: RingTransfer | None = None
-        dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
+        dkv: list[torch.Tensor] = []
         for step in range(world):
             src = (rank - step) % world
             xfer = (
-                ring_shift_start(kv, group, _KV_TAG)
+                ring_shift_start(kv, group, _KV_TAGS)
                 if group is not None and step < world - 1
                 else None
             )
-            res = attend_backward(
-                grad_out, q, kv[0], kv[1], out, lse, q_span, k_spans[src], causal=causal,
-                scale=scale, backend=backend,
+            # This step's contribution to block `src`, in a fresh fp32 buffer so that the
+            # accumulator of that block can still be in flight while we compute.
+            dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
+            attend_backward_into(
+                grad_out, q, kv[0], kv[1], out, lse, q_span, k_spans[src], dq, dkv[0], dkv[1],
+                causal=causal, scale=scale, backend=backend,
             )  # fmt: skip
-            # The accumulator for block `src` arrives from the rank that held it last step.
-            dkv = grad_xfer.wait() if grad_xfer is not None else torch.zeros_like(dkv)
-            if res is not None:
-                dq += res[0]
-                dkv[0] += res[1]
-                dkv[1] += res[2]
+            # The accumulator for block `src` arrives from the rank that held it last step; waiting
+            # also completes (and frees) our previous accumulator's send.
+            if grad_xfer is not None:
+                for mine, theirs in zip(dkv, grad_xfer.wait(), strict=True):
+                    mine += theirs
             if group is not None and world > 1:
-                grad_xfer = ring_shift_start(dkv, group, _GRAD_TAG)
+                grad_xfer = ring_shift_start(dkv, group, _GRAD_TAGS)
             if xfer is not None:
                 kv = xfer.wait()
+        del kv
         if grad_xfer is not None:
             dkv = grad_xfer.wait()  # our own block's accumulator, back after C hops
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *([None] * 6)
+        dk, dv = dkv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 
 def ring_attention(
