@@ -377,6 +377,16 @@ class CPSharder:
                 "trimming to input coordinates on a layout that repositions tokens "
                 f"(layout={self.layout!r}) requires `fill` for dropped slots; pass e.g. fill=0"
             )
+        if (
+            trim
+            and self.input_token_stream_positions is not None
+            and (seq_dim != 1 or t.shape[0] != 1)
+        ):
+            raise ValueError(
+                "trimming to input coordinates needs a local [1, L, ...] stream shard "
+                f"(seq_dim=1), got shape {tuple(t.shape)} with seq_dim={seq_dim}; gather the "
+                "tensor the way the batch was sharded, or use trim=False"
+            )
         plan = self._plan(padded, t.device)
         group = _comm.cp_group(self.cp_mesh)
         # [C, *t.shape]: one all-gather of exactly the payload, no transpose of the local shard
@@ -399,12 +409,7 @@ class CPSharder:
         positions = self.input_token_stream_positions
         if positions is not None:
             assert fill is not None
-            stream = full.select(0, 0) if full.shape[0] == 1 and seq_dim == 1 else None
-            if stream is None:
-                raise ValueError(
-                    "trimming to input coordinates needs the gathered [1, P, ...] stream "
-                    f"(seq_dim=1), got shape {tuple(full.shape)} with seq_dim={seq_dim}"
-                )
+            stream = full.select(0, 0)  # [1, P, ...] checked before the all-gather
             pos = positions.to(full.device)
             picked = stream.index_select(0, pos.clamp(min=0).reshape(-1))
             picked = picked.reshape(*pos.shape, *stream.shape[1:])

@@ -460,7 +460,7 @@ def packed_keys_verbs_grads(cp_mesh: DeviceMesh, layout: str) -> None:
         sh.gather_token_tensor(local, trim=True)
     with pytest.raises(ValueError, match=rf"padded_seq_len={plan.padded_len}"):
         sh.gather_token_tensor(torch.zeros(1, plan.local_len + 1))
-    with pytest.raises(ValueError, match=r"needs the gathered \[1, P, \.\.\.\] stream"):
+    with pytest.raises(ValueError, match=r"needs a local \[1, L, \.\.\.\] stream shard"):
         sh.gather_token_tensor(local.unsqueeze(1), seq_dim=2, trim=True, fill=0.0)
     # gradients in both modes against the one-process gradient
     valid = (plan.input_token_stream_positions >= 0).double()
