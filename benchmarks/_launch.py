@@ -1,51 +1,17 @@
-"""Shared benchmark plumbing: fork gloo ranks, time with medians, count collective bytes."""
+"""Shared benchmark plumbing: time with medians, count collective bytes.
+
+Ranks are launched with :func:`cpshard.cli._spawn.run_local_ranks` (forked gloo, 1 thread each).
+"""
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wrap(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
-) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    try:
-        q.put((rank, fn(mesh, *args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """Run ``fn(cp_mesh, *args)`` on ``world`` forked gloo ranks (1 thread each)."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    mp.start_processes(
-        _wrap, args=(world, free_port(), fn, args, q), nprocs=world, start_method="fork"
-    )
-    got = dict(q.get() for _ in range(world))
-    return [got[r] for r in range(world)]
 
 
 def median_time(

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _launch import CommBytes, paired_median_times, run_ranks
+from _launch import CommBytes, paired_median_times
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
+from cpshard.cli._spawn import run_local_ranks
 
 
 def _one_dtype(
@@ -88,7 +89,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for world in (2, 4):
-        for r in run_ranks(world, _bench, a.batch, a.seq, a.repeat)[0]:
+        for r in run_local_ranks(world, _bench, a.batch, a.seq, a.repeat)[0]:
             calls = ", ".join(f"{k} x{v}" for k, v in r["calls"].items())
             print(
                 f"| {world} | {r['dtype']} | {r['shard']:.3f} | {r['index_select']:.3f} | "
