@@ -14,26 +14,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def median_time(
-    fn: Callable[[], Any],
-    *,
-    repeat: int = 20,
-    warmup: int = 3,
-    sync: Callable[[], None] | None = None,
-) -> float:
-    """Median wall time of ``fn()`` in seconds; ``sync`` runs before each timing."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if sync is not None:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def paired_median_times(
     fns: list[Callable[[], Any]],
     *,
