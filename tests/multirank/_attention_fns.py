@@ -140,6 +140,21 @@ def hf_tokens(seq_len: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
+def _backward_and_reduce(
+    model: torch.nn.Module, loss: torch.Tensor, cp_mesh: DeviceMesh
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Backward of this rank's partial loss; parameter grads and the loss summed over CP."""
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    group = cp_group(cp_mesh)
+    total = loss.detach().clone()
+    if group is not None:
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+        dist.all_reduce(total, group=group)
+    return grads, total
+
+
 def hf_case(
     cp_mesh: DeviceMesh, arch: str, method: str, layout: str, seq_len: int
 ) -> dict[str, Any]:
@@ -158,14 +173,7 @@ def hf_case(
     with cp_attention_context(cp_mesh, meta, method):
         logits = model(input_ids=ids[:, idx], position_ids=idx[None]).logits
     loss = F.cross_entropy(logits[0], labels[0, idx], ignore_index=-100, reduction="sum") / n_tokens
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    group = cp_group(cp_mesh)
-    total = loss.detach().clone()
-    if group is not None:
-        for g in grads.values():
-            dist.all_reduce(g, group=group)
-        dist.all_reduce(total, group=group)
+    grads, total = _backward_and_reduce(model, loss, cp_mesh)
     return {
         "logits": logits.detach(),
         "idx": idx,
@@ -233,14 +241,7 @@ def hf_public_case(
     logits = out.logits
     n = int((batch["labels"] != -100).sum())
     loss = F.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(), reduction="sum") / n
-    loss.backward()
-    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-    group = cp_group(cp_mesh)
-    total = loss.detach().clone()
-    if group is not None:
-        for g in grads.values():
-            dist.all_reduce(g, group=group)
-        dist.all_reduce(total, group=group)
+    grads, total = _backward_and_reduce(model, loss, cp_mesh)
     full = sharder.gather_token_tensor(logits.detach(), trim=True)
     return {
         "logits": full,
