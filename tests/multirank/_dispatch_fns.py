@@ -80,10 +80,7 @@ def model_owned_hook(cp_mesh: DeviceMesh, through_forward: bool) -> None:
     assert set(batch) == set(keep)
     for k in keep:
         assert torch.equal(batch[k], keep[k])
-    if world == 1:  # no CP: the hook is not needed and not called
-        assert model.calls == 0
-        assert sharder.layout == "none"
-        return
+    # The hook runs at every CP size (cp=1 included), so cp=1 runs the same model path.
     assert model.calls == 1
     if through_forward:
         assert isinstance(model, ForwardHookModel)

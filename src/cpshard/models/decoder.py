@@ -1,4 +1,4 @@
-"""Small example models for demos and tests: plain PyTorch, no downloads.
+""":class:`TinyDecoder`: the plain-PyTorch example decoder (no downloads).
 
 :class:`TinyDecoder` is a Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU) whose
 attention is a plain ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``: it knows nothing
@@ -64,7 +64,13 @@ class _Block(nn.Module):
         self.up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One block on ``x`` ``[B, S, H]``; causal, or ``attn_mask`` ``[B|1, 1, S, S]`` (bool)."""
         b, s, _ = x.shape
         cfg = self.cfg
         hd = cfg.hidden_size // cfg.num_heads
@@ -74,7 +80,12 @@ class _Block(nn.Module):
         q = _rope(q, position_ids, cfg.rope_theta)
         k = _rope(k, position_ids, cfg.rope_theta)
         attn = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=cfg.num_kv_heads != cfg.num_heads
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            enable_gqa=cfg.num_kv_heads != cfg.num_heads,
         )
         x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
         gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
@@ -105,8 +116,29 @@ class TinyDecoder(nn.Module):
         """Logits ``[B, S, V]`` of ``input_ids`` ``[B, S]`` at ``position_ids`` ``[B|1, S]``."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = self.embed(input_ids)
+        return self.decode(self.embed(input_ids), position_ids)
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]`` of embeddings ``x`` ``[B, S, H]`` (the layers after the embedding).
+
+        Args:
+            x: Token embeddings ``[B, S, H]``.
+            position_ids: ``[B|1, S]`` positions for RoPE.
+            attn_mask: ``None`` (causal) or a bool ``[B|1, 1, S, S]`` mask (``True`` = attend).
+        """
         for block in self.blocks:
-            x = block(x, position_ids)
+            x = block(x, position_ids, attn_mask)
         logits: torch.Tensor = self.head(self.norm(x))
         return logits
+
+    @classmethod
+    def from_config(cls, cfg: TinyDecoderConfig | None = None, *, seed: int = 0) -> TinyDecoder:
+        """Build with weights drawn from ``seed`` (the global RNG is left untouched)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls(cfg)

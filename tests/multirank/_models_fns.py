@@ -1,0 +1,83 @@
+"""Rank functions: the shipped model-owned models (TinyVLM, GlobalPrefixDecoder) under CP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.testing import assert_close
+
+import cpshard
+from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging
+from cpshard.models import GlobalPrefixConfig, GlobalPrefixDecoder, TinyVLM
+
+
+def _vlm_case() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 259, (2, 23), generator=gen)
+    ids[0, 1:7] = 259  # images of 3 patches: two in row 0, one in row 1
+    ids[1, 12:15] = 259
+    batch = {
+        "input_ids": ids,
+        "pixel_values": torch.randn(3, 3, 16, generator=gen, dtype=torch.float64),
+        "labels": cpshard.shift_labels(ids),
+    }
+    return TinyVLM.from_config(seed=4).double(), batch
+
+
+def _prefix_case() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 259, (2, 27), generator=torch.Generator().manual_seed(6))
+    cfg = GlobalPrefixConfig(num_global_tokens=3, block_size=4)
+    return GlobalPrefixDecoder.from_config(cfg, seed=4).double(), {
+        "input_ids": ids,
+        "labels": cpshard.shift_labels(ids),
+    }
+
+
+def _forward(model: nn.Module, local: dict[str, Any]) -> torch.Tensor:
+    if "inputs_embeds" in local:
+        out: torch.Tensor = model(
+            inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"]
+        )
+        return out
+    out = model(local["input_ids"], local["position_ids"])
+    return out
+
+
+def model_owned_parity(cp_mesh: DeviceMesh, which: str, attention: str) -> None:
+    """Loss and every gradient (vision encoder included) under CP equal one process's."""
+    model, batch = _vlm_case() if which == "vlm" else _prefix_case()
+    ref_model, _ = _vlm_case() if which == "vlm" else _prefix_case()
+    n = count_tokens(batch["labels"])
+    if which == "vlm":
+        full = ref_model(batch["input_ids"], pixel_values=batch["pixel_values"])
+    else:
+        full = ref_model(batch["input_ids"])
+    ref_loss = cp_cross_entropy(full, batch["labels"], num_tokens=n)
+    ref_loss.backward()
+
+    ctx, local, sharder = cpshard.prepare_cp_forward(model, cp_mesh, batch, attention=attention)
+    with ctx():
+        logits = _forward(model, local)
+    loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)
+    loss.backward()
+    cpshard.sync_grads(model, cp_mesh)
+    assert_close(reduce_for_logging(loss, cp_mesh), ref_loss.detach())
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert p.grad is not None, name
+        assert q.grad is not None, name
+        assert_close(p.grad, q.grad, msg=name)
+    if which == "vlm":
+        grad = model.vision.patch.weight.grad  # type: ignore[union-attr]
+        assert grad is not None and float(grad.abs().sum()) > 0
+    # per-token log-probs back in caller coordinates equal the reference
+    logp = torch.log_softmax(logits.detach(), -1)
+    tok = logp.gather(-1, local["labels"].clamp(min=0)[..., None])[..., 0]
+    fill = 0.0 if sharder.input_token_stream_positions is not None else None
+    got = sharder.gather_token_tensor(tok, trim=True, fill=fill)
+    ref_logp = torch.log_softmax(full.detach(), -1)
+    ref_tok = ref_logp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
+    keep = batch["labels"] != -100
+    assert_close(got[keep], ref_tok[keep])
