@@ -1,0 +1,24 @@
+"""Training loops on real gloo ranks: FSDP2 on dp x cp meshes, RL steps, accumulation."""
+
+from __future__ import annotations
+
+import pytest
+from _training_fns import fsdp2_dp_cp, fsdp2_forgotten_sync_is_wrong, sync_grads_errors
+
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("recipe", ["dp_shard+sync_grads", "flat_dp_cp+scale"])
+def test_fsdp2_dp2_cp2_matches_one_process(ranks: Ranks, recipe: str) -> None:
+    ranks(4, fsdp2_dp_cp, recipe, timeout=120)
+
+
+def test_forgetting_sync_grads_is_caught(ranks: Ranks) -> None:
+    errs = ranks(4, fsdp2_forgotten_sync_is_wrong, timeout=120)
+    assert min(errs) > 1e-3
+
+
+def test_sync_grads_errors(ranks: Ranks) -> None:
+    ranks(4, sync_grads_errors)
