@@ -54,7 +54,8 @@ def count_tokens(
       with a group that contains CP ranks: every CP rank would count them again.
 
     Args:
-        labels: LongTensor ``[B, S]`` of pre-shifted labels (global, or local with ``group``).
+        labels: LongTensor ``[B, S]`` of pre-shifted labels (global, or local with ``group``),
+            or a bool mask ``[B, S]`` whose ``True`` entries are counted (e.g. response tokens).
         ignore_index: Label of unsupervised tokens.
         group: Mesh whose ranks' counts are summed (one all-reduce per mesh dim), or ``None``.
 
@@ -64,7 +65,7 @@ def count_tokens(
     Raises:
         ValueError: this rank is not part of ``group``.
     """
-    n = (labels != ignore_index).sum()
+    n = labels.sum() if labels.dtype == torch.bool else (labels != ignore_index).sum()
     if group is None:
         return int(n)
     _check_member(group, "count_tokens")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 import cpshard
+import cpshard.corpus
+import cpshard.loss
 from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch
 from cpshard.loss import (
     count_tokens,
@@ -117,3 +121,131 @@ def sync_grads_errors(world_mesh: DeviceMesh) -> None:
         count_tokens(torch.zeros(1, 3), group=other)
     cpshard.sync_grads(model, None)  # no CP: a no-op
     assert all(p.grad is None for p in model.parameters())
+
+
+def _rl_rows() -> dict[str, Any]:
+    """Two packed rows of prompt+response sequences, with per-token RL tensors [B, S]."""
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [[9, 8], [6, 7, 5]]  # row 0 ends with 3 pads
+    prompt = [[4, 3], [2, 4, 3]]
+    bsz, seq_len = 2, 20
+    ids = torch.full((bsz, seq_len), PAD_ID, dtype=torch.long)
+    response = torch.zeros(bsz, seq_len, dtype=torch.bool)  # token t is a response token
+    adv = torch.zeros(bsz, seq_len, dtype=torch.float64)
+    for b, (lens, prompts) in enumerate(zip(seq_lens, prompt, strict=True)):
+        start = 0
+        for n, p in zip(lens, prompts, strict=True):
+            ids[b, start : start + n] = torch.randint(0, 256, (n,), generator=gen)
+            response[b, start + p : start + n] = True
+            adv[b, start : start + n] = float(torch.randn((), generator=gen))  # one per sequence
+            start += n
+    spec = cpshard.PackSpec.from_seq_lens(seq_lens, seq_len)
+    labels = cpshard.shift_labels_packed(ids, spec)
+    # loss on predictions of response tokens: position t predicts t + 1
+    loss_mask = torch.zeros_like(response)
+    loss_mask[:, :-1] = response[:, 1:]
+    loss_mask &= labels != -100
+    old_logp = -torch.rand(bsz, seq_len, generator=gen, dtype=torch.float64) * 3
+    return {
+        "batch": {"input_ids": ids, "labels": labels, "seq_lens": seq_lens},
+        "loss_mask": loss_mask,
+        "advantages": adv * loss_mask,
+        "old_logp": old_logp,
+    }
+
+
+def _grpo_step(
+    model: nn.Module, cp_mesh: DeviceMesh | None, case: dict[str, Any], mode: str, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped policy loss under CP: RL tensors in caller [B, S] coordinates."""
+    ctx, local, sharder = cpshard.prepare_cp_forward(
+        model, cp_mesh, case["batch"], padding_token_id=PAD_ID, loss_mask=case["loss_mask"],
+        layout=layout,  # type: ignore[arg-type]
+    )  # fmt: skip
+    with ctx():
+        logits = model(local["input_ids"], local["position_ids"])
+    logp = torch.log_softmax(logits, -1)
+    logp = logp.gather(-1, local["labels"].clamp(min=0)[..., None])[..., 0]  # [1, L]
+    n = count_tokens(case["loss_mask"])  # response tokens of the global batch
+    clip = 0.2
+    if mode == "local":  # advantages and old log-probs follow the shards
+        adv = sharder.shard_token_tensor(case["advantages"], fill=0.0)
+        old = sharder.shard_token_tensor(case["old_logp"], fill=0.0)
+        mask = local["loss_mask"].bool()
+        ratio = torch.exp(logp - old)
+        per_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+        loss = cpshard.loss.cp_token_mean(per_tok, mask, num_tokens=n)
+    else:  # log-probs gathered to caller coordinates; the same loss on every CP rank
+        full = sharder.gather_token_tensor(logp, trim=True, fill=0.0, grad="replicated")
+        ratio = torch.exp(full - case["old_logp"])
+        adv = case["advantages"]
+        per_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+        # the whole loss on every rank: grad="replicated" keeps each rank's own tokens' share
+        loss = (per_tok * case["loss_mask"]).sum() / n
+    loss.backward()
+    cpshard.sync_grads(model, cp_mesh)
+    gathered = sharder.gather_token_tensor(logp.detach(), trim=True, fill=0.0)
+    replicas = sharder.cp_size if mode == "gathered" else 1
+    return reduce_for_logging(loss, cp_mesh, scale=replicas), gathered
+
+
+def grpo_packed_step(cp_mesh: DeviceMesh, mode: str, layout: str) -> None:
+    """A GRPO-style step on packed prompt+response rows equals cp=1: loss, grads, log-probs."""
+    case = _rl_rows()
+    ref = _model()
+    ref_loss, ref_logp = _grpo_step(ref, None, case, mode, layout)
+    model = _model()
+    loss, logp = _grpo_step(model, cp_mesh, case, mode, layout)
+    assert_close(loss, ref_loss)
+    real = case["batch"]["labels"] != -100
+    assert_close(logp[real], ref_logp[real])
+    assert logp.shape == (2, 20)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert_close(p.grad, q.grad, msg=name)
+    assert float(ref_loss.abs()) > 0
+
+
+def _micro_batches(step: int) -> list[dict[str, Any]]:
+    """Two micro-batches per step: dense rows and a packed stream, lengths change every step."""
+    dense = dense_batch(2, 15 + 3 * step, seed=step)
+    ids, lens = cpshard.corpus.packed_batch(24 + 5 * step, max_doc_len=9, seed=100 + step)
+    spec = cpshard.PackSpec.from_seq_lens([lens], ids.shape[1])
+    packed = {
+        "input_ids": ids,
+        "labels": cpshard.shift_labels_packed(ids, spec),
+        "seq_lens": [lens],
+    }
+    return [dense, packed]
+
+
+def _train(cp_mesh: DeviceMesh | None, steps: int) -> tuple[list[float], nn.Module]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        micro = _micro_batches(step)
+        n = sum(count_tokens(m["labels"]) for m in micro)  # the step's tokens, all micro-batches
+        total = torch.zeros((), dtype=torch.float64)
+        for m in micro:
+            ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, m, padding_token_id=PAD_ID)
+            with ctx():
+                logits = model(local["input_ids"], local["position_ids"])
+            loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)
+            loss.backward()  # accumulate
+            total = total + reduce_for_logging(loss, cp_mesh)
+        cpshard.sync_grads(model, cp_mesh)  # once per step, after the last micro-batch
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total))
+    return losses, model
+
+
+def accumulation_adamw(cp_mesh: DeviceMesh) -> None:
+    """5 AdamW steps of 2 micro-batches (dense + packed, changing lengths) equal cp=1."""
+    ref_losses, ref = _train(None, 5)
+    losses, model = _train(cp_mesh, 5)
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert ref_losses[-1] < ref_losses[0]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p, q, msg=name)

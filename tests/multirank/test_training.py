@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from _training_fns import fsdp2_dp_cp, fsdp2_forgotten_sync_is_wrong, sync_grads_errors
+from _training_fns import (
+    accumulation_adamw,
+    fsdp2_dp_cp,
+    fsdp2_forgotten_sync_is_wrong,
+    grpo_packed_step,
+    sync_grads_errors,
+)
 
 from _ranks import Ranks
 
@@ -22,3 +28,18 @@ def test_forgetting_sync_grads_is_caught(ranks: Ranks) -> None:
 
 def test_sync_grads_errors(ranks: Ranks) -> None:
     ranks(4, sync_grads_errors)
+
+
+@pytest.mark.parametrize(
+    ("world", "mode", "layout"),
+    [(2, "local", "balanced"), (3, "local", "packed"), (4, "gathered", "balanced")],
+)
+def test_grpo_step_on_packed_rows_matches_cp1(
+    ranks: Ranks, world: int, mode: str, layout: str
+) -> None:
+    ranks(world, grpo_packed_step, mode, layout)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_adamw_five_steps_matches_cp1(ranks: Ranks, world: int) -> None:
+    ranks(world, accumulation_adamw, timeout=120)
