@@ -249,3 +249,37 @@ def accumulation_adamw(cp_mesh: DeviceMesh) -> None:
     assert ref_losses[-1] < ref_losses[0]
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert_close(p, q, msg=name)
+
+
+def _router_load(local: dict[str, Any], vocab: int) -> torch.Tensor:
+    """A token-counting consumer (an MoE router's load): real tokens per id, pads left out."""
+    real = ~local["padding_mask"]
+    return torch.bincount(local["input_ids"][real], minlength=vocab)
+
+
+def pads_visible_to_consumers(cp_mesh: DeviceMesh, layout: str) -> None:
+    """padding_mask marks every CP pad slot: the consumer sees the same tokens at cp=1 and N."""
+    ids, lens = cpshard.corpus.packed_batch(37, max_doc_len=11, seed=3)
+    if layout == "dense":
+        batch: dict[str, Any] = dense_batch(3, 13, seed=2)  # attention_mask -> padding_mask
+    else:
+        batch = {"input_ids": ids, "seq_lens": [lens]}
+    kw: dict[str, Any] = {"padding_token_id": PAD_ID}
+    if layout != "dense":
+        kw["layout"] = layout
+    _, ref, _ = cpshard.make_cp_batch_and_ctx(None, batch, **kw)
+    _, local, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, batch, **kw)
+    assert "padding_mask" in ref and "padding_mask" in local
+    load = _router_load(local, VOCAB_SIZE)
+    total = load.clone()
+    torch.distributed.all_reduce(total, group=cp_mesh.get_group())
+    assert torch.equal(total, _router_load(ref, VOCAB_SIZE))
+    real = batch["input_ids"] != PAD_ID
+    assert int(total.sum()) == int(real.sum())
+    # the CP pads (if any) are all marked: exactly the slots beyond the real tokens
+    pads = int(local["padding_mask"].sum())
+    all_pads = torch.tensor([pads])
+    torch.distributed.all_reduce(all_pads, group=cp_mesh.get_group())
+    assert sharder.padded_seq_len is not None
+    rows = local["input_ids"].shape[0]
+    assert int(all_pads) == rows * sharder.padded_seq_len - int(real.sum())

@@ -8,6 +8,7 @@ from _training_fns import (
     fsdp2_dp_cp,
     fsdp2_forgotten_sync_is_wrong,
     grpo_packed_step,
+    pads_visible_to_consumers,
     sync_grads_errors,
 )
 
@@ -43,3 +44,8 @@ def test_grpo_step_on_packed_rows_matches_cp1(
 @pytest.mark.parametrize("world", [2, 3])
 def test_accumulation_adamw_five_steps_matches_cp1(ranks: Ranks, world: int) -> None:
     ranks(world, accumulation_adamw, timeout=120)
+
+
+@pytest.mark.parametrize("layout", ["balanced", "packed", "dense"])
+def test_pads_visible_to_token_counting_consumers(ranks: Ranks, layout: str) -> None:
+    ranks(3, pads_visible_to_consumers, layout)
