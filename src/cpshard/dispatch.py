@@ -25,7 +25,7 @@ from cpshard.layouts import (
     RoundRobinLayout,
     check_rank_map,
 )
-from cpshard.sharder import CPSharder, ShardBatchFn
+from cpshard.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
 
 __all__ = [
     "LayoutName",
@@ -299,8 +299,11 @@ def prepare_cp_forward(
 
     A model may own its CP by defining ``prepare_model_inputs_for_cp(batch, *, num_chunks=1)``
     returning ``{"cp_sharder": CPSharder, **updates}``; an update whose value is ``None`` removes
-    that key (a raw input the hook consumed). HF transformers models are switched to cpshard's
-    registered attention (at every CP size), so their SDPA sees the global sequence in ``ctx()``.
+    that key (a raw input the hook consumed); the hook runs at every CP size, ``cp=1`` included.
+    Inside ``ctx()`` an HF transformers model uses cpshard's registered attention (at every CP
+    size), so it sees the global sequence; outside ``ctx()`` it keeps its own
+    ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ``flex_attention``), so
+    evaluation and ``generate`` are not downgraded.
 
     Args:
         model: The model (``nn.Module``).
@@ -323,12 +326,6 @@ def prepare_cp_forward(
     if hasattr(model, "prepare_model_inputs_for_cp"):
         # At every CP size (the seed skips cp=1): the cp=1 reference runs the same model path.
         sharder, work = apply_model_hook(model, work, num_chunks)
-    if sharder is None and hasattr(model, "set_attn_implementation"):
-        # At every CP size, so cp=1 and cp=N run the same attention semantics (padding and
-        # documents come from the sharder's token meta, not from HF's mask builders).
-        from cpshard.attention.hf import use_cp_attention
-
-        use_cp_attention(model)
     ctx, out, bound = make_cp_batch_and_ctx(
         cp_mesh,
         work,
@@ -343,4 +340,16 @@ def prepare_cp_forward(
     )
     if sharder is not None:
         check_model_sharder(bound)
+    elif hasattr(model, "set_attn_implementation"):
+        # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
+        # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
+        ctx = _hf_scoped(model, ctx)
     return ctx, out, bound
+
+
+def _hf_scoped(model: nn.Module, ctx: Callable[[], Any]) -> Callable[[], Any]:
+    from cpshard.attention.hf import cp_attention_scope
+
+    factory = functools.partial(cp_attention_scope, model, ctx)
+    facts = getattr(ctx, "facts", None)
+    return CPContext(factory, facts) if isinstance(facts, ShardFacts) else factory
