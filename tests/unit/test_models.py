@@ -15,6 +15,7 @@ from cpshard.models import (
     TinyDecoderConfig,
     TinyVLM,
     TinyVLMConfig,
+    with_images,
 )
 from cpshard.models.global_prefix import global_prefix_mask
 
@@ -125,3 +126,17 @@ def test_global_prefix_errors() -> None:
         )
     with pytest.raises(ValueError, match="num_global_tokens and block_size must be >= 1"):
         GlobalPrefixConfig(block_size=0)
+
+
+def test_with_images_builds_a_vlm_batch() -> None:
+    ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = with_images(ids, patches=3, start=2, seed=1)
+    assert (batch["input_ids"][:, 2:5] == 259).all() and torch.equal(
+        ids[:, 5:], batch["input_ids"][:, 5:]
+    )
+    assert batch["pixel_values"].shape == (2, 3, 16)
+    assert (batch["labels"][:, 1:4] == -100).all() and torch.equal(batch["labels"][:, 4], ids[:, 5])
+    out = TinyVLM.from_config()(batch["input_ids"], pixel_values=batch["pixel_values"])
+    assert out.shape == (2, 12, 260)
+    with pytest.raises(ValueError, match="S >= start \\+ patches \\+ 1 = 6"):
+        with_images(ids[:, :5], patches=3, start=2)

@@ -17,7 +17,7 @@ Each works through :func:`cpshard.prepare_cp_forward` at every CP size (the hook
 
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
 from cpshard.models.global_prefix import GlobalPrefixConfig, GlobalPrefixDecoder
-from cpshard.models.vlm import TinyVLM, TinyVLMConfig
+from cpshard.models.vlm import TinyVLM, TinyVLMConfig, with_images
 
 __all__ = [
     "GlobalPrefixConfig",
@@ -26,4 +26,5 @@ __all__ = [
     "TinyDecoderConfig",
     "TinyVLM",
     "TinyVLMConfig",
+    "with_images",
 ]

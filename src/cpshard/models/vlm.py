@@ -28,7 +28,7 @@ from torch import nn
 
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
 
-__all__ = ["TinyVLM", "TinyVLMConfig", "TinyVisionEncoder"]
+__all__ = ["TinyVLM", "TinyVLMConfig", "TinyVisionEncoder", "with_images"]
 
 
 def _default_text() -> TinyDecoderConfig:
@@ -213,3 +213,43 @@ class TinyVLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None]
         return self.lm.decode(inputs_embeds, position_ids)
+
+
+def with_images(
+    input_ids: torch.Tensor,
+    cfg: TinyVLMConfig | None = None,
+    *,
+    patches: int = 4,
+    start: int = 1,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A VLM batch from text rows: one image of ``patches`` placeholders per row.
+
+    Row ``b``'s tokens ``[start, start + patches)`` become ``cfg.image_token_id``; ``pixel_values``
+    are drawn from ``seed``; ``labels`` are the next tokens, with ``-100`` wherever the target is
+    an image placeholder (images are inputs, not predictions).
+
+    Args:
+        input_ids: ``[B, S]`` text tokens (not modified), ``S >= start + patches + 1``.
+        cfg: The model's config (for the placeholder id and ``patch_dim``).
+        patches: Placeholders (patches) per image.
+        start: Position of the first placeholder in every row.
+        seed: Seed of ``pixel_values``.
+
+    Returns:
+        ``{"input_ids": [B, S], "pixel_values": [B, patches, patch_dim], "labels": [B, S]}``.
+    """
+    cfg = cfg or TinyVLMConfig()
+    if input_ids.dim() != 2 or input_ids.shape[1] < start + patches + 1 or start < 0:
+        raise ValueError(
+            f"with_images needs [B, S] rows with S >= start + patches + 1 = "
+            f"{start + patches + 1}, got shape {tuple(input_ids.shape)} (start={start})"
+        )
+    ids = input_ids.clone()
+    ids[:, start : start + patches] = cfg.image_token_id
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels = labels.masked_fill(labels == cfg.image_token_id, -100)
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(ids.shape[0], patches, cfg.patch_dim, generator=gen)
+    return {"input_ids": ids, "pixel_values": pixels.to(input_ids.device), "labels": labels}
