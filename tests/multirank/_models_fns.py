@@ -81,3 +81,46 @@ def model_owned_parity(cp_mesh: DeviceMesh, which: str, attention: str) -> None:
     ref_tok = ref_logp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
     keep = batch["labels"] != -100
     assert_close(got[keep], ref_tok[keep])
+
+
+def vlm_fsdp2_dp_cp(world_mesh: DeviceMesh) -> None:
+    """TinyVLM under FSDP2 (dp=2) x CP (cp=2): the hook runs through __call__, so FSDP2
+    unshards the vision encoder for it; loss and every gradient equal one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from cpshard.loss import grad_mean_scale
+    from cpshard.models import with_images
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ids = torch.randint(0, 259, (4, 19), generator=torch.Generator().manual_seed(8))
+    glob = with_images(ids, patches=3, start=2, seed=9)
+    glob["pixel_values"] = glob["pixel_values"].double()
+    ref = TinyVLM.from_config(seed=4).double()
+    n_all = count_tokens(glob["labels"])
+    ref_loss = cp_cross_entropy(
+        ref(glob["input_ids"], pixel_values=glob["pixel_values"]), glob["labels"], num_tokens=n_all
+    )
+    ref_loss.backward()
+
+    model = TinyVLM.from_config(seed=4).double()
+    for block in model.lm.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])  # root: embedding, vision encoder, head
+    dp = mesh["dp"].get_local_rank()
+    batch = {k: v[2 * dp : 2 * dp + 2] for k, v in glob.items()}
+    ctx, local, _ = cpshard.prepare_cp_forward(model, mesh["cp"], batch)
+    with ctx():
+        logits = model(inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"])
+    scale = grad_mean_scale(mesh["dp"])
+    n = count_tokens(local["labels"], group=mesh)
+    loss = cp_cross_entropy(logits, local["labels"], num_tokens=n, scale=scale)
+    loss.backward()
+    cpshard.sync_grads(model, mesh["cp"])
+    assert_close(reduce_for_logging(loss, mesh, scale=scale), ref_loss.detach())
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        assert_close(g, want[name].grad, msg=name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _models_fns import model_owned_parity
+from _models_fns import model_owned_parity, vlm_fsdp2_dp_cp
 
 from _ranks import Ranks
 
@@ -14,3 +14,7 @@ pytestmark = pytest.mark.multirank
 @pytest.mark.parametrize("which", ["vlm", "global_prefix"])
 def test_model_owned_models_match_one_process(ranks: Ranks, world: int, which: str) -> None:
     ranks(world, model_owned_parity, which, "ring" if world == 3 else "all_gather")
+
+
+def test_vlm_under_fsdp2_dp2_cp2_matches_one_process(ranks: Ranks) -> None:
+    ranks(4, vlm_fsdp2_dp_cp, timeout=120)
