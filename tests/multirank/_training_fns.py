@@ -283,3 +283,24 @@ def pads_visible_to_consumers(cp_mesh: DeviceMesh, layout: str) -> None:
     assert sharder.padded_seq_len is not None
     rows = local["input_ids"].shape[0]
     assert int(all_pads) == rows * sharder.padded_seq_len - int(real.sum())
+
+
+def sync_grads_partial_none(cp_mesh: DeviceMesh) -> None:
+    """A parameter used on some CP ranks only is summed everywhere; an unused one stays None."""
+    rank = cp_mesh.get_local_rank()
+    torch.manual_seed(0)
+    used, sometimes, never = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    model = nn.ModuleList([used, sometimes, never, frozen])
+    x = torch.full((1, 3), float(rank + 1))
+    out = used(x).sum()
+    if rank == 0:
+        out = out + sometimes(x).sum()
+    out.backward()
+    cpshard.sync_grads(model, cp_mesh)
+    world = cp_mesh.size()
+    assert used.weight.grad is not None and sometimes.weight.grad is not None
+    total = sum(r + 1 for r in range(world))
+    assert_close(used.weight.grad, torch.full((3, 3), float(total)))
+    assert_close(sometimes.weight.grad, torch.full((3, 3), 1.0))  # rank 0's x only
+    assert never.weight.grad is None and frozen.weight.grad is None

@@ -10,6 +10,7 @@ from _training_fns import (
     grpo_packed_step,
     pads_visible_to_consumers,
     sync_grads_errors,
+    sync_grads_partial_none,
 )
 
 from _ranks import Ranks
@@ -49,3 +50,8 @@ def test_accumulation_adamw_five_steps_matches_cp1(ranks: Ranks, world: int) -> 
 @pytest.mark.parametrize("layout", ["balanced", "packed", "dense"])
 def test_pads_visible_to_token_counting_consumers(ranks: Ranks, layout: str) -> None:
     ranks(3, pads_visible_to_consumers, layout)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sync_grads_sums_partially_used_parameters(ranks: Ranks, world: int) -> None:
+    ranks(world, sync_grads_partial_none)
