@@ -1,15 +1,18 @@
-"""CP-correct losses: token means whose gradients, summed over CP ranks, equal one process's.
+"""CP-correct losses and gradient sync: per-rank partials whose sum is one process's loss.
 
 Under CP each rank holds a slice of every sequence, so a per-rank ``mean`` over local tokens is
 wrong twice: ranks hold different numbers of real tokens, and the gradient reduction over the CP
 group then sums (or averages) already-averaged values. The fix is to divide each rank's *sum* by
-the *global* token count, which every rank knows before sharding (it holds the global batch), and
-to undo the averaging of a mean-reducing gradient sync (e.g. FSDP over a flattened ``dp x cp``
-group) by the CP size.
+the *global* token count (:func:`count_tokens`: of the global batch without a collective, or of
+the local shards over a ``dp x cp`` mesh), sum the gradients over the CP group
+(:func:`sync_grads`), and undo the averaging of a mean-reducing gradient sync (FSDP2 over ``dp``
+or over the flattened ``dp x cp`` ranks) with :func:`grad_mean_scale`.
+:func:`reduce_for_logging` turns the partials back into the true global loss.
 
 Example:
     >>> n = count_tokens(batch["labels"])                    # doctest: +SKIP
     >>> loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)  # doctest: +SKIP
+    >>> loss.backward(); sync_grads(model, cp_mesh)          # doctest: +SKIP
 """
 
 from __future__ import annotations
