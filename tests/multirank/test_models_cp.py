@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _models_fns import model_owned_parity, vlm_fsdp2_dp_cp
+from _models_fns import model_owned_parity, vlm_fsdp2_dp_cp, vlm_packed_matches_cp1
 
 from _ranks import Ranks
 
@@ -18,3 +18,8 @@ def test_model_owned_models_match_one_process(ranks: Ranks, world: int, which: s
 
 def test_vlm_under_fsdp2_dp2_cp2_matches_one_process(ranks: Ranks) -> None:
     ranks(4, vlm_fsdp2_dp_cp, timeout=120)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vlm_on_packed_rows_matches_cp1(ranks: Ranks, world: int) -> None:
+    ranks(world, vlm_packed_matches_cp1)

@@ -126,6 +126,23 @@ def test_global_prefix_errors() -> None:
         )
     with pytest.raises(ValueError, match="num_global_tokens and block_size must be >= 1"):
         GlobalPrefixConfig(block_size=0)
+    left = torch.ones(1, 8, dtype=torch.long)
+    left[0, 0] = 0
+    with pytest.raises(ValueError, match="right-padded rows only"):
+        cpshard.prepare_cp_forward(
+            model, None, {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": left}
+        )
+
+
+def test_global_prefix_num_chunks_gives_whole_chunks_of_blocks() -> None:
+    cfg = GlobalPrefixConfig(num_global_tokens=2, block_size=3)
+    model = GlobalPrefixDecoder.from_config(cfg, seed=0).double()
+    ids = torch.randint(0, 259, (1, 9), generator=torch.Generator().manual_seed(1))
+    ctx, local, sharder = cpshard.prepare_cp_forward(model, None, {"input_ids": ids}, num_chunks=2)
+    assert local["input_ids"].shape == (1, 2 + 12)  # body 7 -> a multiple of 3 * 2
+    with ctx():
+        out = model(local["input_ids"], local["position_ids"])
+    assert_close(sharder.gather_token_tensor(out, trim=True, fill=0.0), model(ids))
 
 
 def test_with_images_builds_a_vlm_batch() -> None:

@@ -134,6 +134,13 @@ def _shard_global_prefix(
             f"rows of seq_len={seq_len} hold no tokens after the num_global_tokens={num_global} "
             "global prefix; use longer rows"
         )
+    pad = out.get("padding_mask")
+    if pad is not None and bool((pad[:, :-1] & ~pad[:, 1:]).any()):
+        raise ValueError(
+            "GlobalPrefixDecoder takes right-padded rows only (its prefix and blocks are defined "
+            "by the token index in the row), but the padding mask has a pad before a real token; "
+            "pad rows at the end"
+        )
     rank, world = _comm.cp_rank_and_size(cp_mesh)
     body = seq_len - num_global
     chunk = -(-body // (world * block)) * block  # Lb: whole blocks per rank
