@@ -273,12 +273,19 @@ def _gathered_rank_map(sharder: CPSharder, padded: int, world: int) -> torch.Ten
     assert sharder.local_token_global_indices is not None
     local = sharder.local_token_global_indices(sharder.cp_mesh, padded, torch.device("cpu"))
     n = padded // world
-    fixed = torch.full((n,), -1, dtype=torch.long)
+    fixed = torch.full((n + 1,), -1, dtype=torch.long)  # the map, then its true length
     m = min(n, local.numel())
     fixed[:m] = local.reshape(-1)[:m].long().cpu()
+    fixed[n] = local.numel()
     group = _comm.cp_group(sharder.cp_mesh)
-    full = fixed if group is None else _comm.all_gather_long(fixed, group)
-    return full.view(world, n)
+    full = (fixed if group is None else _comm.all_gather_long(fixed, group)).view(world, n + 1)
+    for rank, length in enumerate(full[:, n].tolist()):
+        if length != n:
+            raise ValueError(
+                f"rank {rank}'s local_token_global_indices has {length} tokens, expected "
+                f"padded_seq_len / cp_size = {n}"
+            )
+    return full[:, :n]
 
 
 def prepare_cp_forward(

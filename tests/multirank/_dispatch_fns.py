@@ -161,6 +161,12 @@ def model_owned_map_errors(cp_mesh: DeviceMesh) -> None:
     )
     with pytest.raises(ValueError, match="not a bijection"):
         cpshard.prepare_cp_forward(_OwnsSharder(lazy), cp_mesh, batch)
+    too_long = CPSharder(
+        shard_batch=_local_only_shard,
+        local_token_global_indices=lambda mesh, p, dev: torch.arange(p // cp_mesh.size() + 1),
+    )
+    with pytest.raises(ValueError, match=r"rank 0's local_token_global_indices has \d+ tokens"):
+        cpshard.prepare_cp_forward(_OwnsSharder(too_long), cp_mesh, batch)
     dup = CPSharder(shard_batch=_repeated_positions_shard, local_token_global_indices=None)
     with pytest.raises(ValueError, match="two input tokens map to the same stream slot"):
         cpshard.prepare_cp_forward(_OwnsSharder(dup), cp_mesh, batch)
