@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyDecoder", "TinyDecoderConfig"]
+__all__ = ["TinyDecoder", "TinyDecoderConfig", "masked_attention"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,33 @@ def _rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Te
     return out.to(x.dtype)
 
 
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention with an explicit bool mask (fp32 softmax), GQA by head repetition.
+
+    Written out rather than ``F.scaled_dot_product_attention``, so a model with its own local
+    attention pattern is never routed to CP attention by an active cpshard context.
+
+    Args:
+        q: ``[B, Hq, S, D]``.
+        k: ``[B, Hkv, S, D]``.
+        v: ``[B, Hkv, S, D]``.
+        mask: Bool ``[B|1, 1, S, S]``, ``True`` = attend; every row needs one ``True``.
+
+    Returns:
+        ``[B, Hq, S, D]``.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    out: torch.Tensor = (probs @ v.float()).to(q.dtype)
+    return out
+
+
 class _Block(nn.Module):
     def __init__(self, cfg: TinyDecoderConfig) -> None:
         super().__init__()
@@ -79,14 +106,14 @@ class _Block(nn.Module):
         k, v = self.kv(h).view(b, s, 2, cfg.num_kv_heads, hd).permute(2, 0, 3, 1, 4)
         q = _rope(q, position_ids, cfg.rope_theta)
         k = _rope(k, position_ids, cfg.rope_theta)
-        attn = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None,
-            enable_gqa=cfg.num_kv_heads != cfg.num_heads,
-        )
+        if (
+            attn_mask is None
+        ):  # plain causal SDPA: inside cpshard's ctx() it sees the global sequence
+            attn = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=cfg.num_kv_heads != cfg.num_heads
+            )
+        else:  # a model-defined mask over the local tokens: explicit math, never routed to CP
+            attn = masked_attention(q, k, v, attn_mask)
         x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
         gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
         out: torch.Tensor = x + self.down(F.silu(gate) * up)

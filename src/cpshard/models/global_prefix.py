@@ -17,11 +17,12 @@ of the local ones (``rank_map = arange(P).view(C, L)``), and
 token count sees each real token once; the token verbs fill them with ``fill``. CP pads get the
 pad table's values. The model builds its mask from ``position_ids`` alone (rows restart at 0), so
 the same forward serves the plain ``[B, S]`` call, the ``cp=1`` stream and every ``cp=N`` shard.
+Its attention is explicit masked math (never routed to CP attention); the sharder's ``ctx()`` is
+still a cpshard attention context, so "this shard runs under CP" holds for it as for any layout.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
+from cpshard.attention.context import cp_attention_context
 from cpshard.batch import normalize_batch
+from cpshard.meta import TokenMeta, pad_document_ids
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
 from cpshard.sharder import CPContext, CPSharder, ShardFacts
 
@@ -134,8 +137,9 @@ def _shard_global_prefix(
             f"rows of seq_len={seq_len} hold no tokens after the num_global_tokens={num_global} "
             "global prefix; use longer rows"
         )
-    pad = out.get("padding_mask")
-    if pad is not None and bool((pad[:, :-1] & ~pad[:, 1:]).any()):
+    padding = out.get("padding_mask")
+    padding = torch.zeros_like(ids, dtype=torch.bool) if padding is None else padding.bool()
+    if bool((padding[:, :-1] & ~padding[:, 1:]).any()):
         raise ValueError(
             "GlobalPrefixDecoder takes right-padded rows only (its prefix and blocks are defined "
             "by the token index in the row), but the padding mask has a pad before a real token; "
@@ -148,7 +152,7 @@ def _shard_global_prefix(
     seg = num_global + chunk
     local_len = bsz * seg
     padded = world * local_len
-    out["padding_mask"] = out.get("padding_mask", torch.zeros_like(ids, dtype=torch.bool))
+    out["padding_mask"] = padding
     dims["padding_mask"] = 1
     start = num_global + rank * chunk
     for key in dims:
@@ -165,13 +169,45 @@ def _shard_global_prefix(
     k = (col - num_global).clamp(min=0)
     slot = torch.where(col < num_global, col, (k // chunk) * local_len + num_global + k % chunk)
     rows = torch.arange(bsz, device=ids.device)[:, None] * seg
+    stream = torch.arange(padded, device=ids.device)
+    meta = _stream_meta(_pad_end(padding, n_pad, True), num_global, chunk, world, rank)
     facts = ShardFacts(
         original_seq_len=None,
         padded_seq_len=padded,
         input_token_stream_positions=rows + slot[None],
-        rank_map=torch.arange(padded, device=ids.device).view(world, local_len),
+        rank_map=stream.view(world, local_len),
+        token_meta=meta,
     )
-    return CPContext(contextlib.nullcontext, facts), out
+    # The model's attention needs no communication (explicit masked math, never routed to CP
+    # attention), but its forward still runs inside a cpshard context, the region that says
+    # "this shard, under CP": a plain SDPA elsewhere in the model would see the global stream.
+    factory = functools.partial(cp_attention_context, cp_mesh, meta, "all_gather")
+    return CPContext(factory, facts), out
+
+
+def _stream_meta(
+    padding: torch.Tensor, num_global: int, chunk: int, world: int, rank: int
+) -> TokenMeta:
+    """Token meta of the whole stream (every rank's slots, no collective).
+
+    Args:
+        padding: Bool ``[B, G + C * Lb]``: the caller's rows with the body padded, ``True`` = pad.
+
+    Returns:
+        Positions = stream slots ``0..P-1``; document id = row, except pads and prefix copies
+        (ranks ``> 0``), which get their own negative ids.
+    """
+    bsz = padding.shape[0]
+    rows = torch.arange(bsz, device=padding.device)[:, None]
+    pads, docs = [], []
+    for r in range(world):
+        prefix = padding[:, :num_global] | (r > 0)
+        body = padding[:, num_global + r * chunk : num_global + (r + 1) * chunk]
+        pads.append(torch.cat([prefix, body], dim=1).reshape(-1))
+        docs.append(rows.expand(bsz, num_global + chunk).reshape(-1))
+    stream_pad = torch.cat(pads)[None]
+    positions = torch.arange(stream_pad.shape[1], device=padding.device)[None]
+    return TokenMeta(rank, world, positions, pad_document_ids(torch.cat(docs)[None], stream_pad))
 
 
 def global_prefix_sharder(num_global: int, block: int, *, num_chunks: int = 1) -> CPSharder:
