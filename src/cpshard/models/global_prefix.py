@@ -45,7 +45,7 @@ __all__ = [
     "global_prefix_sharder",
 ]
 
-_PAD = {"labels": -100, "loss_mask": 0, "padding_mask": True, "inputs_embeds": 0}
+_PAD = {"labels": -100, "loss_mask": 0, "padding_mask": True}
 
 
 @dataclass(frozen=True)
