@@ -1,0 +1,17 @@
+"""Collectives staged through host memory (several ranks on one GPU over gloo) equal direct ones."""
+
+from __future__ import annotations
+
+import pytest
+from _staging_fns import staged_matches_direct
+
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_forced_host_staging_matches_direct(ranks: Ranks, world: int) -> None:
+    for r, same in enumerate(ranks(world, staged_matches_direct)):
+        assert len(same) >= 8
+        assert all(same.values()), f"rank {r}: staged != direct for {same}"
