@@ -639,4 +639,10 @@ def flash_varlen_backward(
         offset,
         scale=scale,
     )
-    return dq[..., :d], dk[..., :d], dv[..., :d]
+    # Queries that see no key, and keys of runs without queries, get exact zeros (flash may
+    # skip writing them for empty runs).
+    dq = dq[..., :d].masked_fill(
+        (varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0)[:, None, None], 0.0
+    )
+    unseen = (varlen_visible_keys(cu_k, cu_q, k.shape[0], causal=False) == 0)[:, None, None]
+    return dq, dk[..., :d].masked_fill(unseen, 0.0), dv[..., :d].masked_fill(unseen, 0.0)
