@@ -266,7 +266,7 @@ def flash_forward(
         _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp), 0.0, is_causal, False, scale=scale
     )
     out, lse = res[0], res[1]
-    return out[..., :d], lse.float()
+    return out[..., :d], lse[..., : q.shape[2]].float()  # (no LSE padding in torch 2.11-2.13)
 
 
 def flash_backward(
@@ -585,7 +585,7 @@ def flash_varlen_forward(
         False,
         scale=scale,
     )
-    out, lse = res[0][..., :d], res[1].float()
+    out, lse = res[0][..., :d], res[1][:, : q.shape[0]].float()
     # flash reports lse = +inf for a query with no key; the contract is out = 0, lse = -inf.
     empty = varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0
     lse = lse.masked_fill(empty.unsqueeze(0), float("-inf"))
