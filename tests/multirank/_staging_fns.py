@@ -50,3 +50,36 @@ def staged_matches_direct(cp_mesh: DeviceMesh) -> dict[str, bool]:
         else:
             os.environ[_comm.FORCE_HOST_STAGING_ENV] = old
     return {name: torch.equal(direct[name], staged[name]) for name in direct}
+
+
+def _cp_sdpa_step(cp_mesh: DeviceMesh, method: str) -> list[torch.Tensor]:
+    from cpshard.attention import cp_sdpa
+    from cpshard.layouts import RoundRobinLayout
+    from cpshard.meta import TokenMeta
+
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    s = 8 * world
+    rmap = RoundRobinLayout().rank_map(world, s)
+    stream = rmap.reshape(-1)
+    docs = (torch.arange(s) >= s // 3).long()  # two documents
+    meta = TokenMeta(rank, world, stream[None], docs[stream][None])
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, go = (
+        torch.randn(1, h, s, 4, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4)
+    )
+    idx = rmap[rank]
+    local = [t.index_select(2, idx).requires_grad_() for t in (q, k, v)]
+    out = cp_sdpa(*local, group=cp_mesh.get_group(), meta=meta, method=method)
+    grads = torch.autograd.grad(out, local, go.index_select(2, idx))
+    return [out.detach(), *grads]
+
+
+def staged_cp_sdpa_matches_direct(cp_mesh: DeviceMesh, method: str) -> bool:
+    """cp_sdpa forward and backward with every collective forced through host memory."""
+    direct = _cp_sdpa_step(cp_mesh, method)
+    os.environ[_comm.FORCE_HOST_STAGING_ENV] = "1"
+    try:
+        staged = _cp_sdpa_step(cp_mesh, method)
+    finally:
+        del os.environ[_comm.FORCE_HOST_STAGING_ENV]
+    return all(torch.equal(a, b) for a, b in zip(direct, staged, strict=True))
