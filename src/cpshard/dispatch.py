@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
+from cpshard.consistency import check_batch_consistency
 from cpshard.layouts import ClosedFormLayout, ContiguousLayout, NoneLayout, RoundRobinLayout
 from cpshard.sharder import CPSharder, ShardBatchFn
 
@@ -120,13 +121,14 @@ def make_cp_batch_and_ctx(
     batch: dict[str, Any],
     *,
     layout: LayoutName = "auto",
-    padding_token_id: int = 0,
+    padding_token_id: int | None = 0,
     pad_multiple: int = 1,
     cp_sharder: CPSharder | None = None,
     loss_mask: torch.Tensor | None = None,
     extra_token_keys: Mapping[str, TokenKey] | None = None,
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
+    check_consistency: bool = True,
 ) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
     """Resolve a sharder, bind the CP mesh and shard ``batch`` (the dispatch without a model).
 
@@ -143,23 +145,115 @@ def make_cp_batch_and_ctx(
         extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
         attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
+        check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
+            (one all-gather of a few int64 values) and raise on every rank if they differ; also
+            makes ``gather_token_tensor`` check dtype and shape across ranks. Pass ``False`` only
+            if the loop guarantees identical batches on every CP rank.
 
     Returns:
         ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
         per-token tensors between caller coordinates and this rank's shard.
 
     Raises:
-        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches.
+        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
+            id that is not a non-negative int, ranks given different batches.
     """
-    check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    if check_consistency:
+        _check_consistency(
+            cp_mesh, batch, layout, attention, padding_token_id,
+            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
+             "extra_token_keys": extra_token_keys},
+        )  # fmt: skip
+    check_batch_mapping(batch)
+    check_padding_token_id(padding_token_id, batch)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if cp_sharder is None:
         cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys, attention)
     cp_sharder.cp_mesh = cp_mesh
     cp_sharder.tp_mesh = tp_mesh
-    ctx, out = cp_sharder.shard(batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+    cp_sharder.check_consistency = check_consistency
+    pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
+    ctx, out = cp_sharder.shard(batch, loss_mask=loss_mask, padding_token_id=pad_id)
     return ctx, out, cp_sharder
+
+
+def _check_consistency(
+    cp_mesh: DeviceMesh | None,
+    batch: object,
+    layout: str,
+    attention: str,
+    padding_token_id: object,
+    options: dict[str, Any],
+) -> None:
+    """The cross-rank batch fingerprint check (see :mod:`cpshard.consistency`)."""
+    described = {
+        k: (type(v).__name__ if k in ("cp_sharder", "extra_token_keys") and v is not None else v)
+        for k, v in options.items()
+    }
+    if options.get("extra_token_keys") is not None:
+        described["extra_token_keys"] = repr(sorted(dict(options["extra_token_keys"]).items()))
+    check_batch_consistency(
+        cp_mesh,
+        batch,
+        layout=layout,
+        attention=attention,
+        padding_token_id=padding_token_id,
+        options=described,
+    )
+
+
+def check_padding_token_id(
+    padding_token_id: object, batch: object, vocab_size: int | None = None
+) -> None:
+    """Raise unless ``padding_token_id`` is a usable pad id for ``input_ids``.
+
+    Rule: a non-negative ``int`` (``bool`` is not an int here), below the model's vocabulary size
+    when it is known. Any valid id works: CP pad slots are masked out of attention and carry label
+    ``-100``. ``None`` is accepted only for batches without ``input_ids`` (``inputs_embeds``).
+
+    Raises:
+        ValueError: ``None`` with ``input_ids``, a negative, non-integer or out-of-vocabulary id.
+    """
+    has_ids = isinstance(batch, Mapping) and batch.get("input_ids") is not None
+    if padding_token_id is None:
+        if not has_ids:
+            return
+        raise ValueError(
+            "padding_token_id=None, but the batch has input_ids and CP padding needs a token id "
+            "for the pad slots (they are masked out of attention and get label -100, so any "
+            "valid id works); pass tokenizer.pad_token_id, or tokenizer.eos_token_id when the "
+            "tokenizer has no pad token (e.g. Llama)"
+        )
+    if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, int):
+        raise ValueError(
+            f"padding_token_id must be a non-negative int, got {padding_token_id!r} "
+            f"({type(padding_token_id).__name__}); pass int(tokenizer.pad_token_id)"
+        )
+    if padding_token_id < 0:
+        raise ValueError(
+            f"padding_token_id must be a non-negative token id, got {padding_token_id}; pass "
+            "tokenizer.pad_token_id or tokenizer.eos_token_id"
+        )
+    if vocab_size is not None and padding_token_id >= vocab_size:
+        raise ValueError(
+            f"padding_token_id={padding_token_id} is outside the model's vocabulary of "
+            f"{vocab_size} ids (the embedding would fail on the ranks that hold pad slots); "
+            "pass tokenizer.pad_token_id or tokenizer.eos_token_id"
+        )
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The model's input vocabulary size when it is known (HF config or input embedding)."""
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else None
+    if isinstance(emb, nn.Embedding):
+        return int(emb.num_embeddings)
+    return None
 
 
 def _forward_accepts(model: nn.Module, *names: str) -> bool:
@@ -190,7 +284,7 @@ def prepare_cp_forward(
     cp_mesh: DeviceMesh | None,
     batch: dict[str, Any],
     *,
-    padding_token_id: int = 0,
+    padding_token_id: int | None = 0,
     num_chunks: int = 1,
     layout: LayoutName = "auto",
     pad_multiple: int = 1,
@@ -198,6 +292,7 @@ def prepare_cp_forward(
     extra_token_keys: Mapping[str, TokenKey] | None = None,
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
+    check_consistency: bool = True,
 ) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
     """Prepare one forward under CP: model hook, sharder resolution, batch shard.
 
@@ -212,14 +307,22 @@ def prepare_cp_forward(
         batch: Caller's batch; never mutated.
         padding_token_id: Pad id for ``input_ids``.
         num_chunks: Passed to the model hook.
-        layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh: As in
-            :func:`make_cp_batch_and_ctx`.
+        layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh,
+            check_consistency: As in :func:`make_cp_batch_and_ctx` (the fingerprint is taken of
+            the caller's batch, before the model hook runs).
 
     Returns:
         ``(ctx, batch, sharder)``.
     """
-    check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    if check_consistency:
+        _check_consistency(
+            cp_mesh, batch, layout, attention, padding_token_id,
+            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
+             "extra_token_keys": extra_token_keys},
+        )  # fmt: skip
+    check_batch_mapping(batch)
+    check_padding_token_id(padding_token_id, batch, _vocab_size(model))
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
@@ -243,7 +346,7 @@ def prepare_cp_forward(
         from cpshard.attention.hf import use_cp_attention
 
         use_cp_attention(model)
-    return make_cp_batch_and_ctx(
+    ctx, out, sharder = make_cp_batch_and_ctx(
         cp_mesh,
         work,
         layout=layout,
@@ -254,4 +357,7 @@ def prepare_cp_forward(
         extra_token_keys=extra_token_keys,
         attention=attention,
         tp_mesh=tp_mesh,
+        check_consistency=False,  # checked above, on the caller's batch
     )
+    sharder.check_consistency = check_consistency  # the verbs' cross-rank checks
+    return ctx, out, sharder
