@@ -244,11 +244,11 @@ def check_padding_token_id(
 
 
 def _vocab_size(model: nn.Module) -> int | None:
-    """The model's input vocabulary size when it is known (HF config or input embedding)."""
-    config = getattr(model, "config", None)
-    size = getattr(config, "vocab_size", None)
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size
+    """The model's input vocabulary size when it is known (``config`` / ``cfg`` or embedding)."""
+    for name in ("config", "cfg"):
+        size = getattr(getattr(model, name, None), "vocab_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
     getter = getattr(model, "get_input_embeddings", None)
     emb = getter() if callable(getter) else None
     if isinstance(emb, nn.Embedding):
