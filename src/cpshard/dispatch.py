@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard import _comm
 from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.consistency import check_batch_consistency
+from cpshard.guards import install_model_guard
 from cpshard.layouts import ClosedFormLayout, ContiguousLayout, NoneLayout, RoundRobinLayout
 from cpshard.sharder import CPSharder, ShardBatchFn
 
@@ -326,6 +327,7 @@ def prepare_cp_forward(
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
+    install_model_guard(model)  # sharded batches run inside their own ctx(), no labels there
     sharder: CPSharder | None = None
     work = dict(batch)
     if cp_size > 1 and hasattr(model, "prepare_model_inputs_for_cp"):

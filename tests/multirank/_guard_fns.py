@@ -78,12 +78,15 @@ def divergent_batch(cp_mesh: DeviceMesh, variant: str, packed: bool, with_model:
     kwargs: dict[str, Any] = {"padding_token_id": 0}
     if rank == world - 1:
         _diverge(batch, variant, kwargs)
-    with pytest.raises(ValueError, match="were given different batches") as info:
+    model = TinyDecoder(TinyDecoderConfig(vocab_size=64))
+
+    def call() -> Any:
         if with_model:
-            model = TinyDecoder(TinyDecoderConfig(vocab_size=64))
-            cpshard.prepare_cp_forward(model, cp_mesh, batch, **kwargs)
-        else:
-            cpshard.make_cp_batch_and_ctx(cp_mesh, batch, **kwargs)
+            return cpshard.prepare_cp_forward(model, cp_mesh, batch, **kwargs)
+        return cpshard.make_cp_batch_and_ctx(cp_mesh, batch, **kwargs)
+
+    with pytest.raises(ValueError, match="were given different batches") as info:
+        call()
     msg = str(info.value)
     assert f"ranks {list(range(world - 1))} vs ranks [{world - 1}]" in msg or variant in (
         "seq_len",

@@ -107,15 +107,19 @@ def test_padding_token_id_checked_against_vocab() -> None:
             "looks like a 0/1 keep mask",
         ),
         (
-            {"input_ids": torch.ones(1, 8).long(),
-             "attention_mask": torch.full((1, 8), float("-inf"))},
+            {
+                "input_ids": torch.ones(1, 8).long(),
+                "attention_mask": torch.full((1, 8), float("-inf")),
+            },
             "a 2-D attention_mask must be a keep mask",
-        ),  # fmt: skip
+        ),
         (
-            {"input_ids": torch.ones(1, 8).long(),
-             "attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.long)},
+            {
+                "input_ids": torch.ones(1, 8).long(),
+                "attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.long),
+            },
             "must be bool .* or floating-point additive",
-        ),  # fmt: skip
+        ),
         (
             {"input_ids": torch.ones(1, 8, dtype=torch.long, device="meta")},
             "meta-device tensor",

@@ -4,8 +4,8 @@
 mask builder) and selects it on a model.
 
 * Inside :func:`cpshard.attention.cp_attention_context` the mask builder builds nothing and the
-  function calls ``F.scaled_dot_product_attention`` with ``is_causal`` and no mask, which the
-  context turns into CP attention (padding and documents come from the token meta). A custom name
+  function hands ``is_causal`` and no mask to the active context (``routed_sdpa``), which runs
+  CP attention (padding and documents come from the token meta). A custom name
   matters: with the stock ``"sdpa"`` path, transformers reads jumps in sharded ``position_ids`` as
   packed-document boundaries and builds a wrong block mask.
 * Outside it the name behaves exactly like transformers' ``"sdpa"`` (its mask builder and its
@@ -20,9 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from cpshard.attention.context import cp_context_active
+from cpshard.attention.context import cp_context_active, routed_sdpa
 
 __all__ = [
     "ATTENTION_NAME",
@@ -87,7 +86,8 @@ def cpshard_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
-    out = F.scaled_dot_product_attention(
+    # Explicitly routed: this is the prepared model's self-attention (causal or not).
+    out = routed_sdpa(
         query,
         key,
         value,
