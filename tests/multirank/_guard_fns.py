@@ -127,3 +127,111 @@ def divergent_gather(cp_mesh: DeviceMesh, variant: str) -> str:
     full = sharder.gather_token_tensor(out["labels"].float())
     assert full.shape == (B, sharder.padded_seq_len)
     return str(info.value)
+
+
+def _tiny() -> TinyDecoder:
+    torch.manual_seed(0)
+    return TinyDecoder(TinyDecoderConfig(vocab_size=64))
+
+
+def stale_state(cp_mesh: DeviceMesh, case: str) -> str:
+    """A ctx / sharder of one batch used with another batch of the same length raises."""
+    model = _tiny()
+    b1, b2 = _base(True), _base(True)
+    b2["seq_lens"] = [[6, 6], [4, 4]]  # same length, other documents: another map and meta
+    ctx1, l1, s1 = cpshard.prepare_cp_forward(model, cp_mesh, b1)
+    ctx2, l2, s2 = cpshard.prepare_cp_forward(model, cp_mesh, b2)
+    with ctx2:  # the right pairing works, spelled `with ctx:` too
+        good = model(l2["input_ids"], l2["position_ids"])
+    with ctx2():
+        assert torch.equal(good, model(l2["input_ids"], l2["position_ids"]))
+    pattern = "another batch"
+    if case == "old_ctx_new_batch":
+        with pytest.raises(ValueError, match=pattern) as info, ctx1():
+            model(l2["input_ids"], l2["position_ids"])
+    elif case == "new_ctx_old_batch":
+        with pytest.raises(ValueError, match=pattern) as info, ctx2:
+            model(l1["input_ids"], l1["position_ids"])
+    elif case == "nested":
+        with pytest.raises(ValueError, match="inside another one") as info, ctx1():  # noqa: SIM117
+            with ctx2():
+                pass
+    elif case == "outside_ctx":
+        with pytest.raises(ValueError, match="outside its ctx") as info:
+            model(l1["input_ids"], l1["position_ids"])
+    elif case == "verb_of_other_batch":
+        with pytest.raises(ValueError, match=pattern) as info:
+            s2.gather_token_tensor(l1["labels"])
+    elif case == "reused_sharder":
+        ctx3, l3, s3 = cpshard.make_cp_batch_and_ctx(cp_mesh, b1, cp_sharder=s2)
+        assert s3 is s2  # the sharder now belongs to b1's shard
+        with pytest.raises(ValueError, match=pattern) as info:
+            s3.shard_token_tensor(l2["labels"])
+        with ctx1():  # ctx1 and l1 still belong together
+            model(l1["input_ids"], l1["position_ids"])
+    else:
+        raise AssertionError(case)
+    del s1
+    return str(info.value)
+
+
+def _llama(cp_mesh: DeviceMesh) -> Any:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_calls_under_ctx(cp_mesh: DeviceMesh, case: str) -> str:
+    """HF `labels` / `attention_mask` under ctx(), and the model outside ctx(), raise."""
+    model = _llama(cp_mesh)
+    batch = _base(False)
+    ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, batch)
+    if case == "labels":
+        with pytest.raises(ValueError, match=r"got `labels` inside ctx\(\)") as info, ctx():
+            model(**local)
+    elif case == "attention_mask":
+        mask = torch.ones_like(local["input_ids"])
+        with pytest.raises(ValueError, match="got an `attention_mask` inside ctx") as info, ctx():
+            model(input_ids=local["input_ids"], attention_mask=mask)
+    elif case == "outside_ctx":
+        with pytest.raises(ValueError, match="outside its ctx") as info:
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    else:
+        raise AssertionError(case)
+    assert "cp_cross_entropy" in str(info.value) or case != "labels"
+    with ctx():  # the documented call works
+        model(**{k: v for k, v in local.items() if k != "labels"})
+    return str(info.value)
+
+
+def routing(cp_mesh: DeviceMesh) -> None:
+    """Non-causal same-length SDPA is never routed; suspend() exempts a region."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    from cpshard.attention.context import cp_context_active
+
+    ctx, local, _ = cpshard.make_cp_batch_and_ctx(cp_mesh, _base(False))
+    n = local["input_ids"].shape[1]
+    q, k, v = (torch.randn(B, 2, n, 4) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)  # a vision tower's local attention
+    want_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with ctx(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v)
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with cpshard.attention.suspend():
+            assert not cp_context_active()
+            quiet = F.scaled_dot_product_attention(q, k, v)
+            local_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert cp_context_active()
+    assert torch.equal(got, want) and torch.equal(quiet, want)
+    assert torch.equal(local_causal, want_causal)
+    assert not torch.allclose(routed, want_causal)  # routed: global positions and padding
+    assert len([w for w in caught if "ran as LOCAL attention" in str(w.message)]) == 1

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from _guard_fns import divergent_batch, divergent_gather, same_batch_passes
+from _guard_fns import (
+    divergent_batch,
+    divergent_gather,
+    hf_calls_under_ctx,
+    routing,
+    same_batch_passes,
+    stale_state,
+)
 
 from _ranks import Ranks
 
@@ -54,3 +61,30 @@ def test_same_batch_passes(ranks: Ranks, world: int, packed: bool) -> None:
 def test_divergent_gather_raises_everywhere(ranks: Ranks, variant: str) -> None:
     msgs = ranks(2, divergent_gather, variant, timeout=20)
     assert len(set(msgs)) == 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "old_ctx_new_batch",
+        "new_ctx_old_batch",
+        "nested",
+        "outside_ctx",
+        "verb_of_other_batch",
+        "reused_sharder",
+    ],
+)
+@pytest.mark.parametrize("world", [1, 2])
+def test_stale_state_raises_everywhere(ranks: Ranks, world: int, case: str) -> None:
+    msgs = ranks(world, stale_state, case, timeout=30)
+    assert len(set(msgs)) == 1
+
+
+@pytest.mark.parametrize("case", ["labels", "attention_mask", "outside_ctx"])
+def test_hf_calls_under_ctx_raise(ranks: Ranks, case: str) -> None:
+    msgs = ranks(2, hf_calls_under_ctx, case, timeout=30)
+    assert len(set(msgs)) == 1
+
+
+def test_routing_and_suspend(ranks: Ranks) -> None:
+    ranks(2, routing, timeout=30)
