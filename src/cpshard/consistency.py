@@ -91,20 +91,31 @@ def _describe(value: Any) -> str:
 
 
 def _content_hash(t: torch.Tensor) -> torch.Tensor:
-    """0-d int64 tensor: a weighted sum of the values (floats: of a sample of their bits)."""
+    """0-d int64 tensor: ``sum_k x_k * (2k + 1) + numel`` over the flat values, mod ``2**64``.
+
+    Computed without a ``[N]`` temporary: viewing the values as ``[R, C]`` (``k = C*i + j``),
+    ``sum_k x_k (2k + 1) = 2C * sum_i i*rowsum_i + 2 * sum_j j*colsum_j + sum_k x_k``, and int64
+    arithmetic wraps, so the identity holds exactly. Floating-point tensors contribute the bits of
+    a strided sample of at most :data:`FLOAT_SAMPLE` values.
+    """
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
-    flat = t.detach().reshape(-1)
-    if flat.is_floating_point() or flat.is_complex():
+    x = t.detach()
+    if x.is_floating_point() or x.is_complex():
+        flat = x.reshape(-1)
         step = max(1, flat.numel() // FLOAT_SAMPLE)
         flat = flat[::step].contiguous()
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        flat = flat.view(bits[flat.element_size()])
-    flat = flat.to(torch.long)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.long).mul_(2).add_(1)
-    return (flat * weights).sum() + flat.numel()
+        x = flat.view(bits[flat.element_size()])
+    x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+    rows = x.sum(dim=1, dtype=torch.long)  # [R]
+    cols = x.sum(dim=0, dtype=torch.long)  # [C]
+    c = x.shape[1]
+    i = torch.arange(rows.numel(), device=x.device, dtype=torch.long)
+    j = torch.arange(c, device=x.device, dtype=torch.long)
+    return 2 * c * (i * rows).sum() + 2 * (j * cols).sum() + rows.sum() + x.numel()
 
 
 def _as_hashable_tensor(value: Any) -> torch.Tensor | None:
