@@ -316,6 +316,8 @@ def prepare_cp_forward(
         ``(ctx, batch, sharder)``.
     """
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.
+    install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
     if check_consistency:
         _check_consistency(
             cp_mesh, batch, layout, attention, padding_token_id,
@@ -327,7 +329,6 @@ def prepare_cp_forward(
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
-    install_model_guard(model)  # sharded batches run inside their own ctx(), no labels there
     sharder: CPSharder | None = None
     work = dict(batch)
     if cp_size > 1 and hasattr(model, "prepare_model_inputs_for_cp"):

@@ -14,6 +14,12 @@ the call itself carries (the local batch tensors carry the identity of the shard
   reaches CP attention through the sharded batch) -> ``ValueError`` with the fix.
 
 Calls on unsharded tensors outside ``ctx()`` (evaluation, generation) are not affected.
+
+It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
+raised and the loop caught the exception, this rank is out of step with its peers (they wait in
+that forward's collectives): the next :func:`prepare_cp_forward` then raises on this rank before
+any collective, so the run ends (the peers fail within the process-group timeout) instead of
+pairing unrelated collectives.
 """
 
 from __future__ import annotations
@@ -34,7 +40,23 @@ _LOSS_FIX = (
 )
 
 
-def _guard(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+class _ModelGuard:
+    """The forward pre/post hooks of one prepared model."""
+
+    def __init__(self) -> None:
+        self.in_flight = False  # a forward under a multi-rank ctx() started and did not finish
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        _check_call(module, args, kwargs)
+        mode = active_mode()
+        if mode is not None and mode.group is not None:
+            self.in_flight = True
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self.in_flight = False
+
+
+def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if kwargs.get("_pre_embed_only"):  # the dispatcher's model-hook call
         return
     tags = [t for t in (batch_tag(v) for v in (*args, *kwargs.values())) if t is not None]
@@ -69,8 +91,26 @@ def _guard(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         )
 
 
-def install_model_guard(model: nn.Module) -> None:
-    """Register the call-time guard on ``model`` once (see the module docstring)."""
-    if any(hook is _guard for hook in model._forward_pre_hooks.values()):
-        return
-    model.register_forward_pre_hook(_guard, with_kwargs=True)
+def install_model_guard(model: nn.Module, cp_size: int) -> None:
+    """Register the call-time guard on ``model`` once; raise if this rank is out of step.
+
+    Raises:
+        RuntimeError: the model's previous forward under a multi-rank ``ctx()`` raised on this
+            rank and the exception was caught (only at ``cp_size > 1``).
+    """
+    for hook in model._forward_pre_hooks.values():
+        guard = getattr(hook, "__self__", None)
+        if isinstance(guard, _ModelGuard):
+            if guard.in_flight and cp_size > 1:
+                raise RuntimeError(
+                    f"the previous forward of {type(model).__name__} under a CP ctx() raised on "
+                    "this rank and the exception was caught: the CP ranks are now out of step "
+                    "(the others wait in that forward's collectives), and continuing would pair "
+                    "unrelated collectives. Do not continue a CP loop after an exception inside "
+                    "a step: re-raise it (the other ranks then fail within the process-group "
+                    "timeout) and restart from a checkpoint"
+                )
+            return
+    guard = _ModelGuard()
+    model.register_forward_pre_hook(guard.pre, with_kwargs=True)
+    model.register_forward_hook(guard.post, with_kwargs=True)

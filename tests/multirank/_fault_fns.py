@@ -16,6 +16,7 @@ import torch
 
 FAULT_RANK = 1
 FAULT_STEP = 1
+STALL_S = 12.0  # a stalled rank stays alive this long without joining the collective
 
 
 class InjectedFault(RuntimeError):
@@ -24,6 +25,8 @@ class InjectedFault(RuntimeError):
 
 def _fail(fault: str, out: Any) -> None:
     out.put((FAULT_RANK, "fault", time.time(), fault))
+    if fault == "stall":  # alive but absent: only the process-group timeout can end the wait
+        time.sleep(STALL_S)
     if fault == "exit":
         out.close()
         out.join_thread()
@@ -43,7 +46,7 @@ def _step(model: Any, cp_mesh: Any, step: int, attention: str, fault: str, out: 
         model, cp_mesh, batch, padding_token_id=PAD_ID, attention=attention
     )
     handle = None
-    if inject and fault in ("forward", "exit", "caught"):
+    if inject and fault in ("forward", "exit", "caught", "stall"):
         # fails after the first layer's attention collective, inside the forward
         handle = model.blocks[1].register_forward_pre_hook(lambda *a: _fail(fault, out))
     try:
