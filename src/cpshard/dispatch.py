@@ -139,7 +139,9 @@ def make_cp_batch_and_ctx(
             packed: also ``seq_lens`` or ``cu_seqlens``.
         layout: ``"auto"`` (packed batch: balanced; dense: round_robin at cp > 1, none at
             cp = 1), or a layout name.
-        padding_token_id: Pad id for ``input_ids``.
+        padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
+            vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See
+            :func:`check_padding_token_id`.
         pad_multiple: Per-rank length multiple of the ``contiguous`` layout.
         cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
         loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
@@ -306,14 +308,26 @@ def prepare_cp_forward(
         model: The model (``nn.Module``).
         cp_mesh: 1-D CP mesh or ``None``.
         batch: Caller's batch; never mutated.
-        padding_token_id: Pad id for ``input_ids``.
+        padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
+            vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See
+            :func:`check_padding_token_id`.
         num_chunks: Passed to the model hook.
         layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh,
             check_consistency: As in :func:`make_cp_batch_and_ctx` (the fingerprint is taken of
             the caller's batch, before the model hook runs).
 
+    The model gets a forward guard (see :mod:`cpshard.guards`): a sharded batch must run inside
+    its own ``ctx()``, and under ``ctx()`` the model takes no ``labels`` and no
+    ``attention_mask``.
+
     Returns:
         ``(ctx, batch, sharder)``.
+
+    Raises:
+        TypeError, ValueError: as :func:`make_cp_batch_and_ctx`, plus a pad id outside the
+            model's vocabulary.
+        RuntimeError: this rank's previous forward under ``ctx()`` raised and was caught (the
+            CP ranks are out of step).
     """
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
     # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.

@@ -235,3 +235,20 @@ def routing(cp_mesh: DeviceMesh) -> None:
     assert torch.equal(local_causal, want_causal)
     assert not torch.allclose(routed, want_causal)  # routed: global positions and padding
     assert len([w for w in caught if "ran as LOCAL attention" in str(w.message)]) == 1
+
+
+def no_aliasing(cp_mesh: DeviceMesh, layout: str) -> None:
+    """Verb results and the sharded batch never share memory with the caller's tensors."""
+    ids = torch.arange(1, 17).reshape(1, 16)
+    batch = {"input_ids": ids, "labels": cpshard.shift_labels(ids)}
+    _, local, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, batch, layout=layout)
+    for key in batch:
+        assert local[key].untyped_storage().data_ptr() != batch[key].untyped_storage().data_ptr()
+    adv = torch.randn(1, 16)
+    keep = adv.clone()
+    shard = sharder.shard_token_tensor(adv, fill=0.0)
+    shard.sub_(shard.mean())  # normalising advantages in place, as an RL loop does
+    assert torch.equal(adv, keep)
+    full = sharder.gather_token_tensor(shard)
+    full.mul_(0)
+    assert shard.abs().sum() > 0

@@ -7,6 +7,7 @@ from _guard_fns import (
     divergent_batch,
     divergent_gather,
     hf_calls_under_ctx,
+    no_aliasing,
     routing,
     same_batch_passes,
     stale_state,
@@ -88,3 +89,9 @@ def test_hf_calls_under_ctx_raise(ranks: Ranks, case: str) -> None:
 
 def test_routing_and_suspend(ranks: Ranks) -> None:
     ranks(2, routing, timeout=30)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "round_robin"])
+def test_no_aliasing(ranks: Ranks, world: int, layout: str) -> None:
+    ranks(world, no_aliasing, layout)
