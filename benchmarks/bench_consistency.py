@@ -128,6 +128,15 @@ def main() -> None:
         "make_cp_batch_and_ctx ms (check on / off) | collectives, bytes sent | verb check ms |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    torch.set_num_threads(1)
+    for positions in (False, True):  # the hash alone, one process, no rank competing for a core
+        batch = _batch(a.batch, a.seq, positions)
+        (t,) = paired_median_times(
+            [lambda: batch_fingerprint(batch, layout="auto", attention="ring", padding_token_id=0)],  # noqa: B023
+            repeat=a.repeat,
+        )
+        keys = "+positions" if positions else "ids, labels, mask"
+        print(f"| 1 process | {keys} | {t * 1e3:.3f} | | | | | |")
     for world in (2, 4):
         for r in run(world, a):
             verb = f"{r['verb']:.3f}" if "verb" in r else ""
