@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from cpshard.attention.context import active_mode
-from cpshard.sharder import batch_tag
+from cpshard.sharder import batch_tag, same_shard
 
 __all__ = ["install_model_guard"]
 
@@ -70,7 +70,7 @@ def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 "out = model(**local)`"
             )
         return
-    if any(t is not mode.meta for t in tags):
+    if not all(same_shard(t, mode.meta) for t in tags):
         raise ValueError(
             f"{type(module).__name__} got a local tensor of another batch than the one its "
             "ctx() was made for; use the ctx returned together with this batch"

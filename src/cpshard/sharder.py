@@ -130,6 +130,27 @@ def batch_tag(t: object) -> object:
     return getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
 
 
+def same_shard(tag: object, meta: object) -> bool:
+    """Whether a tensor's shard identity ``tag`` is compatible with ``meta``.
+
+    The same object, or two token metas with equal content (two ``prepare_cp_forward`` calls on
+    the same batch, e.g. for a policy and a reference model). Tags that are not token metas
+    (custom sharders) are only compared by identity when ``meta`` is not a token meta either.
+    """
+    if tag is meta:
+        return True
+    if not isinstance(tag, TokenMeta) or not isinstance(meta, TokenMeta):
+        return not isinstance(tag, TokenMeta)  # nothing to compare against
+    return (
+        tag.rank == meta.rank
+        and tag.world_size == meta.world_size
+        and tag.positions.shape == meta.positions.shape
+        and tag.document_ids.shape == meta.document_ids.shape
+        and torch.equal(tag.positions, meta.positions.to(tag.positions.device))
+        and torch.equal(tag.document_ids, meta.document_ids.to(tag.document_ids.device))
+    )
+
+
 def _check_tensor(t: object, verb: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(
@@ -479,7 +500,7 @@ class CPSharder:
 
     def _check_tag(self, t: torch.Tensor, verb: str) -> None:
         tag = batch_tag(t)
-        if tag is not None and tag is not self._batch_tag:
+        if tag is not None and not same_shard(tag, self._batch_tag):
             raise ValueError(
                 f"{verb} got a local tensor of another batch than the one this sharder last "
                 "sharded (a sharder's facts belong to its latest batch); use the sharder "

@@ -162,6 +162,12 @@ def stale_state(cp_mesh: DeviceMesh, case: str) -> str:
     elif case == "verb_of_other_batch":
         with pytest.raises(ValueError, match=pattern) as info:
             s2.gather_token_tensor(l1["labels"])
+    elif case == "same_batch_twice":  # policy and reference model prepared on one batch
+        ctx_ref, l_ref, _ = cpshard.prepare_cp_forward(_tiny(), cp_mesh, b2)
+        with ctx_ref():
+            mixed = model(l2["input_ids"], l2["position_ids"])
+        assert torch.equal(mixed, good)
+        return "ok"
     elif case == "reused_sharder":
         ctx3, l3, s3 = cpshard.make_cp_batch_and_ctx(cp_mesh, b1, cp_sharder=s2)
         assert s3 is s2  # the sharder now belongs to b1's shard

@@ -73,6 +73,7 @@ def test_divergent_gather_raises_everywhere(ranks: Ranks, variant: str) -> None:
         "outside_ctx",
         "verb_of_other_batch",
         "reused_sharder",
+        "same_batch_twice",
     ],
 )
 @pytest.mark.parametrize("world", [1, 2])

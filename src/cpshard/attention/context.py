@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
 from cpshard.meta import TokenMeta
+from cpshard.sharder import same_shard
 
 __all__ = ["active_mode", "cp_attention_context", "cp_context_active", "routed_sdpa", "suspend"]
 
@@ -92,7 +93,7 @@ class _CPSDPAMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):
             tag = getattr(args[0], "_cpshard_batch", None)
-            if tag is not None and tag is not self.meta:
+            if tag is not None and tag is not self.meta and not same_shard(tag, self.meta):
                 raise _stale_error("an op inside ctx() got")
         if not _is_sdpa(func):
             return func(*args, **kwargs)
