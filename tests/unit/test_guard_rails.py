@@ -185,3 +185,23 @@ def test_import_cpshard_is_enough() -> None:
         "cpshard.loss.cp_cross_entropy; cpshard.loss.count_tokens; cpshard.shift_labels"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
+    """use_cp_attention + a hand-made context (no prepare_cp_forward): the mask still raises."""
+    transformers = pytest.importorskip("transformers")
+    from cpshard.attention import cp_attention_context, use_cp_attention
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    use_cp_attention(model)
+    ctx, local, sharder = cpshard.make_cp_batch_and_ctx(None, _batch())
+    assert sharder.token_meta is not None
+    ids = torch.randint(0, 32, (3, 16))
+    with cp_attention_context(None, sharder.token_meta, "all_gather"):
+        with pytest.raises(ValueError, match="got an attention_mask .* inside a CP context"):
+            model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
+        model(input_ids=ids)

@@ -99,13 +99,29 @@ def cpshard_attention_forward(
 
 
 def cpshard_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask builder registered as ``"cpshard"``: none under CP, transformers' sdpa mask else."""
+    """The mask builder registered as ``"cpshard"``: none under CP, transformers' sdpa mask else.
+
+    Raises:
+        ValueError: under CP, the model was handed an ``attention_mask`` (it would be ignored).
+    """
     if cp_context_active():
+        _reject_mask_under_cp(kwargs.get("attention_mask"))
         return None
     from transformers.masking_utils import sdpa_mask
 
     mask: torch.Tensor | None = sdpa_mask(*args, **kwargs)
     return mask
+
+
+def _reject_mask_under_cp(mask: object) -> None:
+    """An ``attention_mask`` handed to the model under CP would be silently ignored: raise."""
+    if mask is not None:
+        raise ValueError(
+            f"the model got an attention_mask (shape {tuple(getattr(mask, 'shape', ()))}) inside "
+            "a CP context, where masks come from the sharded batch's token meta and this one "
+            "would be ignored; put the padding in the batch given to prepare_cp_forward "
+            "(attention_mask or padding_mask) and call the model without attention_mask"
+        )
 
 
 def use_cp_attention(model: torch.nn.Module) -> None:
