@@ -112,10 +112,12 @@ def _content_hash(t: torch.Tensor) -> torch.Tensor:
     x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
     rows = x.sum(dim=1, dtype=torch.long)  # [R]
     cols = x.sum(dim=0, dtype=torch.long)  # [C]
-    c = x.shape[1]
-    i = torch.arange(rows.numel(), device=x.device, dtype=torch.long)
-    j = torch.arange(c, device=x.device, dtype=torch.long)
-    return 2 * c * (i * rows).sum() + 2 * (j * cols).sum() + rows.sum() + x.numel()
+    r, c = x.shape
+    total = rows.sum()
+    # sum_i i*rows_i = R*total - sum_i cumsum(rows)_i (no arange), likewise for the columns
+    row_weighted = r * total - rows.cumsum(0).sum()
+    col_weighted = c * total - cols.cumsum(0).sum()
+    return 2 * c * row_weighted + 2 * col_weighted + total + x.numel()
 
 
 def _as_hashable_tensor(value: Any) -> torch.Tensor | None:

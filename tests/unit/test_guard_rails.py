@@ -205,3 +205,13 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
         with pytest.raises(ValueError, match="got an attention_mask .* inside a CP context"):
             model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
         model(input_ids=ids)
+
+
+@pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
+def test_content_hash_is_the_weighted_sum_mod_2_64(shape: tuple[int, ...]) -> None:
+    from cpshard.consistency import _content_hash
+
+    x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
+    flat = x.reshape(-1)
+    direct = (flat * (torch.arange(flat.numel()) * 2 + 1)).sum() + flat.numel()  # wraps
+    assert int(_content_hash(x)) == int(direct)
