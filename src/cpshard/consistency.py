@@ -331,7 +331,7 @@ def check_verb_consistency(
 ) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks call ``verb`` alike.
 
-    One all-gather of 17 int64 values, before the verb's data all-gather: a dtype mismatch would
+    One all-gather of 16 int64 values, before the verb's data all-gather: a dtype mismatch would
     otherwise reinterpret bits, and a shape mismatch crash gloo or hang.
 
     Raises:
