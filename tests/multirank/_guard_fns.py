@@ -258,3 +258,27 @@ def no_aliasing(cp_mesh: DeviceMesh, layout: str) -> None:
     full = sharder.gather_token_tensor(shard)
     full.mul_(0)
     assert shard.abs().sum() > 0
+
+
+def bad_inputs_everywhere(cp_mesh: DeviceMesh) -> int:
+    """Pad ids and lenient parsing: each bad input raises on every rank, and the group survives."""
+    ids = torch.ones(2, 8, dtype=torch.long)
+    model = _tiny()
+    cases: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+        ({"input_ids": ids}, {"padding_token_id": None}, "tokenizer.eos_token_id"),
+        ({"input_ids": ids}, {"padding_token_id": -1}, "non-negative token id"),
+        ({"input_ids": ids}, {"padding_token_id": 64}, "outside the model's vocabulary"),
+        ({"input_ids": ids[:, :0]}, {}, "S >= 1 tokens"),
+        ({"input_ids": ids, "seq_lens": [[True, 7], [8]]}, {}, "not bool, str"),
+        ({"input_ids": ids, "seq_lens": "8"}, {}, "seq_lens: must be per-row"),
+        ({"input_ids": ids, "attention_mask": torch.ones(2, 1, 8, 8)}, {}, "0/1 keep mask"),
+        ({"input_ids": ids, "seq_lens": [[8], [8]], "seq_lens_padded": [[8], [8]]}, {}, "Fix:"),
+        ({"input_ids": torch.ones(2, 8, dtype=torch.long, device="meta")}, {}, "meta-device"),
+    ]
+    for batch, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            cpshard.prepare_cp_forward(model, cp_mesh, batch, **kwargs)
+    _, _, sharder = cpshard.prepare_cp_forward(model, cp_mesh, {"input_ids": ids})
+    with pytest.raises(TypeError, match="needs a torch.Tensor"):
+        sharder.gather_token_tensor([1, 2])  # type: ignore[arg-type]
+    return len(cases)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _guard_fns import (
+    bad_inputs_everywhere,
     divergent_batch,
     divergent_gather,
     hf_calls_under_ctx,
@@ -96,3 +97,8 @@ def test_routing_and_suspend(ranks: Ranks) -> None:
 @pytest.mark.parametrize("layout", ["contiguous", "round_robin"])
 def test_no_aliasing(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, no_aliasing, layout)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_inputs_raise_on_every_rank(ranks: Ranks, world: int) -> None:
+    assert len(set(ranks(world, bad_inputs_everywhere, timeout=30))) == 1
