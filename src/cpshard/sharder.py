@@ -414,7 +414,8 @@ class CPSharder:
     ) -> torch.Tensor:
         """All-gather a local per-token tensor back into global (or caller) coordinates.
 
-        One all-gather of exactly the payload; the reorder is a precomputed inverse permutation.
+        One all-gather of exactly the payload (after a 16-value check, see below); the reorder is a
+        precomputed inverse permutation.
 
         Args:
             t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
