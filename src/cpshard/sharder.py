@@ -242,6 +242,8 @@ class CPSharder:
         facts = getattr(ctx, "facts", None)
         if isinstance(facts, ShardFacts):
             self.install(facts)
+        if not isinstance(ctx, CPContext):  # a custom shard_batch: `with ctx:` works too
+            ctx = CPContext(ctx, facts if isinstance(facts, ShardFacts) else ShardFacts(None, None))
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
         # model and the verbs can tell this batch from an older or newer one.
         self._batch_tag = self.token_meta if self.token_meta is not None else object()

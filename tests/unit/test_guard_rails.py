@@ -215,3 +215,17 @@ def test_content_hash_is_the_weighted_sum_mod_2_64(shape: tuple[int, ...]) -> No
     flat = x.reshape(-1)
     direct = (flat * (torch.arange(flat.numel()) * 2 + 1)).sum() + flat.numel()  # wraps
     assert int(_content_hash(x)) == int(direct)
+
+
+def test_custom_shard_batch_ctx_supports_with_statement() -> None:
+    import contextlib
+
+    def shard(cp_mesh: Any, tp_mesh: Any, batch: Any, **kw: Any) -> Any:
+        return contextlib.nullcontext, dict(batch)
+
+    sharder = cpshard.CPSharder(shard_batch=shard, local_token_global_indices=None)
+    ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(), cp_sharder=sharder)
+    with ctx:
+        pass
+    with ctx():
+        pass
