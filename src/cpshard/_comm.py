@@ -156,7 +156,7 @@ def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> 
     device = torch.device(device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()
+    return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()  # one sync
 
 
 def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60.0) -> None:

@@ -150,7 +150,7 @@ def batch_fingerprint(
             are hashed by content, other values by their ``repr``.
 
     Returns:
-        A CPU LongTensor, one slot per entry of :data:`FIELDS`.
+        A LongTensor on the batch's device, one slot per entry of :data:`FIELDS`.
     """
     slots: dict[str, torch.Tensor | int] = dict.fromkeys(FIELDS, 0)
     slots["batch type"] = _str_hash(type(batch).__name__)
@@ -197,7 +197,11 @@ def batch_fingerprint(
 
 
 def _pack(slots: Mapping[str, torch.Tensor | int]) -> torch.Tensor:
-    values = [torch.as_tensor(slots[f], dtype=torch.long).cpu() for f in FIELDS]
+    """Stack the slots on the device of the content hashes (one transfer later, not 18 syncs)."""
+    device = next(
+        (v.device for v in slots.values() if isinstance(v, torch.Tensor)), torch.device("cpu")
+    )
+    values = [torch.as_tensor(slots[f], dtype=torch.long).to(device) for f in FIELDS]
     return torch.stack(values)
 
 
