@@ -34,6 +34,7 @@ __all__ = [
     "FLOAT_SAMPLE",
     "batch_fingerprint",
     "check_batch_consistency",
+    "check_dispatch_consistency",
     "check_verb_consistency",
     "mismatch_message",
 ]
@@ -271,6 +272,32 @@ def check_batch_consistency(
     message = mismatch_message(table)
     if message is not None:
         raise ValueError(message)
+
+
+def check_dispatch_consistency(
+    cp_mesh: DeviceMesh | None,
+    batch: object,
+    layout: str,
+    attention: str,
+    padding_token_id: object,
+    options: dict[str, Any],
+) -> None:
+    """:func:`check_batch_consistency` for the dispatcher's arguments (sharders and extra keys are
+    compared by type and spec, tensors by content)."""
+    described = {
+        k: (type(v).__name__ if k in ("cp_sharder", "extra_token_keys") and v is not None else v)
+        for k, v in options.items()
+    }
+    if options.get("extra_token_keys") is not None:
+        described["extra_token_keys"] = repr(sorted(dict(options["extra_token_keys"]).items()))
+    check_batch_consistency(
+        cp_mesh,
+        batch,
+        layout=layout,
+        attention=attention,
+        padding_token_id=padding_token_id,
+        options=described,
+    )
 
 
 # --- token verbs ------------------------------------------------------------------------------

@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
-from cpshard.consistency import check_batch_consistency
+from cpshard.consistency import check_dispatch_consistency as _check_consistency
 from cpshard.guards import install_model_guard
 from cpshard.layouts import ClosedFormLayout, ContiguousLayout, NoneLayout, RoundRobinLayout
+from cpshard.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.sharder import CPSharder, ShardBatchFn
 
 __all__ = [
@@ -181,84 +182,6 @@ def make_cp_batch_and_ctx(
     return ctx, out, cp_sharder
 
 
-def _check_consistency(
-    cp_mesh: DeviceMesh | None,
-    batch: object,
-    layout: str,
-    attention: str,
-    padding_token_id: object,
-    options: dict[str, Any],
-) -> None:
-    """The cross-rank batch fingerprint check (see :mod:`cpshard.consistency`)."""
-    described = {
-        k: (type(v).__name__ if k in ("cp_sharder", "extra_token_keys") and v is not None else v)
-        for k, v in options.items()
-    }
-    if options.get("extra_token_keys") is not None:
-        described["extra_token_keys"] = repr(sorted(dict(options["extra_token_keys"]).items()))
-    check_batch_consistency(
-        cp_mesh,
-        batch,
-        layout=layout,
-        attention=attention,
-        padding_token_id=padding_token_id,
-        options=described,
-    )
-
-
-def check_padding_token_id(
-    padding_token_id: object, batch: object, vocab_size: int | None = None
-) -> None:
-    """Raise unless ``padding_token_id`` is a usable pad id for ``input_ids``.
-
-    Rule: a non-negative ``int`` (``bool`` is not an int here), below the model's vocabulary size
-    when it is known. Any valid id works: CP pad slots are masked out of attention and carry label
-    ``-100``. ``None`` is accepted only for batches without ``input_ids`` (``inputs_embeds``).
-
-    Raises:
-        ValueError: ``None`` with ``input_ids``, a negative, non-integer or out-of-vocabulary id.
-    """
-    has_ids = isinstance(batch, Mapping) and batch.get("input_ids") is not None
-    if padding_token_id is None:
-        if not has_ids:
-            return
-        raise ValueError(
-            "padding_token_id=None, but the batch has input_ids and CP padding needs a token id "
-            "for the pad slots (they are masked out of attention and get label -100, so any "
-            "valid id works); pass tokenizer.pad_token_id, or tokenizer.eos_token_id when the "
-            "tokenizer has no pad token (e.g. Llama)"
-        )
-    if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, int):
-        raise ValueError(
-            f"padding_token_id must be a non-negative int, got {padding_token_id!r} "
-            f"({type(padding_token_id).__name__}); pass int(tokenizer.pad_token_id)"
-        )
-    if padding_token_id < 0:
-        raise ValueError(
-            f"padding_token_id must be a non-negative token id, got {padding_token_id}; pass "
-            "tokenizer.pad_token_id or tokenizer.eos_token_id"
-        )
-    if vocab_size is not None and padding_token_id >= vocab_size:
-        raise ValueError(
-            f"padding_token_id={padding_token_id} is outside the model's vocabulary of "
-            f"{vocab_size} ids (the embedding would fail on the ranks that hold pad slots); "
-            "pass tokenizer.pad_token_id or tokenizer.eos_token_id"
-        )
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    """The model's input vocabulary size when it is known (``config`` / ``cfg`` or embedding)."""
-    for name in ("config", "cfg"):
-        size = getattr(getattr(model, name, None), "vocab_size", None)
-        if isinstance(size, int) and not isinstance(size, bool):
-            return size
-    getter = getattr(model, "get_input_embeddings", None)
-    emb = getter() if callable(getter) else None
-    if isinstance(emb, nn.Embedding):
-        return int(emb.num_embeddings)
-    return None
-
-
 def _forward_accepts(model: nn.Module, *names: str) -> bool:
     try:
         params = inspect.signature(model.forward).parameters
@@ -339,7 +262,7 @@ def prepare_cp_forward(
              "extra_token_keys": extra_token_keys},
         )  # fmt: skip
     check_batch_mapping(batch)
-    check_padding_token_id(padding_token_id, batch, _vocab_size(model))
+    check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
