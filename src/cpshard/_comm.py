@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "GradMode",
     "all_gather_dim0",
+    "all_gather_fixed",
     "all_gather_long",
     "all_reduce_sum_coalesced_",
     "all_reduce_sum_mesh_",
@@ -204,6 +205,26 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup, grad_mode: GradMode) -
 def all_gather_long(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Non-differentiable all-gather of an index tensor along dim 0 (``[N] -> [C * N]``)."""
     return _gather_dim0(x, group)
+
+
+def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> torch.Tensor:
+    """All-gather a small fixed-size int64 vector (consistency checks), returned on the CPU.
+
+    Its size must never depend on data: it is the collective that checks that the ranks agree
+    before any data-sized collective runs.
+
+    Args:
+        x: LongTensor ``[N]``, the same ``N`` on every rank by construction.
+        group: The CP process group.
+        device_type: The mesh's device type (``"cpu"``, ``"cuda"``): NCCL needs a CUDA tensor.
+
+    Returns:
+        LongTensor ``[C, N]`` on the CPU; row ``r`` is rank ``r``'s ``x``.
+    """
+    device = torch.device(device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()  # one sync
 
 
 def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60.0) -> None:
