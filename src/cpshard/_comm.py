@@ -264,7 +264,7 @@ def all_reduce_sum_mesh_(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tens
         return t
     for dim in range(mesh.ndim):
         if mesh.size(dim) > 1:
-            dist.all_reduce(t, group=mesh.get_group(dim))
+            all_reduce_sum_(t, mesh.get_group(dim))
     return t
 
 
@@ -275,7 +275,7 @@ def all_reduce_sum_coalesced_(tensors: Sequence[torch.Tensor], group: ProcessGro
         buckets.setdefault((t.dtype, t.device), []).append(t)
     for bucket in buckets.values():
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
+        all_reduce_sum_(flat, group)  # host-staged where the group cannot move this device
         offset = 0
         for t in bucket:
             n = t.numel()
