@@ -111,9 +111,22 @@ def _flash_blocker(dtype: torch.dtype, head_dim: int, capability: tuple[int, int
         return f"flash attention supports only fp16/bf16, got {_dtype_name(dtype)}"
     if capability < (8, 0):
         return f"flash attention needs compute capability >= 8.0, got {capability}"
-    if padded_head_dim(head_dim) > FLASH_MAX_HEAD_DIM:
+    dp = padded_head_dim(head_dim)
+    if dp > FLASH_MAX_HEAD_DIM:
         return f"flash attention supports head dim <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+    if _flash_bwd_lacks_192_224(capability) and 192 < dp <= 224:
+        # torch's sdp_utils (check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120)
+        # refuses flash training there: its backward kernel does not fit these GPUs.
+        return (
+            f"flash attention's backward does not support head dim in (192, 224] on compute "
+            f"capability {capability}, got {head_dim}"
+        )
     return ""
+
+
+def _flash_bwd_lacks_192_224(capability: tuple[int, int]) -> bool:
+    """sm86-sm89 and sm120-sm121: no flash backward for head dims in (192, 224]."""
+    return (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)
 
 
 def _efficient_blocker(dtype: torch.dtype, capability: tuple[int, int]) -> str:
