@@ -76,6 +76,7 @@ def reference(
     causal: bool,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain masked softmax attention in fp64 on the global sequence (positions = arange)."""
     p = q.shape[-2]
@@ -90,6 +91,8 @@ def reference(
         vis = vis & (pos[:, None] - pos[None, :] < window)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q.double() @ k.transpose(-1, -2)) * sc
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~vis[:, None], float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 
@@ -102,10 +105,11 @@ def reference_with_grads(
     docs: torch.Tensor,
     causal: bool,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference output and ``(dq, dk, dv)`` for the upstream gradient ``go`` (global order)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = reference(q, k, v, docs, causal, window=window)
+    out = reference(q, k, v, docs, causal, window=window, softcap=softcap)
     out.backward(go.double())
     assert q.grad is not None
     assert k.grad is not None

@@ -29,6 +29,7 @@ def cp_attention_case(
     seed: int = 0,
     backend: str = "auto",
     window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Local output and gradients of ``cp_sdpa`` for one case (inputs sharded from global)."""
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -46,7 +47,7 @@ def cp_attention_case(
     meta = make_meta(rmap, docs, rank)
     out = cp_sdpa(
         ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
-        backend=backend, window=window,  # type: ignore[arg-type]
+        backend=backend, window=window, softcap=softcap,  # type: ignore[arg-type]
     )  # fmt: skip
     (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
     assert ql.grad is not None

@@ -34,16 +34,17 @@ def _check(
     window: int | None = None,
     seq_len: int | None = None,
     n_docs: int = 3,
+    softcap: float | None = None,
 ) -> None:
     seq_len = 8 * world - 3 if seq_len is None else seq_len  # odd: the layout pads it
     heads = _heads(world)
     res = ranks(
         world, cp_attention_case, method, layout, seq_len, heads, causal, dtype, meta_batch,
-        n_docs, 0, backend, window,
+        n_docs, 0, backend, window, softcap,
     )  # fmt: skip
     rmap, docs = make_case(layout, world, seq_len, 2, n_docs, 0, meta_batch)
     q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
-    ref = reference_with_grads(q, k, v, go, docs, causal, window=window)
+    ref = reference_with_grads(q, k, v, go, docs, causal, window=window, softcap=softcap)
     names = ("out", "dq", "dk", "dv") if grads else ("out",)
     for r, got in enumerate(res):
         assert torch.equal(got["idx"], rmap[r])
@@ -68,6 +69,11 @@ def test_sliding_window_fp64(ranks: Ranks, world: int, method: str, layout: str)
     """Windows of 1 (a token sees itself), 5 and 70 over documents of ~40 tokens."""
     for window in (1, 5, 70):
         _check(ranks, world, method, layout, window=window, seq_len=120 - world, n_docs=3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_softcap_with_window_fp64(ranks: Ranks, method: str) -> None:
+    _check(ranks, 2, method, "random", window=6, softcap=0.8, seq_len=45)
 
 
 def test_sliding_window_per_row_meta_fp64(ranks: Ranks) -> None:

@@ -99,8 +99,13 @@ def test_one_process_lognormal_documents_cost_about_what_the_mask_needs() -> Non
     assert ring_needed < needed
 
 
-@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, None), (True, 3), (True, 40)])
-def test_plan_output_and_grads_match_fp64_reference(causal: bool, window: int | None) -> None:
+@pytest.mark.parametrize(
+    ("causal", "window", "softcap"),
+    [(True, None, None), (False, None, None), (True, 3, None), (True, 40, 0.7), (False, None, 2.0)],
+)
+def test_plan_output_and_grads_match_fp64_reference(
+    causal: bool, window: int | None, softcap: float | None
+) -> None:
     n = 300
     docs = torch.cat([_lognormal_docs(n, 5, pad=4), _lognormal_docs(n, 6, pad=4)])
     rmap = torch.randperm(n + 4, generator=torch.Generator().manual_seed(2))[None]
@@ -109,11 +114,11 @@ def test_plan_output_and_grads_match_fp64_reference(causal: bool, window: int | 
     q = torch.randn(2, 4, n + 4, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, n + 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
     go = torch.randn_like(q)
-    ref = reference_with_grads(q, k, v, go, docs, causal, window=window)
+    ref = reference_with_grads(q, k, v, go, docs, causal, window=window, softcap=softcap)
     idx = rmap[0]
     ql, kl, vl = (t.index_select(2, idx).requires_grad_() for t in (q, k, v))
     meta = _meta(rmap, docs)
-    out = cp_sdpa(ql, kl, vl, group=None, meta=meta, causal=causal, window=window)
+    out = cp_sdpa(ql, kl, vl, group=None, meta=meta, causal=causal, window=window, softcap=softcap)
     (out * go.index_select(2, idx)).sum().backward()
     for got, want in zip((out, ql.grad, kl.grad, vl.grad), ref, strict=True):
         torch.testing.assert_close(got, want.index_select(2, idx))
@@ -136,6 +141,14 @@ def test_bad_window_raises(window: object, causal: bool, match: str) -> None:
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match=match):
         cp_sdpa(q, q, q, group=None, meta=meta, causal=causal, window=window)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), "50"])
+def test_bad_softcap_raises(softcap: object) -> None:
+    meta = _meta(torch.arange(8)[None], torch.zeros(1, 8, dtype=torch.long))
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        cp_sdpa(q, q, q, group=None, meta=meta, softcap=softcap)  # type: ignore[arg-type]
 
 
 def test_plan_of_another_batch_raises() -> None:

@@ -45,6 +45,7 @@ class _AllGatherAttention(torch.autograd.Function):
         group: ProcessGroup | None,
         scale: float,
         backend: KernelBackend,
+        softcap: float | None,
     ) -> torch.Tensor:
         if group is None:
             full = None
@@ -54,18 +55,18 @@ class _AllGatherAttention(torch.autograd.Function):
             # its k/v are plain strided views: no reordering copy of the full K/V.
             full = all_gather_stacked(_seq_major(k, v), group).flatten(0, 1)
             k_all, v_all = _stream_views(full)
-        out, lse = attend(q, k_all, v_all, plan, scale=scale, backend=backend)
+        out, lse = attend(q, k_all, v_all, plan, scale=scale, backend=backend, softcap=softcap)
         result = out.to(q.dtype)
         # As in the ring: keep the returned tensor, not an fp32 copy, for the flash backward.
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
         ctx.save_for_backward(q, k, v, full, keep, lse)
-        ctx.args = (plan, group, scale, backend)
+        ctx.args = (plan, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, full, out, lse = ctx.saved_tensors
-        plan, group, scale, backend = ctx.args
+        plan, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         if full is None:
@@ -80,14 +81,14 @@ class _AllGatherAttention(torch.autograd.Function):
             dk, dv = _stream_views(dfull)
         attend_backward_into(
             grad_out.contiguous(), q, k_all, v_all, out, lse, plan, dq, dk, dv, scale=scale,
-            backend=backend,
+            backend=backend, softcap=softcap,
         )  # fmt: skip
         if full is not None:
             world = full.shape[0] // q.shape[2]
             mine = reduce_scatter_stacked(dfull.view(world, -1, *dfull.shape[1:]), group)
             del dfull, dk, dv
             dk, dv = (t.contiguous() for t in _stream_views(mine))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 4)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
 
 
 def all_gather_attention(
@@ -99,6 +100,7 @@ def all_gather_attention(
     *,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable all-gather CP attention (inputs already validated).
 
@@ -110,11 +112,12 @@ def all_gather_attention(
         group: CP process group, or ``None`` for world size 1.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, plan, group, scale, backend
+        q, k, v, plan, group, scale, backend, softcap
     )
     return out

@@ -13,6 +13,7 @@ import torch
 from cpshard.attention.kernels import KernelBackend, block_attention, block_attention_backward
 from cpshard.attention.merge import accumulation_dtype, merge_into
 from cpshard.attention.plan import PairPlan, Task
+from cpshard.attention.softcap import softcap_attention, softcap_attention_backward
 
 __all__ = ["attend", "attend_backward", "attend_backward_into"]
 
@@ -30,17 +31,18 @@ def _forward_tasks(
     lse: torch.Tensor,
     scale: float,
     backend: KernelBackend,
+    softcap: float | None,
 ) -> None:
     for t in tasks:
-        o, l_ = block_attention(
-            q[:, :, t.q0 : t.q1],
-            k[:, :, t.k0 : t.k1],
-            v[:, :, t.k0 : t.k1],
-            mask=t.mask,
-            is_causal=t.causal,
-            scale=scale,
-            backend=backend,
-        )
+        qs, ks, vs = q[:, :, t.q0 : t.q1], k[:, :, t.k0 : t.k1], v[:, :, t.k0 : t.k1]
+        if softcap is None:
+            o, l_ = block_attention(
+                qs, ks, vs, mask=t.mask, is_causal=t.causal, scale=scale, backend=backend
+            )
+        else:
+            o, l_ = softcap_attention(
+                qs, ks, vs, mask=t.mask, is_causal=t.causal, scale=scale, softcap=softcap
+            )
         if t.first:
             out[:, :, t.q0 : t.q1] = o
             lse[:, :, t.q0 : t.q1] = l_
@@ -56,6 +58,7 @@ def attend(
     *,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against ``k``/``v`` as planned, merged in fp32.
 
@@ -66,6 +69,7 @@ def attend(
         plan: The pair's plan.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores (:mod:`cpshard.attention.softcap`), or ``None``.
 
     Returns:
         ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])`` in the accumulation dtype; queries that see
@@ -77,12 +81,12 @@ def attend(
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     for rows, tasks in plan.groups:
         if rows is None:
-            _forward_tasks(q, k, v, tasks, out, lse, scale, backend)
+            _forward_tasks(q, k, v, tasks, out, lse, scale, backend, softcap)
             continue
         og = torch.zeros((rows.shape[0], h, n, d), dtype=acc, device=q.device)
         lg = torch.full((rows.shape[0], h, n), float("-inf"), dtype=acc, device=q.device)
         _forward_tasks(
-            _rows(q, rows), _rows(k, rows), _rows(v, rows), tasks, og, lg, scale, backend
+            _rows(q, rows), _rows(k, rows), _rows(v, rows), tasks, og, lg, scale, backend, softcap
         )
         out.index_copy_(0, rows, og)
         lse.index_copy_(0, rows, lg)
@@ -102,20 +106,25 @@ def _backward_tasks(
     dv: torch.Tensor,
     scale: float,
     backend: KernelBackend,
+    softcap: float | None,
 ) -> None:
     for t in tasks:
-        gq, gk, gv = block_attention_backward(
+        args = (
             grad_out[:, :, t.q0 : t.q1],
             q[:, :, t.q0 : t.q1],
             k[:, :, t.k0 : t.k1],
             v[:, :, t.k0 : t.k1],
             out[:, :, t.q0 : t.q1],
             lse[:, :, t.q0 : t.q1],
-            mask=t.mask,
-            is_causal=t.causal,
-            scale=scale,
-            backend=backend,
         )
+        if softcap is None:
+            gq, gk, gv = block_attention_backward(
+                *args, mask=t.mask, is_causal=t.causal, scale=scale, backend=backend
+            )
+        else:
+            gq, gk, gv = softcap_attention_backward(
+                *args, mask=t.mask, is_causal=t.causal, scale=scale, softcap=softcap
+            )
         dq[:, :, t.q0 : t.q1] += gq
         dk[:, :, t.k0 : t.k1] += gk
         dv[:, :, t.k0 : t.k1] += gv
@@ -135,6 +144,7 @@ def attend_backward_into(
     *,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> bool:
     """Add the gradients of :func:`attend` for one key set into caller-owned accumulators.
 
@@ -153,6 +163,7 @@ def attend_backward_into(
         dv: ``[B, Hkv, Nk, D]`` accumulator, added to in place.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: As in :func:`attend`.
 
     Returns:
         Whether anything was added (``False`` when no query sees any key).
@@ -162,12 +173,14 @@ def attend_backward_into(
         if not tasks:
             continue
         if rows is None:
-            _backward_tasks(grad_out, q, k, v, out_q, lse, tasks, dq, dk, dv, scale, backend)
+            _backward_tasks(
+                grad_out, q, k, v, out_q, lse, tasks, dq, dk, dv, scale, backend, softcap
+            )
             continue
         gq, gk, gv = (torch.zeros_like(_rows(t, rows)) for t in (dq, dk, dv))
         _backward_tasks(
             _rows(grad_out, rows), _rows(q, rows), _rows(k, rows), _rows(v, rows),
-            _rows(out_q, rows), _rows(lse, rows), tasks, gq, gk, gv, scale, backend,
+            _rows(out_q, rows), _rows(lse, rows), tasks, gq, gk, gv, scale, backend, softcap,
         )  # fmt: skip
         dq.index_add_(0, rows, gq)
         dk.index_add_(0, rows, gk)
@@ -186,6 +199,7 @@ def attend_backward(
     *,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attend` for one key set, given the global ``out``/``lse``.
 
@@ -199,6 +213,7 @@ def attend_backward(
         plan: The pair's plan.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: As in :func:`attend`.
 
     Returns:
         ``(dq, dk, dv)`` in the accumulation dtype, shaped like ``q``, ``k``, ``v`` (zeros where
@@ -209,6 +224,7 @@ def attend_backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     attend_backward_into(
-        grad_out, q, k, v, out, lse, plan, dq, dk, dv, scale=scale, backend=backend
-    )
+        grad_out, q, k, v, out, lse, plan, dq, dk, dv, scale=scale, backend=backend,
+        softcap=softcap,
+    )  # fmt: skip
     return dq, dk, dv

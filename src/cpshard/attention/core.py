@@ -19,6 +19,7 @@ from cpshard.attention.all_gather import all_gather_attention
 from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.ring import ring_attention
+from cpshard.attention.softcap import check_softcap
 from cpshard.attention.ulysses import ulysses_attention
 from cpshard.meta import TokenMeta
 
@@ -59,9 +60,11 @@ def _validate(
     plan: AttentionPlan | None,
     causal: bool,
     window: int | None,
+    softcap: float | None,
 ) -> None:
     check_method(method)
     check_window(window, causal)
+    check_softcap(softcap)
     if plan is not None and plan.meta is not meta:
         raise ValueError(
             f"the attention plan belongs to another batch's token meta (plan for rank "
@@ -132,6 +135,7 @@ def cp_sdpa(
     scale: float | None = None,
     backend: KernelBackend = "auto",
     window: int | None = None,
+    softcap: float | None = None,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention over the global sequence from local CP shards.
@@ -154,6 +158,8 @@ def cp_sdpa(
         backend: Local kernel: ``"auto"`` (CPU flash op on CPU, fp32 math elsewhere),
             ``"cpu_flash"`` or ``"math"``.
         window: Sliding window (``None`` = none), a positive int; needs ``causal``.
+        softcap: Soft-cap of the scores, ``cap * tanh(s / cap)`` (Gemma 2), or ``None``; runs
+            the chunked math kernel of :mod:`cpshard.attention.softcap`.
         plan: The batch's attention plan; ``None`` -> the one cached on ``meta``.
 
     Returns:
@@ -165,18 +171,21 @@ def cp_sdpa(
             (or a window without causal masking), or (ulysses) heads not divisible by the CP size.
     """
     rank, world = (0, 1) if group is None else group_rank_and_size(group)
-    _validate(q, k, v, meta, method, rank, world, plan, causal, window)
+    _validate(q, k, v, meta, method, rank, world, plan, causal, window, softcap)
     if group is not None and world == 1:
         group = None
     plans = (attention_plan(meta) if plan is None else plan).for_method(
         method, causal, window, q.device
     )
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    cap = None if softcap is None else float(softcap)
     if isinstance(plans, tuple):
-        return ring_attention(q, k, v, plans, group, scale=sc, backend=backend)
+        return ring_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
     if method == "ulysses":
-        return ulysses_attention(q, k, v, plans, group, world, scale=sc, backend=backend)
-    return all_gather_attention(q, k, v, plans, group, scale=sc, backend=backend)
+        return ulysses_attention(
+            q, k, v, plans, group, world, scale=sc, backend=backend, softcap=cap
+        )
+    return all_gather_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
 
 
 def cp_attention(
@@ -189,6 +198,7 @@ def cp_attention(
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """CP attention for models that call it explicitly, with the group and meta of a sharder.
 
@@ -201,6 +211,7 @@ def cp_attention(
         causal: Causal masking by global position.
         scale: Score scale; ``None`` -> ``1 / sqrt(D)``.
         window: Sliding window (``None`` = none).
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
@@ -216,5 +227,5 @@ def cp_attention(
         )
     return cp_sdpa(
         q, k, v, group=cp_group(sharder.cp_mesh), meta=meta, method=method, causal=causal,
-        scale=scale, window=window,
+        scale=scale, window=window, softcap=softcap,
     )  # fmt: skip

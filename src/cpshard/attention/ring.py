@@ -46,6 +46,7 @@ class _RingAttention(torch.autograd.Function):
         group: ProcessGroup | None,
         scale: float,
         backend: KernelBackend,
+        softcap: float | None,
     ) -> torch.Tensor:
         rank, world = _rank_and_size(group)
         kv: list[torch.Tensor] = [k, v]  # step 0 attends to the inputs themselves, no copy
@@ -59,7 +60,9 @@ class _RingAttention(torch.autograd.Function):
                 else None
             )
             if not plans[src].empty:
-                o, l_ = attend(q, kv[0], kv[1], plans[src], scale=scale, backend=backend)
+                o, l_ = attend(
+                    q, kv[0], kv[1], plans[src], scale=scale, backend=backend, softcap=softcap
+                )
                 if out is None or lse is None:
                     out, lse = o, l_
                 else:
@@ -75,13 +78,13 @@ class _RingAttention(torch.autograd.Function):
         # tensor, not a second, fp32 copy of it (for fp32 they are the same tensor).
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
         ctx.save_for_backward(q, k, v, keep, lse)
-        ctx.args = (plans, group, scale, backend)
+        ctx.args = (plans, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        plans, group, scale, backend = ctx.args
+        plans, group, scale, backend, softcap = ctx.args
         rank, world = _rank_and_size(group)
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -101,7 +104,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
             attend_backward_into(
                 grad_out, q, kv[0], kv[1], out, lse, plans[src], dq, dkv[0], dkv[1], scale=scale,
-                backend=backend,
+                backend=backend, softcap=softcap,
             )  # fmt: skip
             # The accumulator for block `src` arrives from the rank that held it last step; waiting
             # also completes (and frees) our previous accumulator's send.
@@ -116,7 +119,7 @@ class _RingAttention(torch.autograd.Function):
         if grad_xfer is not None:
             dkv = grad_xfer.wait()  # our own block's accumulator, back after C hops
         dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 4)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
 
 
 def ring_attention(
@@ -128,6 +131,7 @@ def ring_attention(
     *,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable ring CP attention (inputs already validated).
 
@@ -139,11 +143,12 @@ def ring_attention(
         group: CP process group, or ``None`` for world size 1.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, tuple(plans), group, scale, backend
+        q, k, v, tuple(plans), group, scale, backend, softcap
     )
     return out

@@ -65,22 +65,25 @@ class _UlyssesAttention(torch.autograd.Function):
         world: int,
         scale: float,
         backend: KernelBackend,
+        softcap: float | None,
     ) -> torch.Tensor:
         qh, kh, vh = _seq_to_heads([q, k, v], group, world)
-        out, lse = attend(qh, kh, vh, plan, scale=scale, backend=backend)
+        out, lse = attend(qh, kh, vh, plan, scale=scale, backend=backend, softcap=softcap)
         ctx.save_for_backward(qh, kh, vh, out, lse)
-        ctx.args = (plan, group, world, scale, backend)
+        ctx.args = (plan, group, world, scale, backend, softcap)
         (local,) = _heads_to_seq([out.to(q.dtype)], group, world)
         return local
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qh, kh, vh, out, lse = ctx.saved_tensors
-        plan, group, world, scale, backend = ctx.args
+        plan, group, world, scale, backend, softcap = ctx.args
         (gh,) = _seq_to_heads([grad_out.contiguous()], group, world)
-        res = attend_backward(gh, qh, kh, vh, out, lse, plan, scale=scale, backend=backend)
+        res = attend_backward(
+            gh, qh, kh, vh, out, lse, plan, scale=scale, backend=backend, softcap=softcap
+        )
         dq, dk, dv = _heads_to_seq(list(res), group, world)
-        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), *([None] * 5)
+        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), *([None] * 6)
 
 
 def ulysses_attention(
@@ -93,6 +96,7 @@ def ulysses_attention(
     *,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable Ulysses CP attention (inputs already validated, heads divisible by C).
 
@@ -105,11 +109,12 @@ def ulysses_attention(
         world: CP size ``C``.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _UlyssesAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, plan, group, world, scale, backend
+        q, k, v, plan, group, world, scale, backend, softcap
     )
     return out
