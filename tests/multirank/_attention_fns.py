@@ -117,17 +117,32 @@ def tiny_module_case(
 
 
 def tiny_hf_model(arch: str) -> Any:
-    """A tiny random-init Llama or Qwen2 causal LM in fp64 (fixed seed, no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random-init causal LM in fp64 (fixed seed, no download).
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[arch]
-    cfg = config_cls(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-    )  # fmt: skip
+    ``llama``, ``qwen2``; with sliding windows of 3 tokens: ``mistral`` (every layer),
+    ``qwen2_sw`` / ``qwen3_sw`` (``use_sliding_window``; layer 0 full, layer 1 windowed),
+    ``gemma2`` (alternating windowed / full layers and score soft-capping).
+    """
+    import transformers as tf
+
+    small = {
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False,
+    }  # fmt: skip
+    window = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
+    config_cls, model_cls, extra = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 3}),
+        "qwen2_sw": (tf.Qwen2Config, tf.Qwen2ForCausalLM, window),
+        "qwen3_sw": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {**window, "head_dim": 8}),
+        "gemma2": (
+            tf.Gemma2Config, tf.Gemma2ForCausalLM,
+            {"sliding_window": 3, "attn_logit_softcapping": 2.0, "head_dim": 8,
+             "initializer_range": 0.5},  # large weights: scores of a few units, capped
+        ),
+    }[arch]  # fmt: skip
+    cfg = config_cls(**small, **extra)
     torch.manual_seed(0)
     return model_cls(cfg).to(torch.float64)
 

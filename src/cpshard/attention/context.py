@@ -10,6 +10,7 @@ the autograd Functions capture the group and meta, so ``backward()`` may run out
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -23,7 +24,7 @@ from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
 from cpshard.meta import TokenMeta
 
-__all__ = ["cp_attention_context", "cp_context_active"]
+__all__ = ["active_cp_attention", "cp_attention_context", "cp_context_active"]
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 _SDPA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
@@ -90,6 +91,21 @@ class _CPSDPAMode(TorchFunctionMode):
             q, k, call["value"], group=self.group, meta=self.meta, method=self.method,
             causal=bool(call["is_causal"]), scale=call["scale"],
         )  # fmt: skip
+
+
+def active_cp_attention() -> Callable[..., torch.Tensor] | None:
+    """:func:`cp_sdpa` bound to the innermost active context's group, meta and method, or None.
+
+    For integrations that pass attention arguments SDPA cannot carry (``window``, ``softcap``):
+    call the result as ``attn(q, k, v, causal=..., scale=..., window=..., softcap=...)``.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    for mode in reversed(stack):
+        if isinstance(mode, _CPSDPAMode):
+            return functools.partial(cp_sdpa, group=mode.group, meta=mode.meta, method=mode.method)
+    return None
 
 
 def cp_context_active() -> bool:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cpshard.attention.context import cp_context_active
+from cpshard.attention.hf_options import run_cp_hf_attention
 
 __all__ = [
     "ATTENTION_NAME",
@@ -55,7 +55,9 @@ def cpshard_attention_forward(
             a CP context, transformers' sdpa mask.
         dropout: Attention dropout; must be 0 while training.
         scaling: Score scale (``None`` -> ``1/sqrt(D)``).
-        **kwargs: Ignored except ``is_causal``, which overrides ``module.is_causal``.
+        **kwargs: ``is_causal`` (overrides ``module.is_causal``), ``sliding_window`` and
+            ``softcap`` are honoured under CP; ``s_aux``/``head_mask``/score mods raise
+            (:mod:`cpshard.attention.hf_options`); the rest is bookkeeping.
 
     Returns:
         ``(attn_output [B, S, Hq, D], None)``.
@@ -84,17 +86,8 @@ def cpshard_attention_forward(
             f"the 'cpshard' attention does not support dropout, got dropout={dropout} in "
             "training mode; set config.attention_dropout=0.0"
         )
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = bool(getattr(module, "is_causal", True))
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        is_causal=bool(is_causal),
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    # sliding_window / softcap / is_causal honoured, sinks & co. rejected (hf_options.py)
+    out = run_cp_hf_attention(module, query, key, value, scaling, kwargs)
     return out.transpose(1, 2).contiguous(), None
 
 
