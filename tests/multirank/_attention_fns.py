@@ -265,3 +265,33 @@ def hf_public_case(
         "loss": float(total),
         "grads": grads if cp_mesh.get_local_rank() == 0 else {},
     }
+
+
+def compiled_module_case(cp_mesh: DeviceMesh | None, method: str, fullgraph: bool) -> Any:
+    """:class:`TinyAttention` under ``ctx()``: eager vs ``torch.compile`` output and grads.
+
+    The batch is sharded by :func:`cpshard.prepare_cp_forward`'s machinery (the plan is built at
+    shard time), then the compiled module runs twice (the second call must reuse the graph).
+    """
+    import torch._dynamo
+
+    from cpshard import make_cp_batch_and_ctx
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyAttention(16, 4, 2)
+    x = torch.randn(2, 21, 16, dtype=torch.float64)
+    memory = torch.randn(2, 5, 4, dtype=torch.float64)
+    ctx, batch, _ = make_cp_batch_and_ctx(
+        cp_mesh, {"inputs_embeds": x}, attention=method, layout="round_robin"
+    )
+    xl = batch["inputs_embeds"]
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=fullgraph, dynamic=False)):
+        for _ in range(2):
+            model.zero_grad()
+            with ctx():
+                y = fn(xl, memory)
+            y.pow(2).sum().backward()
+        results.append((y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results

@@ -85,16 +85,13 @@ class PairPlan:
             LongTensor of batch indices, or ``None`` for every row (meta batch 1 or all equal).
         computed: Query-key pairs the kernels compute (causal pieces count their triangle).
         needed: Query-key pairs the mask makes visible (per meta row, summed).
+        empty: No query sees any key (a plain bool, so compiled code reads a constant).
     """
 
     groups: tuple[tuple[torch.Tensor | None, tuple[Task, ...]], ...]
     computed: int
     needed: int
-
-    @property
-    def empty(self) -> bool:
-        """Whether no query sees any key."""
-        return all(not tasks for _, tasks in self.groups)
+    empty: bool
 
 
 def check_window(window: int | None, causal: bool) -> None:
@@ -315,7 +312,7 @@ def pair_plan(
         needed += n * weight
         idx = None if rows is None else torch.tensor(rows[g], dtype=torch.long, device=device)
         groups.append((idx, tasks))
-    return PairPlan(tuple(groups), computed, needed)
+    return PairPlan(tuple(groups), computed, needed, all(not t for _, t in groups))
 
 
 @dataclass(frozen=True)
