@@ -226,8 +226,10 @@ def main() -> None:
                 )
     if args.part in ("cp", "all"):
         s = args.cp_seq
-        print("| S | Hq/Hkv | layout | cp | method | t loop 2 threads s | t cp slowest rank s "
-              "| efficiency | rank attention max/mean | pairs computed / needed (all ranks) |")  # fmt: skip
+        print(
+            "| S | Hq/Hkv | layout | cp | method | t loop 2 threads s | t cp slowest rank s "
+            "| efficiency | rank attention max/mean | pairs computed / needed (all ranks) |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for hq, hkv in heads:
             base, *_ = _fork(_single, s, hq, hkv, "loop", 2, args.reps)
