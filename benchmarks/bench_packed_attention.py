@@ -7,7 +7,7 @@ Parts (each measurement in a freshly forked process, fwd+bwd, fp32, D=64, H=8 an
 
 * ``single``: one process, 1 thread: ``cp_sdpa(group=None)`` on the packed row (plan built
   beforehand, as at shard time) vs a loop of ``F.scaled_dot_product_attention(is_causal=True)``
-  per document. Time ratio and peak-memory ratios (tensor-allocation peak of one step from
+  per document over ``torch.split`` views (one concatenation in the backward). Time ratio and peak-memory ratios (tensor-allocation peak of one step from
   ``torch.profiler``; peak RSS delta) cpshard / loop.
 * ``cp``: ``C`` gloo ranks (1 thread each, on the 2 cores) shard the batch with the ``balanced``
   or ``packed`` layout through ``make_cp_batch_and_ctx`` and run ``cp_sdpa`` per method.
@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import itertools
 import multiprocessing as mp
 import os
 import sys
@@ -93,18 +92,19 @@ def _single(s: int, hq: int, hkv: int, which: str, threads: int, reps: int, out:
     meta = TokenMeta(0, 1, torch.arange(s)[None], docs)
     plan = attention_plan(meta)
     computed, needed = plan.pair_counts("all_gather")
-    cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
     rss0 = _rss_mb()
     q, k, v, go = _inputs(s, hq, hkv)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def fwd() -> Any:
         if which == "loop":
+            # split (not slicing): its backward is one concatenation, not a zero-filled
+            # full-size gradient per document
             outs = [
-                F.scaled_dot_product_attention(
-                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
+                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+                for qd, kd, vd in zip(
+                    q.split(lens, dim=2), k.split(lens, dim=2), v.split(lens, dim=2), strict=True
                 )
-                for a, b in itertools.pairwise(cu)
             ]
             return torch.cat(outs, dim=2)
         return cp_sdpa(q, k, v, group=None, meta=meta, plan=plan)
