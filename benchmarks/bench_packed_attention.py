@@ -7,8 +7,9 @@ Parts (each measurement in a freshly forked process, fwd+bwd, fp32, D=64, H=8 an
 
 * ``single``: one process, 1 thread: ``cp_sdpa(group=None)`` on the packed row (plan built
   beforehand, as at shard time) vs a loop of ``F.scaled_dot_product_attention(is_causal=True)``
-  per document over ``torch.split`` views (one concatenation in the backward). Time ratio and peak-memory ratios (tensor-allocation peak of one step from
-  ``torch.profiler``; peak RSS delta) cpshard / loop.
+  per document over ``torch.split`` views (one concatenation in the backward). Time ratio and
+  peak-memory ratios (tensor-allocation peak of one step from ``torch.profiler``; peak RSS
+  delta) cpshard / loop.
 * ``cp``: ``C`` gloo ranks (1 thread each, on the 2 cores) shard the batch with the ``balanced``
   or ``packed`` layout through ``make_cp_batch_and_ctx`` and run ``cp_sdpa`` per method.
   Efficiency = t(one process, per-document loop, 2 threads) / t(slowest rank). Balance: every
