@@ -57,7 +57,12 @@ def cp_attention_case(
 
 
 def cp_attention_error(
-    cp_mesh: DeviceMesh, method: str, heads: tuple[int, int], seq_len: int
+    cp_mesh: DeviceMesh,
+    method: str,
+    heads: tuple[int, int],
+    seq_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> str:
     """The ValueError message ``cp_sdpa`` raises on this rank (every rank must raise)."""
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -68,6 +73,7 @@ def cp_attention_error(
         cp_sdpa(
             q.index_select(2, idx), k.index_select(2, idx), v.index_select(2, idx),
             group=cp_group(cp_mesh), meta=make_meta(rmap, docs, rank), method=method,
+            window=window, softcap=softcap,
         )  # fmt: skip
     except ValueError as e:
         return str(e)

@@ -116,6 +116,18 @@ def test_ulysses_heads_not_divisible_raises_on_every_rank(
     assert all(f"number of {which} divisible by the CP size" in m for m in msgs), msgs
 
 
+@pytest.mark.parametrize(
+    ("window", "softcap", "match"),
+    [(0, None, "sliding_window must be a positive int"),
+     (None, -2.0, "softcap must be a positive finite number")],
+)  # fmt: skip
+def test_bad_window_or_softcap_raises_on_every_rank(
+    ranks: Ranks, window: int | None, softcap: float | None, match: str
+) -> None:
+    msgs = ranks(3, cp_attention_error, "ring", (2, 2), 12, window, softcap)
+    assert all(match in m for m in msgs), msgs
+
+
 def test_unknown_method_raises_on_every_rank(ranks: Ranks) -> None:
     msgs = ranks(2, cp_attention_error, "zigzag", (2, 2), 12)
     assert all("valid methods are all_gather, ring, ulysses" in m for m in msgs), msgs
