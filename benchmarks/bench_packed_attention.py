@@ -13,7 +13,8 @@ Parts (each measurement in a freshly forked process, fwd+bwd, fp32, D=64, H=8 an
 * ``cp``: ``C`` gloo ranks (1 thread each, on the 2 cores) shard the batch with the ``balanced``
   or ``packed`` layout through ``make_cp_batch_and_ctx`` and run ``cp_sdpa`` per method.
   Efficiency = t(one process, per-document loop, 2 threads; least disturbed of one measurement
-  per layout) / t(slowest rank). Balance: every
+  per layout) / t(slowest rank); per-core efficiency = t(the loop, 1 thread) / (2 t(slowest
+  rank)), which a busy shared machine disturbs less (one thread keeps its core more often). Balance: every
   rank's own attention work (its plan against the full K/V stream, fwd+bwd, no collectives)
   timed one after another in one process with 1 thread; max / mean over ranks.
 
@@ -229,16 +230,18 @@ def main() -> None:
     if args.part in ("cp", "all"):
         s = args.cp_seq
         print(
-            "| S | Hq/Hkv | layout | cp | method | t loop 2 threads s | t cp slowest rank s "
-            "| efficiency | rank attention max/mean | pairs computed / needed (all ranks) |"
+            "| S | Hq/Hkv | layout | cp | method | t loop 2 threads s | t loop 1 thread s "
+            "| t cp slowest rank s | efficiency | per-core efficiency t_1thread/(2 t) "
+            "| rank attention max/mean | pairs computed / needed (all ranks) |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for hq, hkv in heads:
-            base = float("inf")
+            base = one = float("inf")
             for layout in args.layouts.split(","):
                 # the 2-thread baseline suffers most from other jobs on the 2 cores: measured
                 # again before every layout, the least disturbed measurement counts
                 base = min(base, _fork(_single, s, hq, hkv, "loop", 2, args.reps + 1)[0])
+                one = min(one, _fork(_single, s, hq, hkv, "loop", 1, args.reps)[0])
                 for world in (int(x) for x in args.worlds.split(",")):
                     times = _fork(_balance, s, hq, hkv, layout, world, args.reps)
                     imb = max(times) / (sum(times) / len(times))
@@ -254,7 +257,8 @@ def main() -> None:
                         n = sum(r[2] for r in res)
                         print(
                             f"| {s} | {hq}/{hkv} | {layout} | {world} | {method} | {base:.2f} "
-                            f"| {t:.2f} | {base / t:.2f} | {imb:.3f} | {c / n:.3f} |",
+                            f"| {one:.2f} | {t:.2f} | {base / t:.2f} | {one / (2 * t):.2f} "
+                            f"| {imb:.3f} | {c / n:.3f} |",
                             flush=True,
                         )
 
