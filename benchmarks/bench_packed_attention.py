@@ -15,8 +15,8 @@ Parts (each measurement in a freshly forked process, fwd+bwd, fp32, D=64, H=8 an
   Efficiency = t(one process, per-document loop, 2 threads; least disturbed of one measurement
   per layout) / t(slowest rank); per-core efficiency = t(the loop, 1 thread) / (2 t(slowest
   rank)), which a busy shared machine disturbs less (one thread keeps its core more often).
-  Balance: every rank's own attention work (its plan against the full K/V stream, fwd+bwd, no collectives)
-  timed one after another in one process with 1 thread; max / mean over ranks.
+  Balance: every rank's own attention work (its plan against the full K/V stream, fwd+bwd, no
+  collectives) timed one after another in one process with 1 thread; max / mean over ranks.
 
 Every row reports "query-key pairs computed / pairs needed" from the plan (1.0 is the limit).
 
