@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
-# sub-command name -> module under cpshard.cli with add_arguments(parser) and run(args) -> int
+# sub-command name -> module under cpshard.cli with add_arguments(parser) and run(args) -> int;
+# its DESCRIPTION (if any) is the sub-command's --help text.
 _COMMANDS = {
     "parity": (
         "cpshard.cli.parity",
         "loss and gradient parity, cp=N vs one process, per attention method and layout",
     ),
-    "layouts": ("cpshard.cli.layouts", "shard a batch in every layout on local ranks and back"),
+    "layouts": (
+        "cpshard.cli.layouts",
+        "shard a dense and a packed batch in every layout on local ranks and back",
+    ),
     "balance": (
         "cpshard.cli.balance",
         "layout balance (causal work, padding, remote K/V) on packed batches",
@@ -22,15 +28,34 @@ _COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show every option's default, keep the descriptions' own line breaks."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments end in one line on stderr (what, and where to look) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``cpshard`` argument parser with every sub-command."""
-    parser = argparse.ArgumentParser(
-        prog="cpshard", description="Context parallelism you can check: layouts, parity, balance."
+    parser = OneLineErrorParser(
+        prog="cpshard",
+        description="Context parallelism you can check: layouts, parity, balance.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+    for name, (module_name, help_text) in _COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=getattr(module, "DESCRIPTION", None) or help_text,
+            formatter_class=HelpFormatter,
+        )
+        module.add_arguments(p)
     return parser
 
 
@@ -39,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = importlib.import_module(_COMMANDS[args.command][0])
     status: int = module.run(args)
+    sys.stdout.flush()
     return status
 
 
