@@ -41,12 +41,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cpshard`` argument parser with every sub-command."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = OneLineErrorParser(
         prog="cpshard",
         description="Context parallelism you can check: layouts, parity, balance.",
         formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    subparsers = {}
     for name, (module_name, help_text) in _COMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(
@@ -56,12 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=HelpFormatter,
         )
         module.add_arguments(p)
-    return parser
+        subparsers[name] = p
+    return parser, subparsers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``cpshard`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser, subparsers = _build()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the sub-command's parser, so the message points at its --help
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     module = importlib.import_module(_COMMANDS[args.command][0])
     status: int = module.run(args)
     sys.stdout.flush()
