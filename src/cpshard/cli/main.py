@@ -51,7 +51,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    subparsers = {}
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (module_name, help_text) in _COMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(
