@@ -4,8 +4,8 @@ Local CPU ranks (gloo):   python examples/train_cp.py --ranks 2
 Many GPUs (NCCL):         torchrun --nproc-per-node 8 examples/train_cp.py --cp 8
 
 The loop is the same at every CP size: shard the batch, run the model inside ``ctx()``, take a
-CP-correct loss, all-reduce gradients over the CP group, and gather per-token log-probs back to
-the caller's coordinates (what an RL trainer would log or reuse).
+CP-correct loss, sum gradients over the CP group (``cpshard.sync_grads``), and gather per-token
+log-probs back to the caller's coordinates (what an RL trainer would log or reuse).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import cpshard
-from cpshard import _comm
-from cpshard.cli._spawn import run_local_ranks
 from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch
+from cpshard.launch import run_local_ranks
 from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging
 from cpshard.models import TinyDecoder, TinyDecoderConfig
 
@@ -29,7 +28,6 @@ def train(cp_mesh: DeviceMesh, steps: int, seq_len: int, attention: str) -> list
     torch.manual_seed(0)  # the same init on every rank
     model = TinyDecoder(TinyDecoderConfig(vocab_size=VOCAB_SIZE)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    group = _comm.cp_group(cp_mesh)
     losses = []
     for step in range(steps):
         batch = {k: v.to(device) for k, v in dense_batch(4, seq_len, seed=step).items()}
@@ -40,8 +38,7 @@ def train(cp_mesh: DeviceMesh, steps: int, seq_len: int, attention: str) -> list
             logits = model(local["input_ids"], local["position_ids"])
         loss = cp_cross_entropy(logits, local["labels"], num_tokens=count_tokens(batch["labels"]))
         loss.backward()
-        for p in model.parameters():
-            _comm.all_reduce_sum_(p.grad, group)
+        cpshard.sync_grads(model, cp_mesh)  # sum the partial gradients over the CP group
         opt.step()
         opt.zero_grad(set_to_none=True)
         logp = torch.log_softmax(logits.detach().float(), -1)

@@ -14,6 +14,7 @@ from cpshard.layouts import (
     contiguous_local_indices,
     round_robin_local_indices,
 )
+from cpshard.loss import sync_grads
 from cpshard.meta import TokenMeta
 from cpshard.packing import PackSpec, shift_labels_packed
 from cpshard.sharder import CPContext, CPSharder, ShardFacts
@@ -37,4 +38,5 @@ __all__ = [
     "round_robin_local_indices",
     "shift_labels",
     "shift_labels_packed",
+    "sync_grads",
 ]

@@ -20,8 +20,11 @@ __all__ = [
     "GradMode",
     "all_gather_dim0",
     "all_gather_long",
+    "all_reduce_sum_coalesced_",
+    "all_reduce_sum_mesh_",
     "cp_group",
     "cp_rank_and_size",
+    "mesh_contains_this_rank",
     "validate_cp_mesh",
 ]
 
@@ -170,6 +173,36 @@ def all_reduce_sum_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     if group is not None:
         dist.all_reduce(t, group=group)
     return t
+
+
+def all_reduce_sum_mesh_(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """In-place sum over every rank of ``mesh`` (any number of dims; one all-reduce per dim)."""
+    if mesh is None:
+        return t
+    for dim in range(mesh.ndim):
+        if mesh.size(dim) > 1:
+            dist.all_reduce(t, group=mesh.get_group(dim))
+    return t
+
+
+def all_reduce_sum_coalesced_(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    """Sum ``tensors`` in place over ``group``: one all-reduce per (dtype, device) bucket."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for bucket in buckets.values():
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in bucket:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def mesh_contains_this_rank(mesh: DeviceMesh) -> bool:
+    """Whether this process is one of ``mesh``'s ranks."""
+    return mesh.get_coordinate() is not None
 
 
 # --- CP attention transport (cpshard.attention) ---------------------------------------------

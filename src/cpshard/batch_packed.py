@@ -12,6 +12,9 @@ per-token tensor is ``[1, P / C, ...]``. Pad table as for dense batches (``input
 ``padding_token_id``, ``labels`` -> -100, ``loss_mask`` -> 0, ``padding_mask`` -> True,
 ``inputs_embeds`` -> 0, extra keys -> their pad), except ``position_ids``: per document (computed
 from the documents when the caller gives none; layout pads continue their document).
+The local batch always carries ``padding_mask`` ``[1, P / C]`` (``True`` at layout pads and
+at the caller's pads), at every CP size, so a consumer that counts or routes tokens (MoE routers,
+auxiliary losses) sees the same real tokens at ``cp=1`` and ``cp=N``.
 ``seq_lens`` / ``cu_seqlens`` are consumed (not in the output batch): document ids of every
 token travel in ``ctx.facts.token_meta``, and the attention masks with them. Packed batches
 always need document masking, so ``ctx()`` activates cpshard attention even at ``cp_size == 1``.
@@ -165,12 +168,17 @@ def shard_batch_packed(
         )
     for key, dim in dims.items():
         t = out[key]
+        if key == "padding_mask":
+            continue  # set below from the stream, layout pads included
         if key == "position_ids":
             out[key] = _shard_key(plan, t, dim, 0, plan.stream_position_ids.to(device), local)
         else:
             fill = _pad_value(key, padding_token_id, extra)
             assert fill is not None
             out[key] = _shard_key(plan, t, dim, fill, None, local)
+    # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
+    # losses and token counts can leave them out without knowing the layout.
+    out["padding_mask"] = stream_pad.index_select(0, local).unsqueeze(0)
     facts = ShardFacts(
         original_seq_len=None,
         padded_seq_len=plan.padded_len,

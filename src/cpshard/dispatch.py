@@ -18,11 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
-from cpshard.layouts import ClosedFormLayout, ContiguousLayout, NoneLayout, RoundRobinLayout
-from cpshard.sharder import CPSharder, ShardBatchFn
+from cpshard.layouts import (
+    ClosedFormLayout,
+    ContiguousLayout,
+    NoneLayout,
+    RoundRobinLayout,
+    check_rank_map,
+)
+from cpshard.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
 
 __all__ = [
     "LayoutName",
+    "apply_model_hook",
+    "check_model_sharder",
     "closed_form_sharder",
     "make_cp_batch_and_ctx",
     "prepare_cp_forward",
@@ -170,7 +178,27 @@ def _forward_accepts(model: nn.Module, *names: str) -> bool:
     return all(n in params for n in names)
 
 
-def _call_model_hook(model: nn.Module, batch: dict[str, Any], num_chunks: int) -> dict[str, Any]:
+def apply_model_hook(
+    model: nn.Module, batch: Mapping[str, Any], num_chunks: int
+) -> tuple[CPSharder | None, dict[str, Any]]:
+    """Call the model's ``prepare_model_inputs_for_cp`` hook and merge its updates.
+
+    The hook is called through ``model(_pre_embed_only=True, _cp_batch=..., num_chunks=...)``
+    when the forward accepts those names (so FSDP2 pre-forward hooks unshard what it touches),
+    else as a method. It gets a copy of the batch.
+
+    Args:
+        model: A model defining ``prepare_model_inputs_for_cp``.
+        batch: The caller's batch (never mutated).
+        num_chunks: Passed to the hook.
+
+    Returns:
+        ``(sharder, batch)``: the model-owned sharder (``None`` if the hook returned none) and a
+        new batch with the updates applied (a ``None`` value removes that key).
+
+    Raises:
+        TypeError: the hook returned a non-dict or a ``cp_sharder`` that is not a CPSharder.
+    """
     if _forward_accepts(model, "_pre_embed_only", "_cp_batch"):
         # Through __call__, so FSDP2 pre-forward hooks unshard what the hook touches.
         prepared = model(_pre_embed_only=True, _cp_batch=dict(batch), num_chunks=num_chunks)
@@ -179,10 +207,85 @@ def _call_model_hook(model: nn.Module, batch: dict[str, Any], num_chunks: int) -
         prepared = hook(dict(batch), num_chunks=num_chunks)
     if not isinstance(prepared, Mapping):
         raise TypeError(
-            "prepare_model_inputs_for_cp must return a dict {'cp_sharder': CPSharder, **updates},"
-            f" got {type(prepared).__name__}"
+            f"{type(model).__name__}.prepare_model_inputs_for_cp must return a dict "
+            "{'cp_sharder': CPSharder, **updates} (updates with value None remove that key), "
+            f"got {type(prepared).__name__}; return a dict"
         )
-    return dict(prepared)
+    updates = dict(prepared)
+    sharder = updates.pop("cp_sharder", None)
+    if sharder is not None and not isinstance(sharder, CPSharder):
+        raise TypeError(
+            f"the model hook's 'cp_sharder' must be a CPSharder, got {type(sharder).__name__}; "
+            "build one with cpshard.CPSharder(shard_batch=..., local_token_global_indices=...) "
+            "or return no 'cp_sharder' to let cpshard pick the layout"
+        )
+    work = dict(batch)
+    for key, value in updates.items():
+        if value is None:
+            work.pop(key, None)
+        else:
+            work[key] = value
+    return sharder, work
+
+
+def check_model_sharder(sharder: CPSharder) -> None:
+    """Check the index map a model-owned sharder installed (the same verdict on every rank).
+
+    The local maps of all ranks must form a bijection onto the padded stream, and the input
+    positions (if any) must be distinct slots of it (``-1`` = dropped).
+
+    Raises:
+        ValueError: the map is not a bijection, or input positions are out of range/repeated.
+    """
+    padded = sharder.padded_seq_len
+    name = f"the model-owned sharder (layout={sharder.layout!r})"
+    world = _comm.cp_rank_and_size(sharder.cp_mesh)[1]
+    if padded is None or padded % world:
+        raise ValueError(
+            f"{name} captured padded_seq_len={padded}, which must be a multiple of the CP size "
+            f"{world}; its shard_batch must return ctx.facts with the padded stream length"
+        )
+    try:
+        if sharder.rank_map is not None:
+            rank_map = sharder.rank_map
+        elif sharder.rank_map_fn is not None:
+            rank_map = sharder.rank_map_fn(world, padded, torch.device("cpu"))
+        else:
+            rank_map = _gathered_rank_map(sharder, padded, world)
+        check_rank_map(rank_map.cpu(), padded)
+        positions = sharder.input_token_stream_positions
+        if positions is not None:
+            flat = positions.reshape(-1).cpu()
+            kept = flat[flat >= 0]
+            if bool((flat < -1).any() | (flat >= padded).any()):
+                raise ValueError(f"input positions must lie in [-1, {padded})")
+            if torch.unique(kept).numel() != kept.numel():
+                raise ValueError("two input tokens map to the same stream slot")
+    except ValueError as e:
+        raise ValueError(
+            f"{name} installed an index map that is not a bijection onto its padded stream of "
+            f"{padded} tokens over {world} ranks: {e}. Fix the model's shard_batch."
+        ) from None
+
+
+def _gathered_rank_map(sharder: CPSharder, padded: int, world: int) -> torch.Tensor:
+    """Every rank's local map, learned by one all-gather (each rank sends exactly ``P / C``)."""
+    assert sharder.local_token_global_indices is not None
+    local = sharder.local_token_global_indices(sharder.cp_mesh, padded, torch.device("cpu"))
+    n = padded // world
+    fixed = torch.full((n + 1,), -1, dtype=torch.long)  # the map, then its true length
+    m = min(n, local.numel())
+    fixed[:m] = local.reshape(-1)[:m].long().cpu()
+    fixed[n] = local.numel()
+    group = _comm.cp_group(sharder.cp_mesh)
+    full = (fixed if group is None else _comm.all_gather_long(fixed, group)).view(world, n + 1)
+    for rank, length in enumerate(full[:, n].tolist()):
+        if length != n:
+            raise ValueError(
+                f"rank {rank}'s local_token_global_indices has {length} tokens, expected "
+                f"padded_seq_len / cp_size = {n}"
+            )
+    return full[:, :n]
 
 
 def prepare_cp_forward(
@@ -203,8 +306,11 @@ def prepare_cp_forward(
 
     A model may own its CP by defining ``prepare_model_inputs_for_cp(batch, *, num_chunks=1)``
     returning ``{"cp_sharder": CPSharder, **updates}``; an update whose value is ``None`` removes
-    that key (a raw input the hook consumed). HF transformers models are switched to cpshard's
-    registered attention (at every CP size), so their SDPA sees the global sequence in ``ctx()``.
+    that key (a raw input the hook consumed); the hook runs at every CP size, ``cp=1`` included.
+    Inside ``ctx()`` an HF transformers model uses cpshard's registered attention (at every CP
+    size), so it sees the global sequence; outside ``ctx()`` it keeps its own
+    ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ``flex_attention``), so
+    evaluation and ``generate`` are not downgraded.
 
     Args:
         model: The model (``nn.Module``).
@@ -220,30 +326,14 @@ def prepare_cp_forward(
     """
     check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
-    _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
     sharder: CPSharder | None = None
     work = dict(batch)
-    if cp_size > 1 and hasattr(model, "prepare_model_inputs_for_cp"):
-        prepared = _call_model_hook(model, work, num_chunks)
-        sharder = prepared.pop("cp_sharder", None)
-        if sharder is not None and not isinstance(sharder, CPSharder):
-            raise TypeError(
-                f"the model hook's 'cp_sharder' must be a CPSharder, got {type(sharder).__name__}"
-            )
-        for key, value in prepared.items():
-            if value is None:
-                work.pop(key, None)
-            else:
-                work[key] = value
-    if sharder is None and hasattr(model, "set_attn_implementation"):
-        # At every CP size, so cp=1 and cp=N run the same attention semantics (padding and
-        # documents come from the sharder's token meta, not from HF's mask builders).
-        from cpshard.attention.hf import use_cp_attention
-
-        use_cp_attention(model)
-    return make_cp_batch_and_ctx(
+    if hasattr(model, "prepare_model_inputs_for_cp"):
+        # At every CP size (the seed skips cp=1): the cp=1 reference runs the same model path.
+        sharder, work = apply_model_hook(model, work, num_chunks)
+    ctx, out, bound = make_cp_batch_and_ctx(
         cp_mesh,
         work,
         layout=layout,
@@ -255,3 +345,18 @@ def prepare_cp_forward(
         attention=attention,
         tp_mesh=tp_mesh,
     )
+    if sharder is not None:
+        check_model_sharder(bound)
+    elif hasattr(model, "set_attn_implementation"):
+        # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
+        # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
+        ctx = _hf_scoped(model, ctx)
+    return ctx, out, bound
+
+
+def _hf_scoped(model: nn.Module, ctx: Callable[[], Any]) -> Callable[[], Any]:
+    from cpshard.attention.hf import cp_attention_scope
+
+    factory = functools.partial(cp_attention_scope, model, ctx)
+    facts = getattr(ctx, "facts", None)
+    return CPContext(factory, facts) if isinstance(facts, ShardFacts) else factory

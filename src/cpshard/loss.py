@@ -1,24 +1,30 @@
-"""CP-correct losses: token means whose gradients, summed over CP ranks, equal one process's.
+"""CP-correct losses and gradient sync: per-rank partials whose sum is one process's loss.
 
 Under CP each rank holds a slice of every sequence, so a per-rank ``mean`` over local tokens is
 wrong twice: ranks hold different numbers of real tokens, and the gradient reduction over the CP
 group then sums (or averages) already-averaged values. The fix is to divide each rank's *sum* by
-the *global* token count, which every rank knows before sharding (it holds the global batch), and
-to undo the averaging of a mean-reducing gradient sync (e.g. FSDP over a flattened ``dp x cp``
-group) by the CP size.
+the *global* token count (:func:`count_tokens`: of the global batch without a collective, or of
+the local shards over a ``dp x cp`` mesh), sum the gradients over the CP group
+(:func:`sync_grads`), and undo the averaging of a mean-reducing gradient sync (FSDP2 over ``dp``
+or over the flattened ``dp x cp`` ranks) with :func:`grad_mean_scale`.
+:func:`reduce_for_logging` turns the partials back into the true global loss.
 
 Example:
     >>> n = count_tokens(batch["labels"])                    # doctest: +SKIP
     >>> loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)  # doctest: +SKIP
+    >>> loss.backward(); sync_grads(model, cp_mesh)          # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from cpshard import _comm
 
@@ -27,23 +33,117 @@ __all__ = [
     "cp_cross_entropy",
     "cp_loss_scale",
     "cp_token_mean",
+    "grad_mean_scale",
     "reduce_for_logging",
+    "sync_grads",
 ]
 
 GradReduction = Literal["sum", "mean"]
 
 
-def count_tokens(labels: torch.Tensor, *, ignore_index: int = -100) -> int:
-    """Number of supervised tokens in the *global* (unsharded) labels; no collective.
+def count_tokens(
+    labels: torch.Tensor, *, ignore_index: int = -100, group: DeviceMesh | None = None
+) -> int:
+    """Number of supervised tokens: of these labels, or summed over the ranks of ``group``.
+
+    Two uses, one call each:
+
+    * ``count_tokens(batch["labels"])``: the global (unsharded) labels of one CP group; no
+      collective, the same on every CP rank.
+    * ``count_tokens(local["labels"], group=mesh)``: the *local* (sharded) labels summed over
+      every rank of ``mesh`` (1-D, or e.g. the 2-D ``dp x cp`` mesh: all its ranks). Each real
+      token lives on exactly one rank (CP pads and replicated copies carry ``ignore_index``),
+      so this is the token count of the whole ``dp x cp`` step. Do not pass the *global* labels
+      with a group that contains CP ranks: every CP rank would count them again.
 
     Args:
-        labels: LongTensor ``[B, S]`` of pre-shifted global labels.
+        labels: LongTensor ``[B, S]`` of pre-shifted labels (global, or local with ``group``),
+            or a bool mask ``[B, S]`` whose ``True`` entries are counted (e.g. response tokens).
         ignore_index: Label of unsupervised tokens.
+        group: Mesh whose ranks' counts are summed (one all-reduce per mesh dim), or ``None``.
 
     Returns:
-        The count, the same on every CP rank.
+        The count, the same on every rank of ``group``.
+
+    Raises:
+        ValueError: this rank is not part of ``group``.
     """
-    return int((labels != ignore_index).sum())
+    n = labels.sum() if labels.dtype == torch.bool else (labels != ignore_index).sum()
+    if group is None:
+        return int(n)
+    _check_member(group, "count_tokens")
+    total = n.to(torch.int64).reshape(1).clone()
+    return int(_comm.all_reduce_sum_mesh_(total, group)[0])
+
+
+def _check_member(mesh: DeviceMesh, what: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} takes a DeviceMesh or None, got {type(mesh).__name__}")
+    if not _comm.mesh_contains_this_rank(mesh):
+        raise ValueError(
+            f"{what} was given a mesh {mesh.mesh.tolist()} (dims {mesh.mesh_dim_names}) that does "
+            "not contain this rank; pass the sub-mesh this rank belongs to (e.g. mesh['cp'] of "
+            "its own 2-D mesh)"
+        )
+
+
+def grad_mean_scale(averaged_over: DeviceMesh | None) -> float:
+    """Factor that undoes a mean-reducing gradient sync: the number of ranks it averages over.
+
+    Normalise the loss by the token count of everything the sync covers (:func:`count_tokens`
+    with ``group``) and multiply it by this factor; the averaged gradient is then the gradient of
+    the global per-token mean. FSDP2 ``fully_shard`` over ``mesh["dp"]`` (CP synced with
+    :func:`sync_grads`): ``grad_mean_scale(mesh["dp"])``; ``fully_shard`` over the flattened
+    ``dp x cp`` mesh: ``grad_mean_scale(mesh)`` (all its ranks).
+
+    Args:
+        averaged_over: The mesh the gradient mean runs over (any number of dims), or ``None``.
+
+    Returns:
+        ``float(mesh.size())`` (``1.0`` for ``None``).
+    """
+    return 1.0 if averaged_over is None else float(averaged_over.size())
+
+
+def sync_grads(
+    module: nn.Module | Iterable[torch.nn.Parameter], cp_mesh: DeviceMesh | None
+) -> None:
+    """Sum every parameter gradient over the CP group (in place): the CP half of a grad sync.
+
+    Each CP rank's backward gives the gradient of its partial loss; the full gradient is their
+    sum. DTensor gradients (FSDP2 shards over a ``dp`` mesh) reduce their local shards, so use it
+    after ``loss.backward()`` with ``fully_shard(model, mesh=mesh["dp"])``. Gradients are
+    coalesced into one all-reduce per dtype. A parameter whose gradient is ``None`` on some CP
+    ranks but not others gets a zero gradient first (one small all-reduce learns which), so every
+    rank steps the same parameters. Without CP (``None`` or a size-1 mesh) this is a no-op.
+
+    Args:
+        module: A module, or an iterable of its parameters.
+        cp_mesh: The 1-D CP mesh, or ``None``.
+
+    Raises:
+        TypeError, ValueError: ``cp_mesh`` is not a 1-D mesh, or does not contain this rank.
+    """
+    mesh = _comm.validate_cp_mesh(cp_mesh)
+    if mesh is not None:
+        _check_member(mesh, "sync_grads")
+    group = _comm.cp_group(mesh)
+    params = list(module.parameters() if isinstance(module, nn.Module) else module)
+    if group is None:
+        return
+    params = [p for p in params if p.requires_grad]
+    with torch.no_grad():
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        _comm.all_reduce_sum_(has, group)
+        grads = []
+        for p, h in zip(params, has.tolist(), strict=True):
+            if h == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad
+            grads.append(g.to_local() if isinstance(g, DTensor) else g)
+        _comm.all_reduce_sum_coalesced_(grads, group)
 
 
 def cp_loss_scale(cp_mesh: DeviceMesh | None, grad_reduction: GradReduction = "sum") -> float:
@@ -133,7 +233,21 @@ def cp_cross_entropy(
     return per_token * scale / denom
 
 
-def reduce_for_logging(partial: torch.Tensor, cp_mesh: DeviceMesh | None) -> torch.Tensor:
-    """Sum per-rank partial losses over the CP group (detached), e.g. to log the global loss."""
+def reduce_for_logging(
+    partial: torch.Tensor, mesh: DeviceMesh | None, *, scale: float = 1.0
+) -> torch.Tensor:
+    """The true global loss for logging: partial losses summed over ``mesh``, divided by ``scale``.
+
+    Args:
+        partial: This rank's partial loss (e.g. from :func:`cp_cross_entropy`).
+        mesh: The ranks whose partials make up the loss: the CP mesh, or the 2-D ``dp x cp``
+            mesh when the loss was normalised by the token count over ``dp x cp``.
+        scale: The ``scale`` the partial losses were multiplied by (undone here).
+
+    Returns:
+        A detached scalar tensor, the same on every rank of ``mesh``.
+    """
+    if mesh is not None:
+        _check_member(mesh, "reduce_for_logging")
     out = partial.detach().clone()
-    return _comm.all_reduce_sum_(out, _comm.cp_group(cp_mesh))
+    return _comm.all_reduce_sum_mesh_(out, mesh) / scale

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -10,7 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
+from cpshard.batch import shard_batch_dense
 from cpshard.layouts import ContiguousLayout
+from cpshard.sharder import CPContext, CPSharder
 
 
 class HookModel(nn.Module):
@@ -80,10 +83,7 @@ def model_owned_hook(cp_mesh: DeviceMesh, through_forward: bool) -> None:
     assert set(batch) == set(keep)
     for k in keep:
         assert torch.equal(batch[k], keep[k])
-    if world == 1:  # no CP: the hook is not needed and not called
-        assert model.calls == 0
-        assert sharder.layout == "none"
-        return
+    # The hook runs at every CP size (cp=1 included), so cp=1 runs the same model path.
     assert model.calls == 1
     if through_forward:
         assert isinstance(model, ForwardHookModel)
@@ -105,5 +105,76 @@ def hook_errors(cp_mesh: DeviceMesh) -> None:
         cpshard.prepare_cp_forward(HookModel("not_a_dict"), cp_mesh, _batch())
     with pytest.raises(TypeError, match="'cp_sharder' must be a CPSharder, got str"):
         cpshard.prepare_cp_forward(HookModel("sharder"), cp_mesh, _batch())
+    with pytest.raises(TypeError, match="'cp_sharder' must be a CPSharder, got str"):
+        cpshard.prepare_cp_forward(_OwnsSharder("nope"), cp_mesh, _batch())
     with pytest.raises(ValueError, match="num_chunks must be >= 1"):
         cpshard.prepare_cp_forward(HookModel(), cp_mesh, _batch(), num_chunks=0)
+
+
+class _OwnsSharder(nn.Module):
+    """A model whose hook returns a given sharder."""
+
+    def __init__(self, sharder: Any) -> None:
+        super().__init__()
+        self.sharder = sharder
+
+    def prepare_model_inputs_for_cp(self, batch: dict[str, Any], *, num_chunks: int = 1) -> Any:
+        return {"cp_sharder": self.sharder}
+
+
+def _bad_map_shard(
+    cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, batch: dict[str, Any], **kw: Any
+) -> Any:
+    """A dense contiguous shard whose captured map lets the last rank claim rank 0's tokens."""
+    ctx, out = shard_batch_dense(cp_mesh, tp_mesh, batch, layout=ContiguousLayout(), **kw)
+    rank_map = ctx.facts.rank_map.clone()
+    rank_map[-1] = rank_map[0]
+    return CPContext(ctx, dataclasses.replace(ctx.facts, rank_map=rank_map)), out
+
+
+def _local_only_shard(
+    cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, batch: dict[str, Any], **kw: Any
+) -> Any:
+    """A shard that captures no rank map (the dispatcher must learn it by an all-gather)."""
+    ctx, out = shard_batch_dense(cp_mesh, tp_mesh, batch, layout=ContiguousLayout(), **kw)
+    return CPContext(ctx, dataclasses.replace(ctx.facts, rank_map=None)), out
+
+
+def _repeated_positions_shard(
+    cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, batch: dict[str, Any], **kw: Any
+) -> Any:
+    ctx, out = shard_batch_dense(cp_mesh, tp_mesh, batch, layout=ContiguousLayout(), **kw)
+    pos = torch.zeros(1, 10, dtype=torch.long)  # every input token in slot 0
+    return CPContext(ctx, dataclasses.replace(ctx.facts, input_token_stream_positions=pos)), out
+
+
+def model_owned_map_errors(cp_mesh: DeviceMesh) -> None:
+    """Model-owned sharders whose index map is not a bijection: the same error on every rank."""
+    batch = {"input_ids": torch.arange(10).reshape(1, 10)}
+    bad = CPSharder(shard_batch=_bad_map_shard, local_token_global_indices=None)
+    with pytest.raises(ValueError, match="not a bijection onto its padded stream of"):
+        cpshard.prepare_cp_forward(_OwnsSharder(bad), cp_mesh, batch)
+    # no captured map: each rank claims the first L positions; learned by one all-gather
+    lazy = CPSharder(
+        shard_batch=_local_only_shard,
+        local_token_global_indices=lambda mesh, p, dev: torch.arange(p // cp_mesh.size()),
+    )
+    with pytest.raises(ValueError, match="not a bijection"):
+        cpshard.prepare_cp_forward(_OwnsSharder(lazy), cp_mesh, batch)
+    too_long = CPSharder(
+        shard_batch=_local_only_shard,
+        local_token_global_indices=lambda mesh, p, dev: torch.arange(p // cp_mesh.size() + 1),
+    )
+    with pytest.raises(ValueError, match=r"rank 0's local_token_global_indices has \d+ tokens"):
+        cpshard.prepare_cp_forward(_OwnsSharder(too_long), cp_mesh, batch)
+    dup = CPSharder(shard_batch=_repeated_positions_shard, local_token_global_indices=None)
+    with pytest.raises(ValueError, match="two input tokens map to the same stream slot"):
+        cpshard.prepare_cp_forward(_OwnsSharder(dup), cp_mesh, batch)
+    # a correct lazy sharder passes the same check
+    good = CPSharder(
+        shard_batch=_local_only_shard,
+        local_token_global_indices=lambda mesh, p, dev: ContiguousLayout().local_indices(
+            cp_mesh.get_local_rank(), cp_mesh.size(), p, dev
+        ),
+    )
+    cpshard.prepare_cp_forward(_OwnsSharder(good), cp_mesh, batch)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _dispatch_fns import hook_errors, model_owned_hook
+from _dispatch_fns import hook_errors, model_owned_hook, model_owned_map_errors
 
 from _ranks import Ranks
 
@@ -18,3 +18,8 @@ def test_model_owned_hook(ranks: Ranks, world: int, through_forward: bool) -> No
 
 def test_hook_errors(ranks: Ranks) -> None:
     ranks(2, hook_errors)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_model_owned_map_must_be_a_bijection(ranks: Ranks, world: int) -> None:
+    ranks(world, model_owned_map_errors)

@@ -17,6 +17,8 @@ transformers is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ from cpshard.attention.context import cp_context_active
 
 __all__ = [
     "ATTENTION_NAME",
+    "attention_implementations",
+    "cp_attention_scope",
     "cpshard_attention_forward",
     "cpshard_attention_mask",
     "use_cp_attention",
@@ -144,3 +148,57 @@ def use_cp_attention(model: torch.nn.Module) -> None:
             f"got {type(model).__name__}"
         )
     config._attn_implementation = ATTENTION_NAME
+
+
+def attention_implementations(config: Any) -> str | dict[str, Any]:
+    """The attention implementation of a transformers config and its sub-configs.
+
+    Args:
+        config: A ``PretrainedConfig``.
+
+    Returns:
+        The name (e.g. ``"flash_attention_2"``) when every sub-config uses the same one, else the
+        nested dict that ``model.set_attn_implementation`` accepts (``""`` = the config itself).
+    """
+    own: str = config._attn_implementation
+    subs: dict[str, Any] = {}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            subs[key] = attention_implementations(sub)
+    if all(v == own for v in subs.values()):
+        return own
+    return {"": own, **subs}
+
+
+@contextlib.contextmanager
+def _scope(model: torch.nn.Module, inner: Callable[[], Any]) -> Iterator[None]:
+    saved = attention_implementations(model.config)  # type: ignore[union-attr]
+    use_cp_attention(model)
+    try:
+        with inner():
+            yield
+    finally:
+        if saved != ATTENTION_NAME:
+            model.set_attn_implementation(saved)  # type: ignore[operator]
+
+
+def cp_attention_scope(
+    model: torch.nn.Module, inner: Callable[[], Any]
+) -> contextlib.AbstractContextManager[None]:
+    """Select cpshard's attention on an HF model for the span of ``inner()``, then restore it.
+
+    Outside the scope the model keeps whatever ``attn_implementation`` it had (``sdpa``,
+    ``eager``, ``flash_attention_2``, ``flex_attention``, per sub-config), so evaluation and
+    ``generate`` run the model's own attention; inside it, transformers dispatches to the
+    ``"cpshard"`` attention and builds no mask. Both switches go through the public
+    ``set_attn_implementation``; nothing global is changed.
+
+    Args:
+        model: A transformers ``PreTrainedModel``.
+        inner: Factory of the CP attention context (the sharder's ``ctx``).
+
+    Returns:
+        A context manager: ``with cp_attention_scope(model, ctx): model(...)``.
+    """
+    return _scope(model, inner)

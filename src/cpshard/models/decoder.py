@@ -1,4 +1,4 @@
-"""Small example models for demos and tests: plain PyTorch, no downloads.
+""":class:`TinyDecoder`: the plain-PyTorch example decoder (no downloads).
 
 :class:`TinyDecoder` is a Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU) whose
 attention is a plain ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``: it knows nothing
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyDecoder", "TinyDecoderConfig"]
+__all__ = ["TinyDecoder", "TinyDecoderConfig", "masked_attention"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,33 @@ def _rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Te
     return out.to(x.dtype)
 
 
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention with an explicit bool mask (fp32 softmax), GQA by head repetition.
+
+    Written out rather than ``F.scaled_dot_product_attention``, so a model with its own local
+    attention pattern is never routed to CP attention by an active cpshard context.
+
+    Args:
+        q: ``[B, Hq, S, D]``.
+        k: ``[B, Hkv, S, D]``.
+        v: ``[B, Hkv, S, D]``.
+        mask: Bool ``[B|1, 1, S, S]``, ``True`` = attend; every row needs one ``True``.
+
+    Returns:
+        ``[B, Hq, S, D]``.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    out: torch.Tensor = (probs @ v.float()).to(q.dtype)
+    return out
+
+
 class _Block(nn.Module):
     def __init__(self, cfg: TinyDecoderConfig) -> None:
         super().__init__()
@@ -64,7 +91,13 @@ class _Block(nn.Module):
         self.up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One block on ``x`` ``[B, S, H]``; causal, or ``attn_mask`` ``[B|1, 1, S, S]`` (bool)."""
         b, s, _ = x.shape
         cfg = self.cfg
         hd = cfg.hidden_size // cfg.num_heads
@@ -73,9 +106,14 @@ class _Block(nn.Module):
         k, v = self.kv(h).view(b, s, 2, cfg.num_kv_heads, hd).permute(2, 0, 3, 1, 4)
         q = _rope(q, position_ids, cfg.rope_theta)
         k = _rope(k, position_ids, cfg.rope_theta)
-        attn = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=cfg.num_kv_heads != cfg.num_heads
-        )
+        if (
+            attn_mask is None
+        ):  # plain causal SDPA: inside cpshard's ctx() it sees the global sequence
+            attn = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=cfg.num_kv_heads != cfg.num_heads
+            )
+        else:  # a model-defined mask over the local tokens: explicit math, never routed to CP
+            attn = masked_attention(q, k, v, attn_mask)
         x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
         gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
         out: torch.Tensor = x + self.down(F.silu(gate) * up)
@@ -105,8 +143,29 @@ class TinyDecoder(nn.Module):
         """Logits ``[B, S, V]`` of ``input_ids`` ``[B, S]`` at ``position_ids`` ``[B|1, S]``."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = self.embed(input_ids)
+        return self.decode(self.embed(input_ids), position_ids)
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]`` of embeddings ``x`` ``[B, S, H]`` (the layers after the embedding).
+
+        Args:
+            x: Token embeddings ``[B, S, H]``.
+            position_ids: ``[B|1, S]`` positions for RoPE.
+            attn_mask: ``None`` (causal) or a bool ``[B|1, 1, S, S]`` mask (``True`` = attend).
+        """
         for block in self.blocks:
-            x = block(x, position_ids)
+            x = block(x, position_ids, attn_mask)
         logits: torch.Tensor = self.head(self.norm(x))
         return logits
+
+    @classmethod
+    def from_config(cls, cfg: TinyDecoderConfig | None = None, *, seed: int = 0) -> TinyDecoder:
+        """Build with weights drawn from ``seed`` (the global RNG is left untouched)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls(cfg)

@@ -1,0 +1,40 @@
+"""The README's "Training loops" code is examples/training_loops.py verbatim, and it is right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _readme_fns import readme_grpo_step, readme_train_step
+
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _block(text: str, begin: str, end: str) -> str:
+    return text[text.index(begin) + len(begin) : text.index(end)].strip("\n")
+
+
+def test_readme_section_is_the_example_verbatim() -> None:
+    example = (ROOT / "examples" / "training_loops.py").read_text()
+    code = _block(
+        example,
+        "# --- README: training loops (begin)\n",
+        "# --- README: training loops (end)\n",
+    )
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Training loops") :]
+    assert _block(section, "```python\n", "```\n") == code
+    assert "def train_step" in code and "def grpo_step" in code
+
+
+@pytest.mark.parametrize("fsdp_over", ["dp", "dp_cp"])
+def test_readme_train_step_matches_one_process(ranks: Ranks, fsdp_over: str) -> None:
+    ranks(4, readme_train_step, fsdp_over, timeout=120)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_readme_grpo_step_matches_cp1(ranks: Ranks, world: int) -> None:
+    ranks(world, readme_grpo_step)
