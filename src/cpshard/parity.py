@@ -7,14 +7,11 @@ on the CP size, so one rank gives the reference and N ranks give the CP result;
 :func:`compare` measures, at every step, how far apart the losses and the gradients are, and
 :data:`TOLERANCES` says how far is too far.
 
-The models a parity run can use are one table, :data:`MODELS`: how to build each, which batches
-it trains on, which layouts apply (``None``: the model owns its CP layout) and how to check the
-cp=1 reference against the model's own attention.
+The models a parity run can use are one table, :data:`cpshard.parity_models.MODELS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,11 +20,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch, packed_batch
+from cpshard.corpus import PAD_ID
 from cpshard.dispatch import LayoutName, prepare_cp_forward
-from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging
-from cpshard.models import TinyDecoder, TinyDecoderConfig
-from cpshard.packing import PackSpec, shift_labels_packed
+from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging, sync_grads
+from cpshard.parity_models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
 
 __all__ = [
     "DTYPES",
@@ -48,7 +44,6 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-HEADS, KV_HEADS = 8, 4  # Ulysses needs both divisible by the CP size
 GradSync = Literal["sum", "mean", "none"]
 # "sum" is right; "mean" (averaging over the CP group without cp_loss_scale) and "none" (no
 # all-reduce) are the two classic mistakes, there to show that the check catches them.
@@ -132,122 +127,6 @@ class StepDiff:
         )
 
 
-# --- the model table --------------------------------------------------------------------------
-
-
-def _hf_model(kind: str) -> Callable[[torch.dtype, int], nn.Module]:
-    def build(dtype: torch.dtype, seed: int) -> nn.Module:
-        import transformers
-
-        torch.manual_seed(seed)
-        common: dict[str, Any] = {
-            "vocab_size": VOCAB_SIZE,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": HEADS,
-            "num_key_value_heads": KV_HEADS,
-            "max_position_embeddings": 4096,
-            "use_cache": False,
-            "pad_token_id": PAD_ID,
-        }
-        model: nn.Module
-        if kind == "llama":
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-        else:
-            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-        return nn.Module.to(model, dtype)
-
-    return build
-
-
-def _tiny_model(dtype: torch.dtype, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    cfg = TinyDecoderConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, num_heads=HEADS, num_kv_heads=KV_HEADS
-    )
-    return TinyDecoder(cfg).to(dtype)
-
-
-def _logits(out: Any) -> torch.Tensor:
-    logits: torch.Tensor = out if isinstance(out, torch.Tensor) else out.logits
-    return logits
-
-
-def _decoder_forward(model: nn.Module, local: dict[str, Any]) -> torch.Tensor:
-    return _logits(model(input_ids=local["input_ids"], position_ids=local["position_ids"]))
-
-
-def _decoder_native(model: nn.Module, batch: dict[str, Any], packed: bool) -> torch.Tensor:
-    """Global mean loss with the model's own attention, no cpshard involved."""
-    labels = batch["labels"]
-    n = count_tokens(labels)
-    if not packed:
-        ids = batch["input_ids"]
-        if isinstance(model, TinyDecoder):  # causal + right padding: real tokens never see pads
-            return cp_cross_entropy(_logits(model(ids)), labels, num_tokens=n)
-        out = model(input_ids=ids, attention_mask=batch["attention_mask"])
-        return cp_cross_entropy(_logits(out), labels, num_tokens=n)
-    # packed: every document on its own, so no token can see another document
-    total = torch.zeros((), dtype=torch.float32, device=labels.device)
-    start = 0
-    for length in batch["seq_lens"][0]:
-        doc = batch["input_ids"][:, start : start + length]
-        out = model(doc) if isinstance(model, TinyDecoder) else model(input_ids=doc)
-        total = total + cp_cross_entropy(
-            _logits(out), labels[:, start : start + length], num_tokens=n
-        )
-        start += length
-    return total
-
-
-def _corpus_batch(case: ParityCase, step: int) -> dict[str, Any]:
-    seed = case.seed * 1000 + step
-    if case.batch == "dense":
-        return dense_batch(case.batch_size, case.seq_len, seed=seed)
-    total = case.batch_size * case.seq_len
-    ids, lens = packed_batch(total, max_doc_len=max(case.seq_len // 2, 2), seed=seed)
-    spec = PackSpec.from_seq_lens([lens], total)
-    return {"input_ids": ids, "labels": shift_labels_packed(ids, spec), "seq_lens": [lens]}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One row of :data:`MODELS`: everything parity needs to know about a model.
-
-    Attributes:
-        description: One line for the plan and ``--help``.
-        build: ``(dtype, seed) -> model``, the same fixed init on every rank.
-        batches: Batch kinds it trains on (``"dense"``: one document per row, right-padded;
-            ``"packed"``: whole documents packed into one row).
-        layouts: cpshard layouts it runs under, or ``None`` when the model owns its CP layout
-            (its ``prepare_model_inputs_for_cp`` returns the sharder): then one row per method.
-        make_batch: ``(case, step) -> global batch`` (with pre-shifted ``labels``).
-        forward: ``(model, local batch) -> logits [B, L, V]``, called inside ``ctx()``.
-        native_loss: ``(model, batch, packed) -> global mean loss`` with the model's own
-            attention (an independent check of the cp=1 reference), or ``None``.
-    """
-
-    description: str
-    build: Callable[[torch.dtype, int], nn.Module]
-    batches: tuple[str, ...] = ("dense", "packed")
-    layouts: tuple[str, ...] | None = ("round_robin", "contiguous", "balanced", "packed")
-    make_batch: Callable[[ParityCase, int], dict[str, Any]] = _corpus_batch
-    forward: Callable[[nn.Module, dict[str, Any]], torch.Tensor] = _decoder_forward
-    native_loss: Callable[[nn.Module, dict[str, Any], bool], torch.Tensor] | None = _decoder_native
-
-
-MODELS: dict[str, ModelSpec] = {
-    "llama": ModelSpec(
-        "HF LlamaForCausalLM, 2 layers, 8/4 heads (config only)", _hf_model("llama")
-    ),
-    "qwen2": ModelSpec(
-        "HF Qwen2ForCausalLM, 2 layers, 8/4 heads (config only)", _hf_model("qwen2")
-    ),
-    "tiny": ModelSpec("cpshard.models.TinyDecoder: plain PyTorch, F.sdpa", _tiny_model),
-}
-
-
 def build_model(kind: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """The model ``kind`` of :data:`MODELS` with a fixed random init; no downloads."""
     if kind not in MODELS:
@@ -258,17 +137,21 @@ def build_model(kind: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
 # --- running and comparing ---------------------------------------------------------------------
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def _batch(case: ParityCase, step: int, device: torch.device) -> dict[str, Any]:
+    spec = BatchSpec(case.batch, case.batch_size, case.seq_len, case.seed * 1000 + step)
+    batch = MODELS[case.model].make_batch(spec)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient in one CPU vector (a missing gradient counts as zeros)."""
     keep = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     return torch.cat(
         [
-            p.grad.detach().reshape(-1).to("cpu", keep)
+            torch.zeros(p.numel(), dtype=keep)
+            if p.grad is None
+            else p.grad.detach().reshape(-1).to("cpu", keep)
             for p in model.parameters()
-            if p.grad is not None
         ]
     )
 
@@ -294,23 +177,26 @@ def train_steps(cp_mesh: DeviceMesh | None, case: ParityCase) -> ParityResult:
     grads: list[torch.Tensor] = []
     layout, local_tokens = "", 0
     for step in range(case.steps):
-        batch = _to_device(spec.make_batch(case, step), device)
+        batch = _batch(case, step, device)
         ctx, local, sharder = prepare_cp_forward(
             model,
             cp_mesh,
             batch,
             padding_token_id=PAD_ID,
             layout=case.layout,
-            attention=case.method,
+            # "own": the model's attention needs no CP method (its sharder's ctx decides)
+            attention="all_gather" if case.method == "own" else case.method,
         )
         with ctx():
             logits = spec.forward(model, local)
         loss = cp_cross_entropy(logits, local["labels"], num_tokens=count_tokens(batch["labels"]))
         loss.backward()  # type: ignore[no-untyped-call]
-        for p in model.parameters():
-            if p.grad is not None and case.grad_sync != "none":
-                _comm.all_reduce_sum_(p.grad, group)
-                if case.grad_sync == "mean":
+        if case.grad_sync == "sum":
+            sync_grads(model, cp_mesh)  # the contract's gradient sync
+        elif case.grad_sync == "mean":  # injected mistake: averaged, loss not rescaled
+            for p in model.parameters():
+                if p.grad is not None:
+                    _comm.all_reduce_sum_(p.grad, group)
                     p.grad.div_(cp_size)
         grads.append(_flat_grads(model))
         losses.append(float(reduce_for_logging(loss, cp_mesh)))
@@ -321,9 +207,9 @@ def train_steps(cp_mesh: DeviceMesh | None, case: ParityCase) -> ParityResult:
 
 
 def native_steps(case: ParityCase) -> ParityResult:
-    """The same steps as :func:`train_steps` without cpshard: the model's own attention (dense
-    rows with their attention mask; packed rows one document at a time). An independent check
-    of the cp=1 reference.
+    """The same steps as :func:`train_steps` without cpshard: the model's own attention (its
+    ``native_loss``: e.g. dense rows causal with right padding, packed rows one document at a
+    time). An independent check of the cp=1 reference.
 
     Raises:
         ValueError: the model has no native check (``native_loss`` is ``None``).
@@ -338,8 +224,8 @@ def native_steps(case: ParityCase) -> ParityResult:
     losses: list[float] = []
     grads: list[torch.Tensor] = []
     for step in range(case.steps):
-        batch = _to_device(spec.make_batch(case, step), device)
-        loss = spec.native_loss(model, batch, case.batch == "packed")
+        batch = _batch(case, step, device)
+        loss = spec.native_loss(model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
         grads.append(_flat_grads(model))
         losses.append(float(loss.detach()))

@@ -139,3 +139,26 @@ def test_parity_under_torchrun_on_two_gloo_ranks(tmp_path: Path) -> None:
     cp = [r for r in records if r["kind"] == "cp"]
     assert len(cp) == 2 and all(r["launcher"] == "torchrun" and r["world"] == 2 for r in cp)
     assert all(r["passed"] for r in records)
+
+
+def test_parity_rows_for_the_model_owned_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js = tmp_path / "parity.json"
+    argv = ["parity", "--models", "vlm,prefix", "--ranks", "2", "--steps", "2", "--seq-len", "32"]
+    argv += ["--methods", "ring", "--json", str(js), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| prefix | float32 | dense | global_prefix | own | 2 |" in out
+    records = json.loads(js.read_text())
+    _check_schema(records, steps=2)
+    refs = {(r["model"], r["batch"]) for r in records if r["kind"] == "reference"}
+    assert refs == {("vlm", "dense"), ("vlm", "packed"), ("prefix", "dense")}
+    got = {(r["model"], r["batch"], r["sharder_layout"], r["method"]) for r in records}
+    assert got >= {
+        ("vlm", "dense", "round_robin", "ring"),  # the dispatcher's choice after the hook
+        ("vlm", "packed", "balanced", "ring"),
+        ("prefix", "dense", "global_prefix", "own"),  # the model's own sharder
+    }
+    assert len(records) == 6
+    assert all(r["passed"] for r in records)

@@ -207,3 +207,19 @@ def test_table_row_says_no_for_a_failed_row() -> None:
     assert line.endswith("| NO |") and "2.00e-05" in line
     assert "skipped: x" in format_row(_record(skipped="skipped: x"))
     assert math.isnan(_record().max_abs_dloss or 0.0)
+
+
+def test_all_models_plan_has_model_owned_rows_next_to_hf_rows() -> None:
+    rows = plan_rows(
+        ParityCase(),
+        models=["llama", "vlm", "prefix"],
+        dtypes=["float32"],
+        layouts=["round_robin", "contiguous", "balanced", "packed"],
+        methods=["all_gather", "ring", "ulysses"],
+        world=4,
+    )
+    vlm = [r for r in rows if r.case.model == "vlm" and r.kind == "cp"]
+    assert {(r.case.batch, r.layout) for r in vlm} == {("dense", "auto"), ("packed", "auto")}
+    assert len(vlm) == 6  # 2 batch kinds x 3 methods
+    prefix = [r for r in rows if r.case.model == "prefix"]
+    assert [(r.kind, r.case.method) for r in prefix] == [("reference", "all_gather"), ("cp", "own")]

@@ -3,7 +3,8 @@
 Rows come from one table, :data:`cpshard.parity.MODELS`: a model with ``layouts`` gets one row per
 (layout, method) with the batch kind its layout needs (dense rows for ``round_robin`` and
 ``contiguous``, packed rows for ``balanced`` and ``packed``); a model that owns its CP layout
-(``layouts=None``) gets one row per method on each of its batch kinds. Before the CP rows of a
+(``layouts=None``) gets one row per method on each of its batch kinds, or a single row when its
+attention is its own (``attention="own"``: no CP attention method applies). Before the CP rows of a
 (model, dtype, batch kind), one ``reference`` row checks the cp=1 reference against the model's
 own attention, when the model has such a check.
 """
@@ -21,7 +22,8 @@ METHODS = ("all_gather", "ring", "ulysses")
 DENSE_LAYOUTS = ("round_robin", "contiguous")
 PACKED_LAYOUTS = ("balanced", "packed")
 LAYOUT_BATCH = {**dict.fromkeys(DENSE_LAYOUTS, "dense"), **dict.fromkeys(PACKED_LAYOUTS, "packed")}
-MODEL_OWNED = "model-owned"  # the layout column of rows whose model chooses the layout
+AUTO_LAYOUT = "auto"  # rows whose layout the model's hook (or else the dispatcher) chooses
+OWN_ATTENTION = "own"  # the method column of rows whose model needs no CP attention method
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Row:
         kind: ``"cp"`` (cp=N against the cp=1 reference) or ``"reference"`` (the cp=1
             reference against the model's own attention, one process).
         case: What to run (for ``"reference"`` rows: the cp=1 case).
-        layout: The requested layout name (``"model-owned"``, or ``"none"`` for reference rows).
+        layout: The requested layout name (``"auto"`` for models whose hook or the dispatcher
+            chooses, ``"none"`` for reference rows).
         skip: Why the row is not run (e.g. heads not divisible for Ulysses), else ``None``.
     """
 
@@ -48,6 +51,8 @@ class Row:
 
 
 def _ulysses_skip(method: str, world: int) -> str | None:
+    if method == OWN_ATTENTION:
+        return None
     if method == "ulysses" and (HEADS % world or KV_HEADS % world):
         return f"skipped: heads {HEADS}/{KV_HEADS} not divisible by {world} ranks"
     return None
@@ -78,7 +83,7 @@ def plan_rows(
         for dtype in dtypes:
             for batch in spec.batches:
                 mine = (
-                    [MODEL_OWNED]
+                    [AUTO_LAYOUT]
                     if spec.layouts is None
                     else [
                         lay for lay in layouts if lay in spec.layouts and LAYOUT_BATCH[lay] == batch
@@ -89,9 +94,10 @@ def plan_rows(
                 case = replace(base, model=model, dtype=dtype, batch=batch)
                 if spec.native_loss is not None:
                     rows.append(Row("reference", replace(case, layout="auto"), "none"))
+                mine_methods = [OWN_ATTENTION] if spec.attention == "own" else methods
                 for layout in mine:
-                    for method in methods:
-                        lay = "auto" if layout == MODEL_OWNED else layout
+                    for method in mine_methods:
+                        lay = "auto" if layout == AUTO_LAYOUT else layout
                         rows.append(
                             Row(
                                 "cp",

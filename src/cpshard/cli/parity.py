@@ -17,7 +17,7 @@ Exit status: 0 iff every row passed, 1 if any row failed, 2 on bad input (checke
 work starts). Examples:
 
     cpshard parity                                    # the demo: 14 rows, 3 steps, 4 ranks
-    cpshard parity --steps 50 --json parity.json --plot parity.png   # the thorough check
+    cpshard parity --models all --steps 50 --json parity.json --plot parity.png  # thorough
     cpshard parity --models llama,tiny --dtypes float32,bfloat16 --ranks 2
 """
 
@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--models",
         "--model",
         default="llama",
-        help=f"comma list of {', '.join(MODELS)}",
+        help=f"comma list of {', '.join(MODELS)}, or all (vlm: pre-embedding, layout chosen by "
+        "the dispatcher; prefix: model-owned sharder)",
     )
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of attention methods")
     p.add_argument(
@@ -141,7 +142,9 @@ def _check_writable(path: str, flag: str) -> None:
 def _validate(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every check that does not need a rank; raises :class:`UsageError`."""
     names = {
-        "models": _csv(args.models, MODELS, "--models"),
+        "models": list(MODELS)
+        if args.models.strip() == "all"
+        else _csv(args.models, MODELS, "--models"),
         "methods": _csv(args.methods, METHODS, "--methods"),
         "layouts": _csv(args.layouts, DENSE_LAYOUTS + PACKED_LAYOUTS, "--layouts"),
         "dtypes": _csv(args.dtypes, TOLERANCES, "--dtypes"),
