@@ -39,6 +39,7 @@ __all__ = [
     "Tolerance",
     "build_model",
     "compare",
+    "grad_error",
     "native_steps",
     "train_steps",
 ]
@@ -63,14 +64,17 @@ class Tolerance:
     grad: float
 
 
-# fp32: the measured differences are ~1e-7 (summation order only), so 1e-5 leaves 100x margin
-# while a real bug (a missing mask, a wrong gradient sync) is >= 1e-3. bf16 rounds every matmul
-# and every weight update to 8 mantissa bits (eps 7.8e-3): cp=1 and cp=N sum in a different
-# order, round differently and drift apart step by step (AdamW amplifies sign flips of tiny
-# gradients): measured over 50 steps at cp=2, rel |dloss| <= 4.3e-4 and grad err <= 0.10 (the
-# cp=1 reference against the model's own attention differs by as much: 1.5e-3 and 0.03), so bf16
-# gets loose bounds, 1 % of the loss and 25 % of the largest gradient. They still catch a wrong
-# gradient sync (error >= 1 - 1/C = 0.5); the fp32 rows are the correctness check.
+# What is compared (see train_steps): the losses of two independent runs (cp=N and cp=1, each on
+# its own weights, like a branch-vs-base validation run), and at every step the cp=N gradient
+# against the cp=1 gradient computed on the SAME weights (rank 0 recomputes it each step), so the
+# gradient check measures that step's CP error, not the drift of two trajectories.
+# fp32: measured over 50 steps at cp=4, rel |dloss| <= 3e-7 and grad err <= ~3e-7 (summation
+# order only): 1e-5 leaves a wide margin while a real bug (a missing mask, a wrong gradient sync)
+# is >= 1e-3. bf16 rounds every matmul and weight update to 8 mantissa bits (eps 7.8e-3): the two
+# runs round differently and drift apart step by step, and one step's gradients differ by up to
+# a few eps of the largest gradient, so bf16 gets loose bounds: 1 % of the loss, 25 % of the
+# largest gradient. They still catch a wrong gradient sync (error >= 1 - 1/C = 0.5); the fp32
+# rows are the correctness check.
 TOLERANCES = {
     "float64": Tolerance(rel_loss=1e-12, grad=1e-10),
     "float32": Tolerance(rel_loss=1e-5, grad=1e-5),
@@ -97,24 +101,25 @@ class ParityCase:
 
 @dataclass(frozen=True)
 class ParityResult:
-    """What :func:`train_steps` reports (rank 0's view; gradients are CP-reduced).
+    """What :func:`train_steps` reports (the main rank's view).
 
     Attributes:
         layout: The sharder's layout label.
         losses: Global loss of every step.
-        grads: Per step, every parameter's gradient flattened into one CPU tensor ``[n_params]``.
+        grad_errs: Per step, ``max|g - g_shadow| / max|g_shadow|`` of the CP-reduced gradients
+            against the shadow gradient on the same weights (empty without a shadow).
         local_tokens: Length of this rank's shard (tokens per row).
     """
 
     layout: str
     losses: list[float]
-    grads: list[torch.Tensor]
+    grad_errs: list[float]
     local_tokens: int
 
 
 @dataclass(frozen=True)
 class StepDiff:
-    """Per-step differences of a CP run against its reference (see :func:`compare`)."""
+    """Per-step differences of a run against its reference (see :func:`compare`)."""
 
     abs_dloss: list[float]
     rel_dloss: list[float]
@@ -136,6 +141,8 @@ def build_model(kind: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
 
 # --- running and comparing ---------------------------------------------------------------------
 
+Shadow = Literal["none", "cp1", "native"]
+
 
 def _batch(case: ParityCase, step: int, device: torch.device) -> dict[str, Any]:
     spec = BatchSpec(case.batch, case.batch_size, case.seq_len, case.seed * 1000 + step)
@@ -143,73 +150,118 @@ def _batch(case: ParityCase, step: int, device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _flat_grads(model: nn.Module) -> torch.Tensor:
-    """Every parameter's gradient in one CPU vector (a missing gradient counts as zeros)."""
-    keep = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+def _flat(grads: list[torch.Tensor | None], params: list[nn.Parameter]) -> torch.Tensor:
+    """One float64 vector of every parameter's gradient (a missing gradient counts as zeros)."""
     return torch.cat(
         [
-            torch.zeros(p.numel(), dtype=keep)
-            if p.grad is None
-            else p.grad.detach().reshape(-1).to("cpu", keep)
-            for p in model.parameters()
+            torch.zeros(p.numel(), dtype=torch.float64, device=p.device)
+            if g is None
+            else g.detach().reshape(-1).double()
+            for g, p in zip(grads, params, strict=True)
         ]
     )
 
 
-def train_steps(cp_mesh: DeviceMesh | None, case: ParityCase) -> ParityResult:
-    """Run ``case.steps`` AdamW steps through the CP contract; report losses and gradients.
+def grad_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|got - ref| / max|ref|`` (``max|got - ref|`` when ``ref`` is all zeros)."""
+    if got.shape != ref.shape:
+        raise ValueError(f"gradient sizes differ: {got.numel()} vs {ref.numel()}")
+    if ref.numel() == 0:
+        return 0.0
+    scale = float(ref.abs().max())
+    err = float((got - ref).abs().max())
+    return err / scale if scale > 0 else err
+
+
+def _cp_loss(
+    model: nn.Module, cp_mesh: DeviceMesh | None, case: ParityCase, batch: dict[str, Any]
+) -> tuple[torch.Tensor, Any]:
+    """This rank's share of the global mean loss through the CP contract, and the sharder."""
+    ctx, local, sharder = prepare_cp_forward(
+        model,
+        cp_mesh,
+        batch,
+        padding_token_id=PAD_ID,
+        layout=case.layout if cp_mesh is not None else "auto",
+        # "own": the model's attention needs no CP method (its sharder's ctx decides)
+        attention="all_gather" if case.method == "own" else case.method,
+    )
+    with ctx():
+        logits = MODELS[case.model].forward(model, local)
+    loss = cp_cross_entropy(logits, local["labels"], num_tokens=count_tokens(batch["labels"]))
+    return loss, (sharder, local)
+
+
+def _shadow_grads(
+    model: nn.Module, case: ParityCase, batch: dict[str, Any], shadow: Shadow
+) -> torch.Tensor:
+    """The gradient the shadow path gives on the model's current weights (``.grad`` untouched)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if shadow == "cp1":
+        loss, _ = _cp_loss(model, None, case, batch)
+    else:
+        native = MODELS[case.model].native_loss
+        if native is None:
+            raise ValueError(f"model {case.model!r} has no native-attention check")
+        loss = native(model, batch)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return _flat(list(grads), params)
+
+
+def train_steps(
+    cp_mesh: DeviceMesh | None, case: ParityCase, shadow: Shadow = "cp1"
+) -> ParityResult:
+    """Run ``case.steps`` AdamW steps through the CP contract; report losses and gradient errors.
+
+    Every rank trains the same way (no branch on the CP size). Before each optimizer step, rank 0
+    also computes the shadow gradient on the same weights, without any collective: ``"cp1"`` the
+    same contract on one process (cp_mesh ``None``), ``"native"`` the model's own attention
+    without cpshard; ``"none"`` skips it (a reference run that only needs its losses).
 
     Args:
-        cp_mesh: The CP mesh (size 1 or ``None`` gives the single-process reference).
+        cp_mesh: The CP mesh (size 1 or ``None`` gives the single-process run).
         case: What to run.
+        shadow: The gradient to compare with at every step (rank 0 only).
 
     Returns:
-        The global loss and the CP-reduced gradients of every step, and the local length.
+        The global loss of every step, the per-step gradient errors (rank 0; empty elsewhere or
+        without a shadow) and the local length.
     """
-    spec = MODELS[case.model]
     device = torch.device(case.device)
     model = build_model(case.model, DTYPES[case.dtype], case.seed).to(device)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
     group = _comm.cp_group(cp_mesh)
-    _, cp_size = _comm.cp_rank_and_size(cp_mesh)
+    rank, cp_size = _comm.cp_rank_and_size(cp_mesh)
     losses: list[float] = []
-    grads: list[torch.Tensor] = []
+    errs: list[float] = []
     layout, local_tokens = "", 0
     for step in range(case.steps):
         batch = _batch(case, step, device)
-        ctx, local, sharder = prepare_cp_forward(
-            model,
-            cp_mesh,
-            batch,
-            padding_token_id=PAD_ID,
-            layout=case.layout,
-            # "own": the model's attention needs no CP method (its sharder's ctx decides)
-            attention="all_gather" if case.method == "own" else case.method,
-        )
-        with ctx():
-            logits = spec.forward(model, local)
-        loss = cp_cross_entropy(logits, local["labels"], num_tokens=count_tokens(batch["labels"]))
+        loss, (sharder, local) = _cp_loss(model, cp_mesh, case, batch)
         loss.backward()  # type: ignore[no-untyped-call]
         if case.grad_sync == "sum":
             sync_grads(model, cp_mesh)  # the contract's gradient sync
         elif case.grad_sync == "mean":  # injected mistake: averaged, loss not rescaled
-            for p in model.parameters():
+            for p in params:
                 if p.grad is not None:
                     _comm.all_reduce_sum_(p.grad, group)
                     p.grad.div_(cp_size)
-        grads.append(_flat_grads(model))
+        if shadow != "none" and rank == 0:
+            ref = _shadow_grads(model, case, batch, shadow)
+            errs.append(grad_error(_flat([p.grad for p in params], params), ref))
         losses.append(float(reduce_for_logging(loss, cp_mesh)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         layout, local_tokens = sharder.layout, int(local["labels"].shape[-1])
-    return ParityResult(layout, losses, grads, local_tokens)
+    return ParityResult(layout, losses, errs, local_tokens)
 
 
 def native_steps(case: ParityCase) -> ParityResult:
     """The same steps as :func:`train_steps` without cpshard: the model's own attention (its
     ``native_loss``: e.g. dense rows causal with right padding, packed rows one document at a
-    time). An independent check of the cp=1 reference.
+    time). Its losses are an independent check of the cp=1 reference's.
 
     Raises:
         ValueError: the model has no native check (``native_loss`` is ``None``).
@@ -222,43 +274,35 @@ def native_steps(case: ParityCase) -> ParityResult:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses: list[float] = []
-    grads: list[torch.Tensor] = []
     for step in range(case.steps):
         batch = _batch(case, step, device)
         loss = spec.native_loss(model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
-        grads.append(_flat_grads(model))
         losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return ParityResult("native", losses, grads, int(batch["labels"].shape[-1]))
+    return ParityResult("native", losses, [], int(batch["labels"].shape[-1]))
 
 
 def compare(ref: ParityResult, got: ParityResult) -> StepDiff:
-    """Per step: ``|dloss|``, ``|dloss| / |ref loss|`` and ``max|dg| / max|g_ref|``.
+    """Per step: ``|dloss|`` and ``|dloss| / |ref loss|`` of two runs, and ``got``'s gradient
+    errors against its shadow on the same weights.
 
     Args:
-        ref: The reference run (cp=1).
-        got: The run to check, same number of steps.
+        ref: The reference run (its losses).
+        got: The run to check (losses and per-step gradient errors), same number of steps.
 
     Returns:
         The per-step differences (NaN where a loss or gradient is not finite).
     """
-    if len(ref.losses) != len(got.losses) or len(ref.grads) != len(got.grads):
+    if len(ref.losses) != len(got.losses) or len(got.grad_errs) != len(got.losses):
         raise ValueError(
-            f"runs differ in length: {len(ref.losses)} vs {len(got.losses)} steps; compare runs "
-            "of the same case"
+            f"runs differ in length: {len(ref.losses)} vs {len(got.losses)} steps with "
+            f"{len(got.grad_errs)} gradient checks; compare runs of the same case"
         )
-    abs_d, rel_d, gerr = [], [], []
+    abs_d, rel_d = [], []
     for a, b in zip(ref.losses, got.losses, strict=True):
         d = abs(a - b)
         abs_d.append(d)
         rel_d.append(d / abs(a) if a != 0 else d)
-    for g_ref, g_got in zip(ref.grads, got.grads, strict=True):
-        if g_ref.shape != g_got.shape:
-            raise ValueError(f"gradient sizes differ: {g_ref.numel()} vs {g_got.numel()}")
-        g_ref, g_got = g_ref.double(), g_got.double()
-        scale = float(g_ref.abs().max()) if g_ref.numel() else 0.0
-        err = float((g_ref - g_got).abs().max()) if g_ref.numel() else 0.0
-        gerr.append(err / scale if scale > 0 else err)
-    return StepDiff(abs_d, rel_d, gerr)
+    return StepDiff(abs_d, rel_d, list(got.grad_errs))

@@ -14,7 +14,7 @@ import cpshard.cli.parity as parity_cli
 from cpshard.cli._parity_plan import plan_rows
 from cpshard.cli._parity_report import Record, format_row, write_json, write_plot
 from cpshard.cli.main import main
-from cpshard.parity import TOLERANCES, ParityCase, ParityResult, compare
+from cpshard.parity import TOLERANCES, ParityCase, ParityResult, Tolerance, compare, grad_error
 
 
 @pytest.fixture
@@ -135,27 +135,40 @@ def test_plan_skips_ulysses_when_heads_do_not_divide() -> None:
     )
 
 
-def _result(losses: list[float], grads: list[list[float]]) -> ParityResult:
-    return ParityResult("x", losses, [torch.tensor(g, dtype=torch.float64) for g in grads], 4)
+def test_grad_error_is_max_abs_over_max_ref() -> None:
+    ref = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    got = ref + torch.tensor([0.0, 2e-5, -1e-5], dtype=torch.float64)
+    assert grad_error(got, ref) == pytest.approx(1e-5)  # 2e-5 / max|g| = 2
+    assert grad_error(ref / 2, ref) == pytest.approx(0.5)  # a gradient averaged over 2 ranks
+    with pytest.raises(ValueError, match="gradient sizes differ"):
+        grad_error(ref[:2], ref)
+
+
+def _result(losses: list[float], grad_errs: list[float]) -> ParityResult:
+    return ParityResult("x", losses, grad_errs, 4)
 
 
 def test_compare_is_per_step_and_relative() -> None:
-    ref = _result([2.0, 4.0], [[1.0, -2.0], [0.5, 0.5]])
-    got = _result([2.0, 4.0 + 4e-5], [[1.0, -2.0 + 2e-5], [0.5, 0.5]])
+    ref = _result([2.0, 4.0], [])
+    got = _result([2.0, 4.0 + 4e-5], [1e-5, 0.0])
     diff = compare(ref, got)
     assert diff.abs_dloss == pytest.approx([0.0, 4e-5])
     assert diff.rel_dloss == pytest.approx([0.0, 1e-5])
-    assert diff.grad_err == pytest.approx([1e-5, 0.0])  # 2e-5 / max|g| = 2
-    assert not diff.passed(TOLERANCES["float32"].__class__(rel_loss=1e-5, grad=0.9e-5))
-    assert diff.passed(TOLERANCES["float32"].__class__(rel_loss=1.1e-5, grad=1.1e-5))
+    assert diff.grad_err == [1e-5, 0.0]
+    assert not diff.passed(Tolerance(rel_loss=1e-5, grad=0.9e-5))
+    assert diff.passed(Tolerance(rel_loss=1.1e-5, grad=1.1e-5))
+    with pytest.raises(ValueError, match="differ in length"):
+        compare(ref, _result([2.0, 4.0], [0.0]))
 
 
 def test_compare_catches_a_late_step_and_nan() -> None:
-    ref = _result([1.0, 1.0, 1.0], [[1.0], [1.0], [1.0]])
-    late = _result([1.0, 1.0, 1.0], [[1.0], [1.0], [1.5]])  # only step 3 is wrong
+    ref = _result([1.0, 1.0, 1.0], [])
+    late = _result([1.0, 1.0, 1.0], [0.0, 0.0, 0.5])  # only step 3 is wrong
     assert not compare(ref, late).passed(TOLERANCES["float32"])
-    nan = _result([1.0, float("nan"), 1.0], [[1.0], [1.0], [1.0]])
+    nan = _result([1.0, float("nan"), 1.0], [0.0, 0.0, 0.0])
     assert not compare(ref, nan).passed(TOLERANCES["float32"])
+    nan_grad = _result([1.0, 1.0, 1.0], [0.0, float("nan"), 0.0])
+    assert not compare(ref, nan_grad).passed(TOLERANCES["float32"])
 
 
 def _record(**kw: Any) -> Record:

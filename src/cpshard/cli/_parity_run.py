@@ -3,9 +3,10 @@
 Both runners offer the same three calls, so ``cpshard parity`` has one driver loop:
 
 * ``cp_side(case)``: the cp=N training run on every rank; the main process gets rank 0's losses
-  and gradients, the wall time and every rank's peak memory;
-* ``reference(case)`` / ``native(case)``: the cp=1 reference and the model's own attention, in one
-  process (the parent of the local ranks, or rank 0 of the launched ones);
+  and per-step gradient errors (against cp=1 on the same weights), the wall time and every
+  rank's peak memory;
+* ``reference(case, shadow)`` / ``native(case)``: the cp=1 reference and the model's own
+  attention, in one process (the parent of the local ranks, or rank 0 of the launched ones);
 * ``agree(ok)``: every rank learns rank 0's verdict, so all of them exit with the same status.
 
 :class:`LocalRunner` forks its ranks once (:class:`~cpshard.cli._pool.LocalRankPool`) and reuses
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cpshard import _comm
 from cpshard.cli._pool import DEFAULT_TIMEOUT_S, LocalRankPool
-from cpshard.parity import ParityCase, ParityResult, native_steps, train_steps
+from cpshard.parity import ParityCase, ParityResult, Shadow, native_steps, train_steps
 
 __all__ = ["CpSide", "LaunchedRunner", "LocalRunner", "launched_world_size", "measure"]
 
@@ -126,10 +127,12 @@ class LocalRunner:
         assert res is not None
         return CpSide(res, max(o[1] for o in out), [o[2] for o in out], out[0][3])
 
-    def reference(self, case: ParityCase) -> CpSide:
-        """The cp=1 run of ``case`` in this process."""
+    def reference(self, case: ParityCase, shadow: Shadow) -> CpSide:
+        """The cp=1 run of ``case`` in this process (``shadow``: see ``train_steps``)."""
         c = replace(case, device=self.device)
-        res, secs, mb, kind = measure(lambda: train_steps(None, c), torch.device(self.device))
+        res, secs, mb, kind = measure(
+            lambda: train_steps(None, c, shadow), torch.device(self.device)
+        )
         return CpSide(res, secs, [mb], kind)
 
     def native(self, case: ParityCase) -> CpSide:
@@ -206,10 +209,12 @@ class LaunchedRunner:
         secs = max(self._gather_floats(secs))
         return CpSide(res, secs, mems, kind) if self.is_main else None
 
-    def reference(self, case: ParityCase) -> CpSide:
+    def reference(self, case: ParityCase, shadow: Shadow) -> CpSide:
         """The cp=1 run of ``case`` on this rank (call it on rank 0 only)."""
         c = replace(case, device=self.device)
-        res, secs, mb, kind = measure(lambda: train_steps(None, c), torch.device(self.device))
+        res, secs, mb, kind = measure(
+            lambda: train_steps(None, c, shadow), torch.device(self.device)
+        )
         return CpSide(res, secs, [mb], kind)
 
     def native(self, case: ParityCase) -> CpSide:

@@ -5,13 +5,15 @@ that, so the ranks are forked once and receive one task after another. Each task
 function ``fn(cp_mesh, *args)`` that every rank runs. A rank that raises or dies ends the task
 with every rank's traceback; the other ranks, likely blocked in a collective, get a short grace
 and are killed, so a broken row never hangs the command. The process group is created with a
-finite timeout (``timeout_s``): a rank blocked that long in a collective raises.
+finite timeout (``timeout_s``): a rank blocked that long in a collective raises. A rank whose
+parent died (killed by a signal, so it could not close the pool) exits when it is next idle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import socket
@@ -41,7 +43,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, timeout_s: float, tasks: Any, out: Any) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, timeout_s: float, parent: int, tasks: Any, out: Any
+) -> None:
     torch.set_num_threads(1)  # forked children hang on their first parallel op otherwise
     try:
         _comm.init_local_gloo(rank, world, port, timeout_s=timeout_s)
@@ -51,7 +55,12 @@ def _rank_main(rank: int, world: int, port: int, timeout_s: float, tasks: Any, o
         return
     try:
         while True:
-            item = tasks.get()
+            try:
+                item = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the parent was killed: do not linger
+                    break
+                continue
             if item is None:
                 break
             task_id, payload = item
@@ -91,7 +100,7 @@ class LocalRankPool:
         self._procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world, port, timeout_s, self._tasks[r], self._out),
+                args=(r, world, port, timeout_s, os.getpid(), self._tasks[r], self._out),
                 daemon=True,
             )
             for r in range(world)

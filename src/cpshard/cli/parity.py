@@ -3,11 +3,14 @@
 What is compared: for every row (model, dtype, batch kind, layout, attention method) the same
 model, from the same init, trains --steps AdamW steps on the same real-text batches twice,
 through the same code: once on N CP ranks (the cp=N side) and once in one process (the cp=1
-reference). At EVERY step it compares the global loss (relative |dloss| = |loss_N - loss_1| /
-loss_1) and every parameter's gradient after the CP all-reduce (max|g_N - g_1| / max|g_1|).
-A "cp=1 vs native attention" row per batch kind checks the reference itself against the model's
-own attention without cpshard (dense rows with their attention mask, packed rows one document at
-a time).
+reference). At EVERY step it compares
+  - the global loss of the two runs: rel |dloss| = |loss_N - loss_1| / loss_1;
+  - every parameter's gradient after the CP gradient sync against the cp=1 gradient on the SAME
+    weights (rank 0 recomputes it each step): grad err = max|g_N - g_1| / max|g_1|. So a step's
+    CP error is measured, not the rounding drift of two 50-step trajectories.
+A "cp=1 vs native attention" row per batch kind checks the reference itself the same way
+against the model's own attention without cpshard (e.g. HF dense rows with their attention
+mask, packed rows one document at a time).
 
 Where it runs: by default on --ranks forked local CPU ranks (gloo), started once and reused for
 every row. Under torchrun (WORLD_SIZE set) on the launched ranks instead (NCCL on CUDA, gloo on
@@ -44,6 +47,7 @@ from cpshard.parity import (
     TOLERANCES,
     ParityCase,
     ParityResult,
+    Shadow,
     compare,
 )
 
@@ -200,8 +204,9 @@ def _plan_text(args: argparse.Namespace, names: dict[str, list[str]], rows: list
         f"  batches: corpus text (CPython docs, byte tokens); dense [{args.batch_size}, "
         f"{args.seq_len}], packed [1, {args.batch_size * args.seq_len}]; seed {args.seed}",
         f"  attention heads {HEADS}, KV heads {KV_HEADS}; gradient sync: {args.grad_sync}",
-        "  compared at every step: rel |dloss| = |loss_N - loss_1| / loss_1 and "
-        "grad err = max|g_N - g_1| / max|g_1| (all parameters, after the CP all-reduce)",
+        "  compared at every step: rel |dloss| = |loss_N - loss_1| / loss_1 of the two runs, and "
+        "grad err = max|g_N - g_1| / max|g_1| (all parameters after the CP gradient sync, g_1 "
+        "on the same weights)",
     ]
     for dtype in names["dtypes"]:
         tol = TOLERANCES[dtype]
@@ -241,13 +246,16 @@ class _Driver:
         )
 
     def reference(self, row: Row) -> CpSide:
+        """The cp=1 run shared by the rows of one model/dtype/batch kind; its per-step gradient
+        errors are against the model's own attention on the same weights (the reference row)."""
         key = row.ref_key
         if key not in self.refs:
-            self.refs[key] = self.runner.reference(replace(key, grad_sync="sum"))
+            shadow: Shadow = "native" if MODELS[key.model].native_loss is not None else "none"
+            self.refs[key] = self.runner.reference(replace(key, grad_sync="sum"), shadow)
         return self.refs[key]
 
     def _fill(self, rec: Record, got: CpSide, ref: ParityResult) -> None:
-        diff = compare(ref, got.result)
+        diff = compare(ref, got.result)  # losses of two runs; gradients on the same weights
         rec.sharder_layout = got.result.layout
         rec.local_tokens = got.result.local_tokens
         rec.losses, rec.ref_losses = got.result.losses, ref.losses
