@@ -68,17 +68,18 @@ class Tolerance:
 # its own weights, like a branch-vs-base validation run), and at every step the cp=N gradient
 # against the cp=1 gradient computed on the SAME weights (rank 0 recomputes it each step), so the
 # gradient check measures that step's CP error, not the drift of two trajectories.
-# fp32: measured over 50 steps at cp=4, rel |dloss| <= 3e-7 and grad err <= ~3e-7 (summation
-# order only): 1e-5 leaves a wide margin while a real bug (a missing mask, a wrong gradient sync)
-# is >= 1e-3. bf16 rounds every matmul and weight update to 8 mantissa bits (eps 7.8e-3): the two
-# runs round differently and drift apart step by step, and one step's gradients differ by up to
-# a few eps of the largest gradient, so bf16 gets loose bounds: 1 % of the loss, 25 % of the
-# largest gradient. They still catch a wrong gradient sync (error >= 1 - 1/C = 0.5); the fp32
-# rows are the correctness check.
+# fp32: measured over 50 steps at cp=4 (24 rows), rel |dloss| <= 3.0e-7 and grad err <= 8.9e-7
+# (summation order only): 1e-5 leaves a wide margin while a real bug (a missing mask, a wrong
+# gradient sync) is >= 1e-3. bf16 rounds every matmul and weight update to 8 mantissa bits (eps
+# 7.8e-3): the two runs round differently and drift apart, and one step's gradients on the same
+# weights differ by a few eps of the largest gradient. Measured over 50 steps at cp=4: rel
+# |dloss| <= 3.3e-3 and grad err <= 2.5e-2 (cp=1 against the model's own attention: 1.5e-3,
+# 1.1e-2), so bf16 gets 1e-2 and 0.1. That still catches a wrong gradient sync (>= 1 - 1/C =
+# 0.5); the fp32 rows are the correctness check.
 TOLERANCES = {
     "float64": Tolerance(rel_loss=1e-12, grad=1e-10),
     "float32": Tolerance(rel_loss=1e-5, grad=1e-5),
-    "bfloat16": Tolerance(rel_loss=1e-2, grad=0.25),
+    "bfloat16": Tolerance(rel_loss=1e-2, grad=0.1),
 }
 
 
