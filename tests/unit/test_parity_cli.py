@@ -236,3 +236,11 @@ def test_all_models_plan_has_model_owned_rows_next_to_hf_rows() -> None:
     assert len(vlm) == 6  # 2 batch kinds x 3 methods
     prefix = [r for r in rows if r.case.model == "prefix"]
     assert [(r.kind, r.case.method) for r in prefix] == [("reference", "all_gather"), ("cp", "own")]
+
+
+def test_layouts_rejects_too_many_ranks_before_starting_any(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["layouts", "--ranks", "8", "--seq-len", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--ranks 8" in err and "use --ranks <= 5" in err

@@ -22,7 +22,6 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -236,8 +235,3 @@ def _world() -> int:
     world = launched_world_size()
     assert world is not None
     return world
-
-
-def describe(runner: Any) -> str:
-    """One line: where the cp=N side runs."""
-    return f"{runner.world} {runner.backend} ranks ({runner.launcher}, {runner.device})"

@@ -219,9 +219,8 @@ def _plan_text(args: argparse.Namespace, names: dict[str, list[str]], rows: list
 class _Driver:
     """Runs the rows on a runner and turns each into a :class:`Record`."""
 
-    def __init__(self, runner: Any, args: argparse.Namespace) -> None:
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.args = args
         self.refs: dict[ParityCase, CpSide] = {}
 
     def _record(self, row: Row, world: int) -> Record:
@@ -341,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     emit(f"  cp={args.ranks} side: {runner.world} {runner.backend} ranks ({runner.launcher})\n")
     t0 = time.perf_counter()
     records: list[Record] = []
-    driver = _Driver(runner, args)
+    driver = _Driver(runner)
     try:
         runner.start()
         bar = _progress(len(rows), args.progress and runner.is_main)
