@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -58,11 +59,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--attention", default="ring", choices=("all_gather", "ring", "ulysses"))
+    p.add_argument(
+        "--pg-timeout", type=float, default=300.0,
+        help="process-group timeout in seconds: if a rank dies, the others fail after this "
+        "long instead of hanging (torch's default is 30 minutes)",
+    )  # fmt: skip
     a = p.parse_args()
     if "LOCAL_RANK" not in os.environ:  # local CPU ranks over gloo
-        run_local_ranks(a.ranks, train, a.steps, a.seq_len, a.attention)
+        run_local_ranks(a.ranks, train, a.steps, a.seq_len, a.attention, pg_timeout_s=a.pg_timeout)
         return
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    torch.distributed.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=a.pg_timeout)
+    )
     world = torch.distributed.get_world_size()
     cp = a.cp or world
     device = "cuda" if torch.cuda.is_available() else "cpu"

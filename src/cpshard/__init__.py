@@ -3,6 +3,8 @@
 See ``cpshard.prepare_cp_forward`` (with a model) and ``cpshard.make_cp_batch_and_ctx``.
 """
 
+# Subpackages the README uses as ``cpshard.<name>.<fn>``: ``import cpshard`` is enough for them.
+from cpshard import attention, consistency, loss
 from cpshard.batch import TokenKey, attention_mask_to_padding_mask
 from cpshard.batch_packed import packed_sharder
 from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
@@ -29,9 +31,12 @@ __all__ = [
     "ShardFacts",
     "TokenKey",
     "TokenMeta",
+    "attention",
     "attention_mask_to_padding_mask",
     "closed_form_sharder",
+    "consistency",
     "contiguous_local_indices",
+    "loss",
     "make_cp_batch_and_ctx",
     "packed_sharder",
     "prepare_cp_forward",

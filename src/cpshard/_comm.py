@@ -4,6 +4,13 @@ Every collective here takes its process group explicitly and makes its tensors c
 boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contiguous tensor handed to
 a collective can silently produce wrong values (``dist.scatter``) or wrong gradients (the autograd
 all-gather of ``torch.distributed.nn``), and the CPU SDPA backward returns exactly such gradients.
+
+Host staging: NCCL refuses two ranks on one GPU, so several CP ranks sharing a GPU (tests,
+debugging) run their group on gloo, which cannot move CUDA tensors in every collective. When the
+group has no CUDA-capable backend for a tensor's device (see :func:`needs_host_staging`), every
+collective here copies its inputs to host memory, runs there, and copies the results back into
+device tensors. The CPU tests exercise the staged path by forcing :func:`_staged` to ``True`` (a
+test-side patch); the library itself reads no environment variable.
 """
 
 from __future__ import annotations
@@ -19,14 +26,55 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "GradMode",
     "all_gather_dim0",
+    "all_gather_fixed",
     "all_gather_long",
     "all_reduce_sum_coalesced_",
     "all_reduce_sum_mesh_",
     "cp_group",
     "cp_rank_and_size",
     "mesh_contains_this_rank",
+    "needs_host_staging",
     "validate_cp_mesh",
 ]
+
+
+def needs_host_staging(backend: str, device_type: str, *, force: bool = False) -> bool:
+    """Whether a collective on ``device_type`` tensors must go through host memory.
+
+    Args:
+        backend: The group's backend string, as ``dist.get_backend`` reports it: one name for
+            every device (``"gloo"``, ``"nccl"``) or per device (``"cpu:gloo,cuda:nccl"``).
+        device_type: The tensors' device type (``"cpu"``, ``"cuda"``, ...).
+        force: Stage even CPU tensors (tests of the staged path).
+
+    Returns:
+        ``True`` for non-CPU tensors whose device has no backend in the group or only gloo (which
+        cannot move CUDA tensors in every collective); ``False`` for CPU tensors and for devices
+        served by another backend (NCCL, ...).
+    """
+    if force:
+        return True
+    if device_type == "cpu":
+        return False
+    name = backend.lower()
+    if ":" not in name:
+        return name == "gloo"
+    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return per_device.get(device_type, "gloo") == "gloo"
+
+
+def _staged(t: torch.Tensor, group: ProcessGroup) -> bool:
+    return needs_host_staging(str(dist.get_backend(group)), t.device.type)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy (always a new buffer, also for CPU tensors under forced staging)."""
+    return x.to("cpu", copy=True).contiguous()
+
+
+def _host_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
 
 GradMode = Literal["sum", "replicated"]
 
@@ -74,13 +122,31 @@ def cp_rank_and_size(cp_mesh: DeviceMesh | None) -> tuple[int, int]:
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    if _staged(x, group):
+        host = _host_like(out)
+        _all_gather_into_direct(host, _to_host(x), group)
+        out.copy_(host)
+    else:
+        _all_gather_into_direct(out, x, group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    if _staged(x, group):
+        host = _host_like(out)
+        _reduce_scatter_into_direct(host, _to_host(x), group)
+        out.copy_(host)
+    else:
+        _reduce_scatter_into_direct(out, x, group)
+
+
+def _all_gather_into_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
     if hasattr(dist, "all_gather_single"):
         dist.all_gather_single(out, x, group=group)
     else:  # torch < 2.13
         dist.all_gather_into_tensor(out, x, group=group)
 
 
-def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+def _reduce_scatter_into_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
     if hasattr(dist, "reduce_scatter_single"):
         dist.reduce_scatter_single(out, x, group=group)
     else:  # torch < 2.13
@@ -141,6 +207,26 @@ def all_gather_long(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _gather_dim0(x, group)
 
 
+def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> torch.Tensor:
+    """All-gather a small fixed-size int64 vector (consistency checks), returned on the CPU.
+
+    Its size must never depend on data: it is the collective that checks that the ranks agree
+    before any data-sized collective runs.
+
+    Args:
+        x: LongTensor ``[N]``, the same ``N`` on every rank by construction.
+        group: The CP process group.
+        device_type: The mesh's device type (``"cpu"``, ``"cuda"``): NCCL needs a CUDA tensor.
+
+    Returns:
+        LongTensor ``[C, N]`` on the CPU; row ``r`` is rank ``r``'s ``x``.
+    """
+    device = torch.device(device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()  # one sync
+
+
 def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60.0) -> None:
     """Join a gloo process group of ``world_size`` processes on this machine (CLI and demos)."""
     from datetime import timedelta
@@ -171,7 +257,12 @@ def destroy_process_group() -> None:
 def all_reduce_sum_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """In-place sum over ``group`` (no-op without a group); returns ``t``."""
     if group is not None:
-        dist.all_reduce(t, group=group)
+        if _staged(t, group):
+            host = _to_host(t)
+            dist.all_reduce(host, group=group)
+            t.copy_(host)
+        else:
+            dist.all_reduce(t, group=group)
     return t
 
 
@@ -260,7 +351,12 @@ def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    if _staged(x, group):
+        host = _host_like(out)
+        dist.all_to_all_single(host, _to_host(x), group=group)
+        out.copy_(host)
+    else:
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 
@@ -268,11 +364,16 @@ class RingTransfer:
     """In-flight sends of tensors to the next rank and receives of their shapes from the last."""
 
     def __init__(
-        self, works: list[Any], recv: list[torch.Tensor], send: list[torch.Tensor]
+        self,
+        works: list[Any],
+        recv: list[torch.Tensor],
+        send: list[torch.Tensor],
+        targets: list[torch.Tensor] | None = None,
     ) -> None:
         self._works = works
         self._recv = recv
         self._send: list[torch.Tensor] | None = send  # kept alive until the sends complete
+        self._targets = targets  # device tensors the host-staged receives are copied into
 
     def wait(self) -> list[torch.Tensor]:
         """Block until every send and receive completed; return the received tensors in order.
@@ -284,6 +385,10 @@ class RingTransfer:
             w.wait()
         self._works = []
         self._send = None
+        if self._targets is not None:
+            for target, host in zip(self._targets, self._recv, strict=True):
+                target.copy_(host)
+            self._recv, self._targets = self._targets, None
         return self._recv
 
 
@@ -312,9 +417,14 @@ def ring_shift_start(
     prv = dist.get_global_rank(group, (rank - 1) % world)
     sends = [x.contiguous() for x in xs]
     recvs = [torch.empty_like(x) for x in sends]
+    targets = None
+    if sends and _staged(sends[0], group):
+        targets = recvs
+        sends = [_to_host(x) for x in sends]
+        recvs = [_host_like(x) for x in sends]
     ops = []
     for send, recv, tag in zip(sends, recvs, tags, strict=True):
         ops.append(dist.P2POp(dist.isend, send, nxt, group, tag))
         ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
     works = dist.batch_isend_irecv(ops)
-    return RingTransfer(list(works), recvs, sends)
+    return RingTransfer(list(works), recvs, sends, targets)

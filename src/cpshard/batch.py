@@ -16,8 +16,9 @@ extra keys         the caller's pad value (:class:`TokenKey`)
 
 ``attention_mask`` (2-D ``[B, S]`` with 1 = keep, or 4-D ``[B, 1|H, S, S]``, bool or additive)
 becomes ``padding_mask``. Non-token keys pass through untouched (the same objects). Nothing of the
-caller's is mutated: every sharded tensor is a new tensor made by ``index_select`` (which is
-differentiable, so ``inputs_embeds`` that require grad pass gradients back).
+caller's is mutated, and no sharded tensor shares memory with the caller's (at ``cp=1`` too):
+every sharded tensor is a new tensor made by ``index_select`` or ``clone`` (both differentiable,
+so ``inputs_embeds`` that require grad pass gradients back).
 """
 
 from __future__ import annotations
@@ -64,19 +65,56 @@ class TokenKey(NamedTuple):
 def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     """Convert an attention mask to a ``[B, S]`` bool padding mask (``True`` = pad).
 
+    Rules (checked, never guessed):
+
+    * 2-D ``[B, S]``: a *keep* mask (HF tokenizers' convention): bool, or numbers that are all
+      ``0`` (pad) or ``1`` (token). Other values (e.g. an additive ``0 / -inf`` mask) raise.
+    * 4-D ``[B, 1|H, S, S]``: bool (``True`` = attend) or floating-point *additive* (``0`` =
+      attend, negative = masked); a token is a pad iff it cannot attend to itself (its diagonal
+      entry is masked). A float mask with positive diagonal values (a ``0/1`` keep mask) and an
+      integer 4-D mask raise: pass it as bool.
+
     Args:
-        mask: ``[B, S]`` (bool or int/float, nonzero = keep) or ``[B, 1|H, S, S]`` (bool:
-            ``True`` = attend; float: additive, ``0`` = attend). For 4-D masks a token is a pad
-            iff it cannot attend to itself (its diagonal entry is masked).
+        mask: ``[B, S]`` or ``[B, 1|H, S, S]``.
 
     Returns:
         BoolTensor ``[B, S]``.
+
+    Raises:
+        ValueError: another rank, or values that fit neither rule.
     """
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(
+            f"attention_mask must be a tensor [B, S] or [B, 1|H, S, S], got {type(mask).__name__}"
+        )
     if mask.dim() == 2:
-        return ~mask.bool() if mask.dtype == torch.bool else mask == 0
+        if mask.dtype == torch.bool:
+            return ~mask
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(
+                "a 2-D attention_mask must be a keep mask (1 = token, 0 = pad, or bool), got "
+                f"values in [{mask.min().item()}, {mask.max().item()}]; convert an additive "
+                "mask (0 = attend, -inf = masked) with attention_mask = (mask == 0)"
+            )
+        return mask == 0
     if mask.dim() == 4:
         diag = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
-        return ~diag if diag.dtype == torch.bool else diag != 0
+        if diag.dtype == torch.bool:
+            return ~diag
+        if not diag.is_floating_point():
+            raise ValueError(
+                f"a 4-D attention_mask must be bool (True = attend) or floating-point additive "
+                f"(0 = attend, negative = masked), got dtype {mask.dtype}; pass mask.bool() if "
+                "1 means attend"
+            )
+        if bool((diag > 0).any()):
+            raise ValueError(
+                "a 4-D floating-point attention_mask is read as additive (0 = attend, negative "
+                "= masked), but it has positive diagonal values (max "
+                f"{diag.max().item()}): it looks like a 0/1 keep mask, which would turn every "
+                "token into padding; pass it as bool (mask > 0) or as an additive mask"
+            )
+        return diag != 0
     raise ValueError(
         f"attention_mask must be 2-D [B, S] or 4-D [B, 1|H, S, S], got shape {tuple(mask.shape)}"
     )
@@ -113,13 +151,41 @@ def _check_pad_value(key: str, t: torch.Tensor, pad: float | int | bool) -> None
         )
 
 
+_PADDED_LENGTH_KEYS = (
+    "seq_lens_padded",
+    "cu_seqlens_padded",
+    "cu_seqlens_q_padded",
+    "cu_seqlens_kv_padded",
+)
+
+
 def check_batch_mapping(batch: object) -> None:
-    """Raise ``TypeError`` unless ``batch`` is a mapping of input names (a dict)."""
+    """Raise unless ``batch`` is a dict of inputs cpshard can read without guessing.
+
+    Raises:
+        TypeError: ``batch`` is not a mapping.
+        ValueError: a tensor on the meta device, or TransformerEngine's padded document lengths
+            (``seq_lens_padded`` / ``cu_seqlens*_padded``), which cpshard does not read.
+    """
     if not isinstance(batch, Mapping):
         raise TypeError(
             f"batch must be a dict of named inputs (e.g. {{'input_ids': ids, 'labels': labels}}),"
             f" got {type(batch).__name__}; wrap the tensors in a dict"
         )
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            raise ValueError(
+                f"batch[{key!r}] is a meta-device tensor (shape {tuple(value.shape)}), which "
+                "holds no values; move the batch to a real device first"
+            )
+        if key in _PADDED_LENGTH_KEYS and value is not None:
+            raise ValueError(
+                f"batch[{key!r}] gives TransformerEngine's padded document lengths (separator "
+                "slots between documents), which cpshard does not read: it pads documents for "
+                "CP itself. Fix: drop the separator slots and pass the real lengths as seq_lens "
+                "/ cu_seqlens, or keep them, mark them with padding_mask (True = pad, label "
+                "-100) and pass the padded lengths as seq_lens"
+            )
 
 
 def normalize_batch(
@@ -160,6 +226,12 @@ def normalize_batch(
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"batch[{primary!r}] must be a {want}-D tensor, got {shape}")
     bsz, seq_len = x.shape[0], x.shape[1]
+    if bsz == 0 or seq_len == 0:
+        raise ValueError(
+            f"batch[{primary!r}] has shape {tuple(x.shape)}: a CP batch needs B >= 1 rows of "
+            "S >= 1 tokens; skip empty batches before sharding"
+        )
+    check_batch_mapping(batch)
     out = dict(batch)
     if out.get("attention_mask") is not None:
         if out.get("padding_mask") is not None:
@@ -294,7 +366,8 @@ def shard_batch_dense(
     identity = world == 1 and padded == seq_len
     local = rank_map[rank]
     for key, dim in dims.items():
-        if identity:
+        if identity:  # still a copy: the sharded batch never shares memory with the caller's
+            out[key] = out[key].clone(memory_format=torch.contiguous_format)
             continue
         t = _pad(out[key], dim, padded - seq_len, _pad_value(key, padding_token_id, extra))
         out[key] = t.index_select(dim, local).contiguous()

@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
+from cpshard.consistency import check_dispatch_consistency as _check_consistency
+from cpshard.guards import install_model_guard
 from cpshard.layouts import (
     ClosedFormLayout,
     ContiguousLayout,
@@ -25,6 +27,7 @@ from cpshard.layouts import (
     RoundRobinLayout,
     check_rank_map,
 )
+from cpshard.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
 
 __all__ = [
@@ -128,13 +131,14 @@ def make_cp_batch_and_ctx(
     batch: dict[str, Any],
     *,
     layout: LayoutName = "auto",
-    padding_token_id: int = 0,
+    padding_token_id: int | None = 0,
     pad_multiple: int = 1,
     cp_sharder: CPSharder | None = None,
     loss_mask: torch.Tensor | None = None,
     extra_token_keys: Mapping[str, TokenKey] | None = None,
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
+    check_consistency: bool = True,
 ) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
     """Resolve a sharder, bind the CP mesh and shard ``batch`` (the dispatch without a model).
 
@@ -144,29 +148,45 @@ def make_cp_batch_and_ctx(
             packed: also ``seq_lens`` or ``cu_seqlens``.
         layout: ``"auto"`` (packed batch: balanced; dense: round_robin at cp > 1, none at
             cp = 1), or a layout name.
-        padding_token_id: Pad id for ``input_ids``.
+        padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
+            vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See
+            :func:`check_padding_token_id`.
         pad_multiple: Per-rank length multiple of the ``contiguous`` layout.
         cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
         loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
         extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
         attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
+        check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
+            (one all-gather of a few int64 values) and raise on every rank if they differ; also
+            makes ``gather_token_tensor`` check dtype and shape across ranks. Pass ``False`` only
+            if the loop guarantees identical batches on every CP rank.
 
     Returns:
         ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
         per-token tensors between caller coordinates and this rank's shard.
 
     Raises:
-        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches.
+        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
+            id that is not a non-negative int, ranks given different batches.
     """
-    check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    if check_consistency:
+        _check_consistency(
+            cp_mesh, batch, layout, attention, padding_token_id,
+            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
+             "extra_token_keys": extra_token_keys},
+        )  # fmt: skip
+    check_batch_mapping(batch)
+    check_padding_token_id(padding_token_id, batch)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if cp_sharder is None:
         cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys, attention)
     cp_sharder.cp_mesh = cp_mesh
     cp_sharder.tp_mesh = tp_mesh
-    ctx, out = cp_sharder.shard(batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+    cp_sharder.check_consistency = check_consistency
+    pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
+    ctx, out = cp_sharder.shard(batch, loss_mask=loss_mask, padding_token_id=pad_id)
     return ctx, out, cp_sharder
 
 
@@ -293,7 +313,7 @@ def prepare_cp_forward(
     cp_mesh: DeviceMesh | None,
     batch: dict[str, Any],
     *,
-    padding_token_id: int = 0,
+    padding_token_id: int | None = 0,
     num_chunks: int = 1,
     layout: LayoutName = "auto",
     pad_multiple: int = 1,
@@ -301,6 +321,7 @@ def prepare_cp_forward(
     extra_token_keys: Mapping[str, TokenKey] | None = None,
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
+    check_consistency: bool = True,
 ) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
     """Prepare one forward under CP: model hook, sharder resolution, batch shard.
 
@@ -316,16 +337,38 @@ def prepare_cp_forward(
         model: The model (``nn.Module``).
         cp_mesh: 1-D CP mesh or ``None``.
         batch: Caller's batch; never mutated.
-        padding_token_id: Pad id for ``input_ids``.
+        padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
+            vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See
+            :func:`check_padding_token_id`.
         num_chunks: Passed to the model hook.
-        layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh: As in
-            :func:`make_cp_batch_and_ctx`.
+        layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh,
+            check_consistency: As in :func:`make_cp_batch_and_ctx` (the fingerprint is taken of
+            the caller's batch, before the model hook runs).
+
+    The model gets a forward guard (see :mod:`cpshard.guards`): a sharded batch must run inside
+    its own ``ctx()``, and under ``ctx()`` the model takes no ``labels`` and no
+    ``attention_mask``.
 
     Returns:
         ``(ctx, batch, sharder)``.
+
+    Raises:
+        TypeError, ValueError: as :func:`make_cp_batch_and_ctx`, plus a pad id outside the
+            model's vocabulary.
+        RuntimeError: this rank's previous forward under ``ctx()`` raised and was caught (the
+            CP ranks are out of step).
     """
-    check_batch_mapping(batch)
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.
+    install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
+    if check_consistency:
+        _check_consistency(
+            cp_mesh, batch, layout, attention, padding_token_id,
+            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
+             "extra_token_keys": extra_token_keys},
+        )  # fmt: skip
+    check_batch_mapping(batch)
+    check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
     sharder: CPSharder | None = None
@@ -344,6 +387,7 @@ def prepare_cp_forward(
         extra_token_keys=extra_token_keys,
         attention=attention,
         tp_mesh=tp_mesh,
+        check_consistency=False,  # checked above, on the caller's batch
     )
     if sharder is not None:
         check_model_sharder(bound)
@@ -351,6 +395,7 @@ def prepare_cp_forward(
         # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
         # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
         ctx = _hf_scoped(model, ctx)
+    bound.check_consistency = check_consistency  # the verbs' cross-rank checks
     return ctx, out, bound
 
 

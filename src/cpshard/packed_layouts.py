@@ -123,6 +123,12 @@ class PackedPlan:
 def _check_world(spec: PackSpec, world_size: int) -> None:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got world_size={world_size}")
+    if spec.real_tokens == 0:
+        raise ValueError(
+            f"the packed batch holds no real tokens (all {spec.num_rows} rows are padding): "
+            "there is nothing to train on; skip the batch before sharding (every CP rank holds "
+            "the same batch, so every rank skips it)"
+        )
     if spec.real_tokens < world_size:
         raise ValueError(
             f"cannot shard {spec.real_tokens} real tokens over world_size={world_size} CP "

@@ -46,7 +46,16 @@ def _is_scalar(n: object) -> bool:
 
 
 def _as_int(n: Any, what: str) -> int:
-    """``n`` as an ``int``; a non-integral value (``2.5``) raises instead of truncating."""
+    """``n`` as an ``int``; a non-integral value (``2.5``) raises instead of truncating.
+
+    ``bool`` (``True``), strings (``"8"``) and non-scalars are rejected: they are never lengths.
+    """
+    is_bool = isinstance(n, bool | np.bool_) or (
+        isinstance(n, torch.Tensor | np.ndarray) and n.dtype in (torch.bool, np.bool_)
+    )
+    if is_bool or isinstance(n, str | bytes) or not _is_scalar(n):
+        raise _fix(what, "must be integers (not bool, str or a nested sequence)", repr(n),
+                   "pass int lengths / offsets, e.g. [3, 5]")  # fmt: skip
     try:
         return operator.index(n)  # ints, numpy ints, 0-d integer tensors
     except TypeError:
@@ -112,6 +121,15 @@ class PackSpec:
         Raises:
             ValueError: negative or zero lengths, or a row that does not fit in ``S``.
         """
+        if isinstance(seq_lens, str | bytes) or _is_scalar(seq_lens):
+            raise _fix(
+                "seq_lens",
+                "must be per-row sequences of document lengths (or an int tensor [B, n])",
+                repr(seq_lens),
+                "pass e.g. [[3, 5], [8]]",
+            )
+        if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "meta":
+            raise _fix("seq_lens", "must hold values", "a meta-device tensor", "pass real lengths")
         items: list[Any] = (
             seq_lens.tolist() if isinstance(seq_lens, torch.Tensor | np.ndarray) else list(seq_lens)
         )

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
+from cpshard.consistency import check_verb_consistency
 from cpshard.layouts import consecutive_runs, inverse_permutation
 from cpshard.meta import TokenMeta
 
@@ -47,8 +48,8 @@ def _take(t: torch.Tensor, dim: int, idx: torch.Tensor, runs: Runs | None) -> to
     """``t.index_select(dim, idx)`` as a copy of a few slices when ``idx`` is a few runs."""
     if runs is None:
         return t.index_select(dim, idx)
-    if len(runs) == 1:
-        return t.narrow(dim, runs[0][0], runs[0][1]).contiguous()
+    if len(runs) == 1:  # a copy even when the run is the whole tensor: never a view of `t`
+        return t.narrow(dim, runs[0][0], runs[0][1]).clone(memory_format=torch.contiguous_format)
     return torch.cat([t.narrow(dim, v, n) for v, n in runs], dim=dim)
 
 
@@ -94,15 +95,74 @@ class CPContext:
     """A context-manager factory that also carries the facts of the shard that made it.
 
     Calling it returns a fresh context manager each time, so the same ``ctx`` can wrap several
-    forward passes (e.g. policy and reference model on one batch).
+    forward passes (e.g. policy and reference model on one batch). It is also a context manager
+    itself: ``with ctx:`` is ``with ctx():`` (the spelling of torchtitan and Accelerate).
     """
 
     def __init__(self, factory: ContextFactory, facts: ShardFacts) -> None:
         self._factory = factory
         self.facts = facts
+        self._entered: list[AbstractContextManager[Any]] = []
 
     def __call__(self) -> AbstractContextManager[Any]:
         return self._factory()
+
+    def __enter__(self) -> Any:
+        cm = self._factory()
+        out = cm.__enter__()
+        self._entered.append(cm)
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._entered.pop().__exit__(*exc)
+
+
+_TAG = "_cpshard_batch"
+
+
+def tag_tensor(t: torch.Tensor, tag: object) -> None:
+    """Mark a local batch tensor as belonging to the shard identified by ``tag``."""
+    setattr(t, _TAG, tag)
+
+
+def batch_tag(t: object) -> object:
+    """The shard identity a local batch tensor carries, or ``None``."""
+    return getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
+
+
+def same_shard(tag: object, meta: object) -> bool:
+    """Whether a tensor's shard identity ``tag`` is compatible with ``meta``.
+
+    The same object, or two token metas with equal content (two ``prepare_cp_forward`` calls on
+    the same batch, e.g. for a policy and a reference model). Tags that are not token metas
+    (custom sharders) are only compared by identity when ``meta`` is not a token meta either.
+    """
+    if tag is meta:
+        return True
+    if not isinstance(tag, TokenMeta) or not isinstance(meta, TokenMeta):
+        return not isinstance(tag, TokenMeta)  # nothing to compare against
+    return (
+        tag.rank == meta.rank
+        and tag.world_size == meta.world_size
+        and tag.positions.shape == meta.positions.shape
+        and tag.document_ids.shape == meta.document_ids.shape
+        and torch.equal(tag.positions, meta.positions.to(tag.positions.device))
+        and torch.equal(tag.document_ids, meta.document_ids.to(tag.document_ids.device))
+    )
+
+
+def _check_tensor(t: object, verb: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"{verb} needs a torch.Tensor, got {type(t).__name__}; convert it first, e.g. "
+            "torch.as_tensor(x)"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{verb} got a tensor on the meta device (shape {tuple(t.shape)}), which holds no "
+            "values; materialise it first (e.g. model.to_empty(device=...) and an init)"
+        )
+    return t
 
 
 def _norm_dim(t: torch.Tensor, seq_dim: int, name: str = "seq_dim") -> int:
@@ -131,6 +191,9 @@ class CPSharder:
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         original_seq_len, padded_seq_len, input_row_shape, input_token_stream_positions,
         rank_map, token_meta: Facts captured by the last shard (see :class:`ShardFacts`).
+        check_consistency: ``gather_token_tensor`` first compares dtype and shape across the CP
+            ranks (one all-gather of a few int64 values) so a mismatch raises on every rank
+            instead of reinterpreting bits or crashing gloo; set by the dispatcher.
     """
 
     shard_batch: ShardBatchFn
@@ -145,6 +208,8 @@ class CPSharder:
     input_token_stream_positions: torch.Tensor | None = None
     rank_map: torch.Tensor | None = None
     token_meta: TokenMeta | None = None
+    check_consistency: bool = True
+    _batch_tag: object = field(default=None, init=False, repr=False, compare=False)
     _plans: dict[tuple[int, str], _Plan] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -177,6 +242,14 @@ class CPSharder:
         facts = getattr(ctx, "facts", None)
         if isinstance(facts, ShardFacts):
             self.install(facts)
+        if not isinstance(ctx, CPContext):  # a custom shard_batch: `with ctx:` works too
+            ctx = CPContext(ctx, facts if isinstance(facts, ShardFacts) else ShardFacts(None, None))
+        # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
+        # model and the verbs can tell this batch from an older or newer one.
+        self._batch_tag = self.token_meta if self.token_meta is not None else object()
+        for key, value in out.items():
+            if isinstance(value, torch.Tensor) and value is not batch.get(key):
+                tag_tensor(value, self._batch_tag)
         return ctx, out
 
     def install(self, facts: ShardFacts) -> None:
@@ -317,9 +390,16 @@ class CPSharder:
         Returns:
             The local shard, in the same local order as the sharded batch; differentiable.
 
+        Returns a new tensor that shares no memory with ``t`` at every CP size (``cp=1`` too), so
+        in-place edits of the shard never reach the caller's tensor.
+
         Raises:
-            ValueError: ``seq_dim`` out of range, or a length that maps to no captured fact.
+            TypeError: ``t`` is not a tensor.
+            ValueError: ``seq_dim`` out of range, a meta-device tensor, a local tensor of another
+                batch, or a length that maps to no captured fact.
         """
+        t = _check_tensor(t, "shard_token_tensor")
+        self._check_tag(t, "shard_token_tensor")
         seq_dim = _norm_dim(t, seq_dim)
         stream, dim = self._to_padded_stream(t, seq_dim, fill)
         plan = self._plan(stream.shape[dim], stream.device)
@@ -336,7 +416,8 @@ class CPSharder:
     ) -> torch.Tensor:
         """All-gather a local per-token tensor back into global (or caller) coordinates.
 
-        One all-gather of exactly the payload; the reorder is a precomputed inverse permutation.
+        One all-gather of exactly the payload (after a 16-value check, see below); the reorder is a
+        precomputed inverse permutation.
 
         Args:
             t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
@@ -351,12 +432,28 @@ class CPSharder:
                 its own upstream gradient, so no rescaling by the CP size is needed.
 
         Returns:
-            ``[..., P, ...]`` in global order, or the caller's coordinates with ``trim=True``.
+            ``[..., P, ...]`` in global order, or the caller's coordinates with ``trim=True``; a
+            new tensor that shares no memory with ``t`` (at ``cp=1`` too).
+
+        Before the data all-gather, the ranks compare dtype, shape, ``seq_dim``, ``trim`` and
+        ``grad`` in one all-gather of a few int64 values (unless ``check_consistency`` is off),
+        so a mismatch raises the same ``ValueError`` on every rank.
 
         Raises:
-            ValueError: unknown ``grad`` mode, ``seq_dim`` out of range, or a gathered length that
-                does not match the last shard.
+            TypeError: ``t`` is not a tensor.
+            ValueError: the ranks passed different dtypes / shapes / arguments, unknown ``grad``
+                mode, ``seq_dim`` out of range, a meta-device tensor, a local tensor of another
+                batch, or a gathered length that does not match the last shard.
         """
+        group = _comm.cp_group(self.cp_mesh)
+        if group is not None and self.check_consistency:
+            assert self.cp_mesh is not None
+            check_verb_consistency(
+                self.cp_mesh, group, "gather_token_tensor", t,
+                seq_dim=seq_dim, trim=trim, fill=fill, grad=grad,
+            )  # fmt: skip
+        t = _check_tensor(t, "gather_token_tensor")
+        self._check_tag(t, "gather_token_tensor")
         if grad not in ("sum", "replicated"):
             raise ValueError(
                 f"grad must be 'sum' (exact adjoint of the all-gather) or 'replicated' (loss "
@@ -388,7 +485,6 @@ class CPSharder:
                 "tensor the way the batch was sharded, or use trim=False"
             )
         plan = self._plan(padded, t.device)
-        group = _comm.cp_group(self.cp_mesh)
         # [C, *t.shape]: one all-gather of exactly the payload, no transpose of the local shard
         stacked = t.unsqueeze(0)
         if group is not None:
@@ -401,7 +497,18 @@ class CPSharder:
         else:
             full = stacked.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
             full = full.index_select(seq_dim, plan.inverse)
+        if group is None and full.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            full = full.clone(memory_format=torch.contiguous_format)  # cp=1: never a view of t
         return self._trim(full, seq_dim, fill) if trim else full
+
+    def _check_tag(self, t: torch.Tensor, verb: str) -> None:
+        tag = batch_tag(t)
+        if tag is not None and not same_shard(tag, self._batch_tag):
+            raise ValueError(
+                f"{verb} got a local tensor of another batch than the one this sharder last "
+                "sharded (a sharder's facts belong to its latest batch); use the sharder "
+                "returned together with that batch by prepare_cp_forward / make_cp_batch_and_ctx"
+            )
 
     def _trim(
         self, full: torch.Tensor, seq_dim: int, fill: float | int | bool | None

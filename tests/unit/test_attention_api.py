@@ -122,8 +122,9 @@ def test_context_backward_runs_outside_the_context() -> None:
 )
 def test_context_errors(kwargs: dict, match: str) -> None:
     q, k, v = _qkv(hq=4, hkv=2 if kwargs.pop("gqa", False) else 4)
+    causal = "attn_mask" not in kwargs  # unmasked non-causal calls are not routed (local)
     with cp_attention_context(None, _meta(), "ring"), pytest.raises(ValueError, match=match):
-        _module_sdpa(q, k, v, **kwargs)
+        _module_sdpa(q, k, v, is_causal=causal, **kwargs)
 
 
 def test_context_rejects_unknown_method_before_running() -> None:

@@ -17,7 +17,8 @@ def test_identity_dispatch_is_branch_free() -> None:
     batch = _batch()
     ctx, out, sharder = cpshard.make_cp_batch_and_ctx(None, batch)
     assert sharder.layout == "none" and sharder.cp_size == 1
-    assert out["input_ids"] is batch["input_ids"]  # no copies at cp=1 without padding
+    assert out["input_ids"] is not batch["input_ids"]  # never shares memory, cp=1 too
+    assert torch.equal(out["input_ids"], batch["input_ids"])
     assert set(out) == {"input_ids", "labels", "position_ids"}  # same keys as at cp > 1
     assert sharder.original_seq_len == sharder.padded_seq_len == 7
     with ctx():
@@ -32,7 +33,7 @@ def test_identity_dispatch_is_branch_free() -> None:
 def test_identity_keeps_loss_mask_argument() -> None:
     lm = torch.ones(2, 7)
     _, out, _ = cpshard.make_cp_batch_and_ctx(None, _batch(), loss_mask=lm)
-    assert out["loss_mask"] is lm
+    assert out["loss_mask"] is not lm and torch.equal(out["loss_mask"], lm)
 
 
 def test_verbs_errors() -> None:

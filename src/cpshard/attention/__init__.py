@@ -2,10 +2,11 @@
 
 Entry points: :func:`cp_sdpa` (explicit group and token meta), :func:`cp_attention` (reads a
 sharder), :func:`cp_attention_context` (routes ``F.scaled_dot_product_attention`` calls of
-plain PyTorch models), :func:`use_cp_attention` (HF transformers attention registry).
+plain PyTorch models), :func:`use_cp_attention` (HF transformers attention registry),
+:func:`suspend` (exempt a region, e.g. a vision tower, from routing).
 """
 
-from cpshard.attention.context import cp_attention_context
+from cpshard.attention.context import cp_attention_context, suspend
 from cpshard.attention.core import AttentionMethod, cp_attention, cp_sdpa
 from cpshard.attention.hf import use_cp_attention
 
@@ -14,5 +15,6 @@ __all__ = [
     "cp_attention",
     "cp_attention_context",
     "cp_sdpa",
+    "suspend",
     "use_cp_attention",
 ]

@@ -1,15 +1,30 @@
 """Route ``F.scaled_dot_product_attention`` calls of plain PyTorch models to CP attention.
 
-:func:`cp_attention_context` is a scoped ``TorchFunctionMode``: while it is active, an SDPA call
-whose query and key sequence lengths (dim ``-2``) both equal ``meta.local_len`` is served by
-:func:`cpshard.attention.cp_sdpa` (``causal = is_causal``); every other SDPA call (a cross-attention
-or a vision tower with another length) passes through untouched. Nothing global is patched, and
-the autograd Functions capture the group and meta, so ``backward()`` may run outside the context.
+:func:`cp_attention_context` is a scoped ``TorchFunctionMode``. While it is active:
+
+* a *causal* SDPA call (``is_causal=True``) whose query and key lengths (dim ``-2``) both equal
+  ``meta.local_len`` is a decoder's self-attention over the sharded sequence and is served by
+  :func:`cpshard.attention.cp_sdpa`;
+* a *non-causal* call of that length without a mask is never routed by accident (a vision
+  tower or an encoder whose length happens to equal ``L``): it runs as local attention, with a
+  warning once per context. Bidirectional CP attention is explicit:
+  :func:`cpshard.attention.cp_attention` with ``causal=False``, or the HF ``"cpshard"``
+  attention of a prepared model (:func:`routed_sdpa`);
+* a call of that length with an explicit ``attn_mask`` raises (a mask built from local positions
+  is wrong under CP);
+* every other SDPA call (another length) passes through untouched;
+* :func:`suspend` exempts a region (nothing is routed there, and HF models see no CP context);
+* an op on a local tensor of another batch (a stale ``ctx`` used with a newer batch, or the
+  reverse) raises, and entering a context inside another one raises.
+
+Nothing global is patched, and the autograd Functions capture the group and meta, so
+``backward()`` may run outside the context.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -22,8 +37,9 @@ from torch.overrides import TorchFunctionMode
 from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
 from cpshard.meta import TokenMeta
+from cpshard.sharder import same_shard
 
-__all__ = ["cp_attention_context", "cp_context_active"]
+__all__ = ["active_mode", "cp_attention_context", "cp_context_active", "routed_sdpa", "suspend"]
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 _SDPA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
@@ -45,6 +61,15 @@ def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return bound
 
 
+def _stale_error(where: str) -> ValueError:
+    return ValueError(
+        f"{where} a local tensor of another batch than the one this CP context was made for: a "
+        "ctx, its token meta and its sharder belong to the batch they were returned with. Use "
+        "the ctx returned together with this batch (ctx, batch, sharder = "
+        "prepare_cp_forward(...) once per batch)"
+    )
+
+
 class _CPSDPAMode(TorchFunctionMode):
     """Serves matching SDPA calls with :func:`cp_sdpa`; see the module docstring."""
 
@@ -53,6 +78,8 @@ class _CPSDPAMode(TorchFunctionMode):
         self.group = cp_group(cp_mesh)
         self.meta = meta
         self.method = method
+        self.suspended = 0  # > 0 inside suspend()
+        self.warned = False
 
     def __torch_function__(
         self,
@@ -62,18 +89,49 @@ class _CPSDPAMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        if args and isinstance(args[0], torch.Tensor):
+            tag = getattr(args[0], "_cpshard_batch", None)
+            if tag is not None and tag is not self.meta and not same_shard(tag, self.meta):
+                raise _stale_error("an op inside ctx() got")
         if not _is_sdpa(func):
             return func(*args, **kwargs)
         call = _bind(args, kwargs)
+        if not self.matches(call):
+            return func(*args, **kwargs)
+        if not call["is_causal"] and call["attn_mask"] is None:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    "a non-causal scaled_dot_product_attention call with the local sequence "
+                    f"length ({self.meta.local_len}) inside a CP context ran as LOCAL attention "
+                    "(not routed): cpshard cannot tell a bidirectional self-attention of the "
+                    "sharded sequence from an unrelated module (e.g. a vision tower) of the same "
+                    "length. For CP attention call cpshard.attention.cp_attention(q, k, v, "
+                    "sharder=sharder, causal=False); for an unrelated module wrap it in "
+                    "cpshard.attention.suspend() to silence this warning",
+                    stacklevel=3,
+                )
+            return func(*args, **kwargs)
+        return self.serve(call)
+
+    def matches(self, call: Mapping[str, Any]) -> bool:
+        """Whether an SDPA call attends over the sharded sequence (both lengths ``L``)."""
         q, k = call["query"], call["key"]
         n = self.meta.local_len
-        if q.dim() != 4 or q.shape[-2] != n or k.shape[-2] != n:
-            return func(*args, **kwargs)
+        return bool(q.dim() == 4 and q.shape[-2] == n and k.shape[-2] == n)
+
+    def serve(self, call: Mapping[str, Any]) -> torch.Tensor:
+        """CP attention for a named SDPA call (checked first)."""
+        q, k = call["query"], call["key"]
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask inside "
                 "cp_attention_context; under CP the mask comes from the token meta (document ids "
-                "and global positions, padding included): pass attn_mask=None and is_causal"
+                "and global positions, padding included): pass attn_mask=None and is_causal; "
+                "wrap a module that is not attention over the sharded sequence in "
+                "cpshard.attention.suspend()"
             )
         if call["dropout_p"] != 0.0:
             raise ValueError(
@@ -92,16 +150,82 @@ class _CPSDPAMode(TorchFunctionMode):
         )  # fmt: skip
 
 
-def cp_context_active() -> bool:
-    """Whether a :func:`cp_attention_context` is active on this thread (innermost modes first)."""
+def _modes() -> list[_CPSDPAMode]:
     from torch.overrides import _get_current_function_mode_stack
 
     stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-    return any(isinstance(m, _CPSDPAMode) for m in stack)
+    return [m for m in stack if isinstance(m, _CPSDPAMode)]
+
+
+def active_mode() -> _CPSDPAMode | None:
+    """The CP context active on this thread, or ``None`` (none entered, or suspended)."""
+    modes = _modes()
+    if not modes or modes[-1].suspended:
+        return None
+    return modes[-1]
+
+
+def cp_context_active() -> bool:
+    """Whether a :func:`cp_attention_context` is active (and not suspended) on this thread."""
+    return active_mode() is not None
+
+
+def routed_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """SDPA of a *known* self-attention of the prepared model (HF's ``"cpshard"`` attention).
+
+    Inside an active CP context, a call over the sharded sequence (both lengths ``L``) is CP
+    attention, causal or not; anything else is ``F.scaled_dot_product_attention``.
+    """
+    mode = active_mode()
+    call = _bind((query, key, value), {"is_causal": is_causal, "scale": scale,
+                                       "enable_gqa": enable_gqa})  # fmt: skip
+    if mode is not None and mode.matches(call):
+        return mode.serve(call)
+    out: torch.Tensor = F.scaled_dot_product_attention(
+        query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return out
+
+
+@contextlib.contextmanager
+def suspend() -> Iterator[None]:
+    """Exempt a region from CP routing: e.g. a vision tower or an unrelated model in ``ctx()``.
+
+    Inside it no SDPA call is routed, :func:`cp_context_active` is ``False`` (HF models use their
+    plain attention and masks), and tensors are not checked against the batch.
+
+    Example:
+        >>> with ctx():
+        ...     with cpshard.attention.suspend():
+        ...         image_features = vision_tower(pixel_values)
+        ...     logits = model(inputs_embeds=..., position_ids=...)
+    """
+    modes = _modes()
+    for m in modes:
+        m.suspended += 1
+    try:
+        yield
+    finally:
+        for m in modes:
+            m.suspended -= 1
 
 
 @contextlib.contextmanager
 def _scope(cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str) -> Iterator[None]:
+    if _modes():
+        raise ValueError(
+            "a CP context was entered inside another one (nested ctx() / with ctx:): the inner "
+            "batch's attention would silently mix with the outer one; leave the first ctx "
+            "before entering the next"
+        )
     with _CPSDPAMode(cp_mesh, meta, method):
         yield
 

@@ -4,8 +4,8 @@
 mask builder) and selects it on a model.
 
 * Inside :func:`cpshard.attention.cp_attention_context` the mask builder builds nothing and the
-  function calls ``F.scaled_dot_product_attention`` with ``is_causal`` and no mask, which the
-  context turns into CP attention (padding and documents come from the token meta). A custom name
+  function hands ``is_causal`` and no mask to the active context (``routed_sdpa``), which runs
+  CP attention (padding and documents come from the token meta). A custom name
   matters: with the stock ``"sdpa"`` path, transformers reads jumps in sharded ``position_ids`` as
   packed-document boundaries and builds a wrong block mask.
 * Outside it the name behaves exactly like transformers' ``"sdpa"`` (its mask builder and its
@@ -22,9 +22,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from cpshard.attention.context import cp_context_active
+from cpshard.attention.context import cp_context_active, routed_sdpa
 
 __all__ = [
     "ATTENTION_NAME",
@@ -91,7 +90,8 @@ def cpshard_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
-    out = F.scaled_dot_product_attention(
+    # Explicitly routed: this is the prepared model's self-attention (causal or not).
+    out = routed_sdpa(
         query,
         key,
         value,
@@ -103,13 +103,29 @@ def cpshard_attention_forward(
 
 
 def cpshard_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask builder registered as ``"cpshard"``: none under CP, transformers' sdpa mask else."""
+    """The mask builder registered as ``"cpshard"``: none under CP, transformers' sdpa mask else.
+
+    Raises:
+        ValueError: under CP, the model was handed an ``attention_mask`` (it would be ignored).
+    """
     if cp_context_active():
+        _reject_mask_under_cp(kwargs.get("attention_mask"))
         return None
     from transformers.masking_utils import sdpa_mask
 
     mask: torch.Tensor | None = sdpa_mask(*args, **kwargs)
     return mask
+
+
+def _reject_mask_under_cp(mask: object) -> None:
+    """An ``attention_mask`` handed to the model under CP would be silently ignored: raise."""
+    if mask is not None:
+        raise ValueError(
+            f"the model got an attention_mask (shape {tuple(getattr(mask, 'shape', ()))}) inside "
+            "a CP context, where masks come from the sharded batch's token meta and this one "
+            "would be ignored; put the padding in the batch given to prepare_cp_forward "
+            "(attention_mask or padding_mask) and call the model without attention_mask"
+        )
 
 
 def use_cp_attention(model: torch.nn.Module) -> None:

@@ -14,38 +14,117 @@ Backends:
 * ``"math"``: explicit softmax attention in fp32 (fp64 for fp64 inputs). Device-agnostic and
   correct, used off CPU and wherever the CPU op is missing; slower and ``O(Lq * Lk)`` memory.
 
+* ``"cuda_flash"`` / ``"cuda_efficient"`` / ``"cudnn"``: torch's fused CUDA ops that return the
+  LSE (see :mod:`cpshard.attention.cuda_kernels` for the ops, their constraints and conventions).
+  ``"auto"`` on CUDA picks flash for fp16/bf16 mask-free tiles, memory-efficient attention for
+  fp32 and for masked tiles (an additive bias, the only fused op that takes one), and the math
+  kernel only as a fallback that warns once per reason (e.g. fp64, or bf16 before sm80).
+
 GQA: ``k``/``v`` have ``Hkv`` heads dividing ``Hq``; query head ``h`` uses key head
-``h // (Hq // Hkv)`` (the ``repeat_kv`` convention). K/V are never repeated: the flash backend runs
-once per query group on a strided view of ``q``, the math backend broadcasts.
+``h // (Hq // Hkv)`` (the ``repeat_kv`` convention). K/V are never repeated: the CPU flash,
+memory-efficient and cuDNN backends run once per query group on a strided view of ``q``, CUDA flash
+takes ``Hkv`` heads natively, the math backend broadcasts.
+
+Packed document runs: :func:`varlen_attention` / :func:`varlen_attention_backward` attend each
+query run to its key run (``cu_seqlens`` boundaries), through flash varlen on CUDA and an exact
+per-run loop elsewhere. Causal runs are aligned **bottom-right**: query ``i`` of a run with ``Lq``
+queries and ``Lk`` keys sees keys ``j <= i + Lk - Lq`` (the queries are the *last* ``Lq`` positions
+of the keys' span, which is what a rank holding the tail of a document needs). A query that sees no
+key gets ``out = 0`` and ``lse = -inf``, as in :func:`block_attention`.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
 
-from cpshard.attention.merge import accumulation_dtype
+from cpshard.attention import cuda_kernels as ck
+from cpshard.attention.cuda_kernels import ConcreteBackend
+from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
 
-__all__ = ["KernelBackend", "block_attention", "block_attention_backward", "pick_backend"]
+__all__ = [
+    "ConcreteBackend",
+    "KernelBackend",
+    "block_attention",
+    "block_attention_backward",
+    "pick_backend",
+    "varlen_attention",
+    "varlen_attention_backward",
+]
 
-KernelBackend = Literal["auto", "cpu_flash", "math"]
+KernelBackend = Literal["auto", "cpu_flash", "math", "cuda_flash", "cuda_efficient", "cudnn"]
+
+_CUDA_ONLY = ("cuda_flash", "cuda_efficient", "cudnn")
 
 
-def pick_backend(q: torch.Tensor, backend: KernelBackend = "auto") -> Literal["cpu_flash", "math"]:
-    """Resolve ``"auto"``: the CPU flash op for CPU tensors when torch has it, else math.
+def _warn_fallback(reason: str) -> None:
+    """One warning per distinct reason: always raised from this line, so ``warnings`` dedups it."""
+    warnings.warn(reason, RuntimeWarning, stacklevel=1)
+
+
+def pick_backend(
+    q: torch.Tensor,
+    backend: KernelBackend = "auto",
+    *,
+    masked: bool = False,
+    is_causal: bool = False,
+    lk: int | None = None,
+) -> ConcreteBackend:
+    """Resolve ``backend`` to the kernel that runs one block.
+
+    CPU: ``"auto"`` is the CPU flash op when torch has it, else math. CUDA: see
+    :func:`cpshard.attention.cuda_kernels.choose_cuda_backend` (flash, memory-efficient, math
+    fallback with a warning). Other devices: math, with a warning.
 
     Args:
-        q: Query tensor (its device decides).
+        q: Query tensor ``[B, Hq, Lq, D]`` (its device, dtype and head dim decide).
         backend: Requested backend.
+        masked: The block has a boolean mask (CUDA: flash/cuDNN cannot take one).
+        is_causal: The block is causal (CUDA: with ``lk != Lq`` only top-left kernels qualify).
+        lk: Key length of the block (default: ``Lq``).
 
     Returns:
         The concrete backend name.
+
+    Raises:
+        ValueError: a CUDA-only backend for a non-CUDA tensor, or a fused backend that cannot run
+            this dtype/device.
     """
+    if q.device.type == "cuda":
+        if backend == "cpu_flash":
+            raise ValueError(
+                "attention backend 'cpu_flash' runs only CPU tensors, got a CUDA tensor; "
+                "use 'auto', 'cuda_flash', 'cuda_efficient', 'cudnn' or 'math'"
+            )
+        lq = q.shape[-2]
+        choice = ck.choose_cuda_backend(
+            dtype=q.dtype,
+            head_dim=q.shape[-1],
+            capability=torch.cuda.get_device_capability(q.device),
+            masked=masked,
+            causal_nonsquare=is_causal and lk is not None and lk != lq,
+            requested=backend,
+        )
+        if choice.reason:
+            _warn_fallback(choice.reason)
+        return choice.backend
+    if backend in _CUDA_ONLY:
+        raise ValueError(
+            f"attention backend {backend!r} runs only CUDA tensors, got a {q.device.type} "
+            "tensor; use 'auto', 'cpu_flash' or 'math'"
+        )
     if backend != "auto":
-        return backend
+        return backend  # type: ignore[return-value]
     has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-    return "cpu_flash" if q.device.type == "cpu" and has_op else "math"
+    if q.device.type == "cpu" and has_op:
+        return "cpu_flash"
+    _warn_fallback(
+        f"no fused attention kernel for {q.device.type} tensors in cpshard; running the math "
+        "kernel, which materialises the [Lq, Lk] scores: use CPU or CUDA tensors"
+    )
+    return "math"
 
 
 def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,7 +186,10 @@ def block_attention(
         with no visible key have ``out = 0`` and ``lse = -inf``.
     """
     acc = accumulation_dtype(q.dtype)
-    if pick_backend(q, backend) == "math":
+    kind = pick_backend(q, backend, masked=mask is not None, is_causal=is_causal, lk=k.shape[-2])
+    if kind in _CUDA_ONLY:
+        return _fused_forward(kind, q, k, v, mask, is_causal, scale)
+    if kind == "math":
         s = _math_scores(q, k, mask, is_causal, scale)
         lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
@@ -168,14 +250,19 @@ def block_attention_backward(
 
     Returns:
         ``(dq [B, Hq, Lq, D], dk [B, Hkv, Lk, D], dv [B, Hkv, Lk, D])``, in the accumulation
-        dtype for the math backend; for the flash backend ``dq`` is in q's dtype and ``dk``/``dv``
-        (summed over query groups) in the accumulation dtype.
+        dtype for the math backend; for the CPU flash, memory-efficient and cuDNN backends ``dq``
+        is in q's dtype and ``dk``/``dv`` (summed over query groups) in the accumulation dtype;
+        CUDA flash returns all three in q's dtype. Callers add them into accumulation-dtype
+        buffers.
     """
     acc = accumulation_dtype(q.dtype)
     g = _groups(q, k)
     hkv = k.shape[1]
     lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    if pick_backend(q, backend) == "math":
+    kind = pick_backend(q, backend, masked=mask is not None, is_causal=is_causal, lk=k.shape[-2])
+    if kind in _CUDA_ONLY:
+        return _fused_backward(kind, grad_out, q, k, v, out, lse, mask, is_causal, scale)
+    if kind == "math":
         s = _math_scores(q, k, mask, is_causal, scale)
         p = torch.exp(s - torch.unflatten(lse, 1, (hkv, g)).to(acc).unsqueeze(-1))
         go5 = torch.unflatten(grad_out, 1, (hkv, g)).to(acc)
@@ -215,3 +302,286 @@ def block_attention_backward(
     assert dv_sum is not None
     dq = dqs[0] if g == 1 else torch.stack(dqs, dim=2).flatten(1, 2)
     return dq, dk_sum, dv_sum
+
+
+def _empty_block(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The result for a block without queries or keys (fused kernels reject empty tensors)."""
+    if q.shape[2] and k.shape[2]:
+        return None
+    out, lse = empty_partial(tuple(q.shape), torch.float32, q.device)
+    return out.to(q.dtype), lse
+
+
+def _fused_forward(
+    kind: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ck._groups(q, k, 1)
+    empty = _empty_block(q, k)
+    if empty is not None:
+        return empty
+    if kind == "cuda_flash":
+        return ck.flash_forward(q, k, v, is_causal=is_causal, scale=scale)
+    if kind == "cudnn":
+        return ck.cudnn_forward(q, k, v, is_causal=is_causal, scale=scale)
+    return ck.efficient_forward(q, k, v, mask, is_causal=is_causal, scale=scale)
+
+
+def _fused_backward(
+    kind: str,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ck._groups(q, k, 1)
+    if not (q.shape[2] and k.shape[2]):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if kind == "cuda_flash":
+        return ck.flash_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+    if kind == "cudnn":
+        return ck.cudnn_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+    return ck.efficient_backward(
+        grad_out, q, k, v, out, lse, mask, is_causal=is_causal, scale=scale
+    )
+
+
+# --- packed document runs (varlen) -----------------------------------------------------------
+
+
+def _check_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+) -> None:
+    """Shape/dtype checks (host metadata only); on CPU also the boundary values."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            "varlen attention takes q [Tq, Hq, D] and k, v [Tk, Hkv, D] with the same D, got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    ck._groups(q, k, 1)
+    for name, cu in (("cu_q", cu_q), ("cu_k", cu_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
+            raise ValueError(
+                f"{name} must be a 1-D int32 tensor on q's device ({q.device}), got "
+                f"{cu.dtype} {tuple(cu.shape)} on {cu.device}"
+            )
+    if cu_q.numel() != cu_k.numel() or cu_q.numel() < 1:
+        raise ValueError(
+            f"cu_q and cu_k must both have n + 1 >= 1 entries (n runs), got {cu_q.numel()} "
+            f"and {cu_k.numel()}"
+        )
+    if q.device.type != "cpu":
+        return  # reading the boundaries would sync with the device: the caller vouches for them
+    for name, cu, total, mx in (
+        ("cu_q", cu_q, q.shape[0], max_q),
+        ("cu_k", cu_k, k.shape[0], max_k),
+    ):
+        lens = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lens < 0).any()):
+            raise ValueError(
+                f"{name} must rise from 0 to the packed length {total} without decreasing, "
+                f"got {cu.tolist()}"
+            )
+        if lens.numel() and int(lens.max()) > mx:
+            raise ValueError(
+                f"max_{name[-1]}={mx} is smaller than the longest run ({int(lens.max())}); "
+                "pass the longest run length"
+            )
+
+
+def _run_pieces(lq: int, lk: int, causal: bool) -> list[tuple[int, int, int, int, bool]]:
+    """Cut one run into kernel calls: ``(q0, q1, k0, k1, is_causal)`` (square when causal).
+
+    Bottom-right causal: query ``i`` sees keys ``j <= i + lk - lq``. With ``lk >= lq`` the first
+    ``lk - lq`` keys are visible to every query and the last ``lq`` form a square causal block;
+    with ``lk < lq`` the first ``lq - lk`` queries see nothing and the rest form a square.
+    """
+    if lq == 0 or lk == 0:
+        return []
+    if not causal:
+        return [(0, lq, 0, lk, False)]
+    off = lk - lq
+    if off < 0:
+        return [(-off, lq, 0, lk, True)]
+    pieces = [(0, lq, 0, off, False)] if off else []
+    return [*pieces, (0, lq, off, lk, True)]
+
+
+def _fused_varlen_ok(q: torch.Tensor, backend: KernelBackend) -> bool:
+    """Whether flash varlen runs this call; warns once per reason when it does not on CUDA."""
+    if q.device.type != "cuda" or backend not in ("auto", "cuda_flash"):
+        return False
+    blocker = ck._flash_blocker(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device))
+    if blocker and backend == "cuda_flash":
+        raise ValueError(
+            f"attention backend 'cuda_flash' cannot run this varlen call: {blocker}; "
+            "use backend='auto' or 'math'"
+        )
+    if blocker:
+        _warn_fallback(
+            f"varlen attention on CUDA: {blocker}, so no fused varlen kernel; running one kernel "
+            "call per document run (a host sync per call): use fp16/bf16 for flash varlen"
+        )
+    return not blocker
+
+
+def _as_block(x: torch.Tensor) -> torch.Tensor:
+    """``[L, H, D]`` -> ``[1, H, L, D]`` view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    causal: bool,
+    scale: float,
+    backend: KernelBackend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of packed query runs against their key runs, with the log-sum-exp.
+
+    Run ``r`` is queries ``cu_q[r]:cu_q[r+1]`` against keys ``cu_k[r]:cu_k[r+1]``; runs never
+    see each other. Causal runs are aligned bottom-right (see the module docstring). On CUDA with
+    fp16/bf16 this is one flash varlen call without a host sync; otherwise (CPU, fp32/fp64 on
+    CUDA) an exact loop of :func:`block_attention` calls per run. On CPU the boundaries are
+    checked; on CUDA they are not read (that would sync): they must rise from 0 to ``Tq``/``Tk``.
+
+    Args:
+        q: ``[Tq, Hq, D]`` packed queries.
+        k: ``[Tk, Hkv, D]`` packed keys, ``Hq % Hkv == 0`` (not repeated).
+        v: ``[Tk, Hkv, D]`` packed values.
+        cu_q: ``int32 [n + 1]`` query run boundaries on q's device.
+        cu_k: ``int32 [n + 1]`` key run boundaries.
+        max_q: Longest query run (a bound; flash sizes its grid by it).
+        max_k: Longest key run.
+        causal: Bottom-right causal within each run.
+        scale: Score scale.
+        backend: As for :func:`block_attention` (``"cuda_flash"`` forces flash varlen).
+
+    Returns:
+        ``(out [Tq, Hq, D] in q's dtype, lse [Hq, Tq])``, natural-log LSE in the accumulation
+        dtype (fp32; fp64 for fp64 inputs); queries with no visible key have ``out = 0`` and
+        ``lse = -inf``.
+    """
+    _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    if q.shape[0] and k.shape[0] and _fused_varlen_ok(q, backend):
+        return ck.flash_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale
+        )
+    acc = accumulation_dtype(q.dtype)
+    tq, hq, d = q.shape
+    out = torch.zeros((1, hq, tq, d), dtype=acc, device=q.device)
+    lse = torch.full((1, hq, tq), float("-inf"), dtype=acc, device=q.device)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    qb, kb, vb = _as_block(q), _as_block(k), _as_block(v)
+    for r in range(len(bq) - 1):
+        qa, ka = bq[r], bk[r]
+        for q0, q1, k0, k1, c in _run_pieces(bq[r + 1] - qa, bk[r + 1] - ka, causal):
+            o, l_ = block_attention(
+                qb[:, :, qa + q0 : qa + q1],
+                kb[:, :, ka + k0 : ka + k1],
+                vb[:, :, ka + k0 : ka + k1],
+                mask=None,
+                is_causal=c,
+                scale=scale,
+                backend=backend,
+            )
+            merge_into(out[:, :, qa + q0 : qa + q1], lse[:, :, qa + q0 : qa + q1], o, l_)
+    return out[0].transpose(0, 1).to(q.dtype), lse[0]
+
+
+def varlen_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    causal: bool,
+    scale: float,
+    backend: KernelBackend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`varlen_attention` given the merged output and LSE.
+
+    As with :func:`block_attention_backward`, ``out``/``lse`` may be merged over more key sets
+    than these runs (e.g. other ranks' keys), so the returned gradients add up exactly.
+
+    Args:
+        grad_out: ``[Tq, Hq, D]`` upstream gradient of the merged output.
+        q: ``[Tq, Hq, D]`` packed queries.
+        k: ``[Tk, Hkv, D]`` packed keys.
+        v: ``[Tk, Hkv, D]`` packed values.
+        out: ``[Tq, Hq, D]`` merged output.
+        lse: ``[Hq, Tq]`` merged LSE (``-inf`` only for queries that see no key anywhere).
+        cu_q: As in the forward.
+        cu_k: As in the forward.
+        max_q: As in the forward.
+        max_k: As in the forward.
+        causal: As in the forward.
+        scale: Score scale.
+        backend: As in the forward.
+
+    Returns:
+        ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])``: in q's dtype from flash varlen,
+        in the accumulation dtype from the per-run loop; callers add them into
+        accumulation-dtype buffers.
+    """
+    _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    if q.shape[0] and k.shape[0] and _fused_varlen_ok(q, backend):
+        return ck.flash_varlen_backward(
+            grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale
+        )
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    qb, kb, vb = _as_block(q), _as_block(k), _as_block(v)
+    gb, ob = _as_block(grad_out.to(q.dtype)), _as_block(out.to(q.dtype))
+    lb = lse.unsqueeze(0)
+    for r in range(len(bq) - 1):
+        qa, ka = bq[r], bk[r]
+        for q0, q1, k0, k1, c in _run_pieces(bq[r + 1] - qa, bk[r + 1] - ka, causal):
+            qs, ks = slice(qa + q0, qa + q1), slice(ka + k0, ka + k1)
+            gq, gk, gv = block_attention_backward(
+                gb[:, :, qs],
+                qb[:, :, qs],
+                kb[:, :, ks],
+                vb[:, :, ks],
+                ob[:, :, qs],
+                lb[:, :, qs],
+                mask=None,
+                is_causal=c,
+                scale=scale,
+                backend=backend,
+            )
+            dq[qs] += gq[0].transpose(0, 1)
+            dk[ks] += gk[0].transpose(0, 1)
+            dv[ks] += gv[0].transpose(0, 1)
+    return dq, dk, dv

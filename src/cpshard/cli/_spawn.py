@@ -25,11 +25,19 @@ def _free_port() -> int:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: Any,
+    pg_timeout_s: float,
 ) -> None:
     torch.set_num_threads(1)  # forked children hang on their first parallel op otherwise
     try:
-        _comm.init_local_gloo(rank, world, port)
+        # A finite process-group timeout: a rank left waiting in a collective by a failed peer
+        # raises after pg_timeout_s instead of hanging (torch's default is 30 minutes).
+        _comm.init_local_gloo(rank, world, port, timeout_s=pg_timeout_s)
         mesh: DeviceMesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         # Plain pickle bytes: torch's queue reducers would share tensors through file
         # descriptors that vanish when this process exits before the parent reads them.
@@ -41,7 +49,11 @@ def _rank_main(
 
 
 def run_local_ranks(
-    world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(cp_mesh, *args)`` on ``world`` forked CPU ranks joined by gloo.
 
@@ -50,6 +62,8 @@ def run_local_ranks(
         fn: Top-level function; its return value must be picklable.
         *args: Passed to ``fn`` after the mesh.
         timeout_s: Give up (and kill the ranks) after this long.
+        pg_timeout_s: Process-group timeout: a collective that waits longer raises. When one
+            rank fails, the others are killed at once.
 
     Returns:
         The per-rank results, in rank order.
@@ -63,7 +77,9 @@ def run_local_ranks(
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, out), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(r, world, port, fn, args, out, pg_timeout_s), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One prepared GPU check (at most ~8 minutes on one H200): the GPU test tier, then the bf16
+# attention benchmark (dense and packed at cp=1 vs torch flash SDPA, several ranks on the one GPU).
+#
+# Usage, from anywhere inside the repository:
+#   bash benchmarks/gpu_check.sh             # on a CUDA machine; table also in $OUT or ./gpu_check_results.md
+#   bash benchmarks/gpu_check.sh --dry-run   # CPU: code paths of the benchmark only, tiny sizes
+# PYTHON selects the interpreter (default python3). Runs from the source tree (PYTHONPATH=src).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+PY="${PYTHON:-python3}"
+
+"$PY" - <<'PYEOF'
+import torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device: {name}")
+PYEOF
+
+if [[ "${1:-}" == "--dry-run" ]]; then
+  timeout 300 "$PY" benchmarks/bench_gpu.py --dry-run
+  exit $?
+fi
+
+# addopts is cleared: the repo's addopts deselect the gpu marker and use --strict-config, which
+# fails where pytest-timeout (the ini's `timeout`) is not installed.
+timeout 300 "$PY" -m pytest tests/gpu -m gpu -q -o addopts="" -p no:cacheprovider -rs
+tests_rc=$?
+echo "tests/gpu exit code: $tests_rc"
+
+RESULTS="${OUT:-$PWD}/gpu_check_results.md"  # $OUT: the device runner's output folder
+timeout 170 "$PY" benchmarks/bench_gpu.py --out "$RESULTS"
+bench_rc=$?
+echo "benchmark exit code: $bench_rc (table in $RESULTS)"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -1,0 +1,648 @@
+"""torch's fused CUDA attention ops that return the log-sum-exp, and which one a call may use.
+
+:mod:`cpshard.attention.kernels` calls these behind its ``block_attention`` and
+``varlen_attention``; nothing else should. Every function here
+only calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch registers meta kernels
+for the CUDA ops), which is how the CPU test suite checks argument order and result shapes.
+
+Ops (schemas of torch 2.11-2.13; only positional arguments and ``scale=`` are used):
+
+* ``cuda_flash``: ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``), ``[B, H, L, D]``,
+  fp16/bf16, sm80+, head dim <= 256, no mask, ``is_causal`` only on square tiles (flash aligns the
+  causal mask to the bottom-right corner, the other kernels to the top-left; they agree only when
+  ``Lq == Lk``). GQA native: ``k``/``v`` keep ``Hkv`` heads, the backward returns ``Hkv``-head
+  gradients. LSE ``[B, H, Lq]`` fp32.
+* ``cuda_efficient``: ``aten._scaled_dot_product_efficient_attention`` (+ ``_backward``),
+  fp32/fp16 (sm50+) and bf16 (sm80+), any head dim that is a multiple of 8 after padding, an
+  additive bias of q's dtype (the only fused op here that takes a mask), causal from the top-left.
+  No GQA: it runs once per query group on a strided view of ``q`` (K/V are never repeated). Its LSE
+  is ``[B, H, ceil(Lq / 32) * 32]``; the padding is cut off here and restored for the backward.
+* ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (+ ``_backward``), fp16/bf16, sm80+,
+  head dim <= 128, no mask, square causal only; explicit request only (never chosen by ``auto``).
+* varlen: ``aten._flash_attention_forward`` / ``_flash_attention_backward`` with ``cum_seq_q`` /
+  ``cum_seq_k`` (``int32 [n + 1]``), q/k/v as ``[T, H, D]``, LSE ``[H, Tq]`` fp32. Causal is
+  aligned bottom-right *per run* (query ``i`` of a run with ``Lq`` queries and ``Lk`` keys sees
+  keys ``j <= i + Lk - Lq``).
+
+Head dims that are not a multiple of 8 are zero-padded (scores and the output's first ``D``
+columns are unchanged with an explicit ``scale``) and the padding is sliced off. Every backward is
+given the *merged* output and LSE of the full key set, so per-block gradients add up exactly.
+The random-state tensors of the backward ops are only read with dropout, which is always 0 here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BIAS_ALIGN",
+    "EFFICIENT_LSE_ALIGN",
+    "FLASH_MAX_HEAD_DIM",
+    "ConcreteBackend",
+    "KernelChoice",
+    "choose_cuda_backend",
+    "cudnn_backward",
+    "cudnn_forward",
+    "efficient_backward",
+    "efficient_forward",
+    "flash_backward",
+    "flash_forward",
+    "flash_varlen_backward",
+    "flash_varlen_forward",
+    "padded_head_dim",
+    "varlen_visible_keys",
+]
+
+ConcreteBackend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "cudnn"]
+
+FLASH_MAX_HEAD_DIM = 256
+CUDNN_MAX_HEAD_DIM = 128
+HEAD_DIM_MULTIPLE = 8
+EFFICIENT_LSE_ALIGN = 32  # memory-efficient attention pads its LSE's query dim to this
+BIAS_ALIGN = 16  # memory-efficient attention wants the bias's row stride a multiple of this
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The concrete kernel for one call, and why the math fallback was taken (else ``""``)."""
+
+    backend: ConcreteBackend
+    reason: str = ""
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim rounded up to the multiple of 8 the fused kernels need."""
+    return -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _flash_blocker(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str:
+    if dtype not in _HALF:
+        return f"flash attention supports only fp16/bf16, got {_dtype_name(dtype)}"
+    if capability < (8, 0):
+        return f"flash attention needs compute capability >= 8.0, got {capability}"
+    if padded_head_dim(head_dim) > FLASH_MAX_HEAD_DIM:
+        return f"flash attention supports head dim <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+    return ""
+
+
+def _efficient_blocker(dtype: torch.dtype, capability: tuple[int, int]) -> str:
+    if dtype not in (torch.float32, *_HALF):
+        return f"memory-efficient attention supports only fp32/fp16/bf16, got {_dtype_name(dtype)}"
+    if dtype == torch.bfloat16 and capability < (8, 0):
+        return (
+            f"memory-efficient attention needs compute capability >= 8.0 for bf16, got {capability}"
+        )
+    if capability < (5, 0):
+        return f"memory-efficient attention needs compute capability >= 5.0, got {capability}"
+    return ""
+
+
+def _cudnn_blocker(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str:
+    if dtype not in _HALF:
+        return f"cuDNN attention supports only fp16/bf16, got {_dtype_name(dtype)}"
+    if capability < (8, 0):
+        return f"cuDNN attention needs compute capability >= 8.0, got {capability}"
+    if padded_head_dim(head_dim) > CUDNN_MAX_HEAD_DIM:
+        return f"cuDNN attention supports head dim <= {CUDNN_MAX_HEAD_DIM} here, got {head_dim}"
+    return ""
+
+
+def choose_cuda_backend(
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    capability: tuple[int, int],
+    masked: bool,
+    causal_nonsquare: bool,
+    requested: str,
+) -> KernelChoice:
+    """Pick the fused CUDA kernel for one block (a pure function of the call's properties).
+
+    ``auto`` prefers flash, then memory-efficient attention, then the math fallback (with the
+    reason). An explicit fused backend that cannot run this dtype/device at all is an error; a
+    masked tile or a non-square causal tile, which flash/cuDNN cannot express, goes to
+    memory-efficient attention (the only fused op with an additive bias) instead.
+
+    Args:
+        dtype: Query dtype.
+        head_dim: Query/key/value head dim (before padding).
+        capability: CUDA compute capability ``(major, minor)``.
+        masked: The call has a boolean visibility mask.
+        causal_nonsquare: ``is_causal`` with ``Lq != Lk`` (top-left alignment needed).
+        requested: ``"auto"``, ``"math"``, ``"cuda_flash"``, ``"cuda_efficient"`` or ``"cudnn"``.
+
+    Returns:
+        The :class:`KernelChoice`.
+
+    Raises:
+        ValueError: an explicit backend that cannot run ``dtype`` on this device, or a CPU-only
+            backend requested for a CUDA tensor.
+    """
+    if requested == "math":
+        return KernelChoice("math")
+    if requested not in ("auto", "cuda_flash", "cuda_efficient", "cudnn"):
+        raise ValueError(
+            f"attention backend {requested!r} cannot run CUDA tensors; use 'auto', "
+            "'cuda_flash', 'cuda_efficient', 'cudnn' or 'math'"
+        )
+    needs_bias_kernel = masked or causal_nonsquare
+    eff = _efficient_blocker(dtype, capability)
+    if requested in ("cuda_flash", "cudnn"):
+        blocker = (
+            _flash_blocker(dtype, head_dim, capability)
+            if requested == "cuda_flash"
+            else _cudnn_blocker(dtype, head_dim, capability)
+        )
+        if blocker:
+            raise ValueError(
+                f"attention backend {requested!r} cannot run this call: {blocker}; "
+                "use backend='auto' (it picks a kernel that can) or 'math'"
+            )
+        if not needs_bias_kernel:
+            return KernelChoice(requested)  # type: ignore[arg-type]
+        # Masked / non-square causal tiles: flash and cuDNN cannot express them.
+        return KernelChoice("cuda_efficient") if not eff else KernelChoice("math", eff)
+    if requested == "cuda_efficient":
+        if eff:
+            raise ValueError(
+                f"attention backend 'cuda_efficient' cannot run this call: {eff}; "
+                "use backend='auto' or 'math'"
+            )
+        return KernelChoice("cuda_efficient")
+    flash = _flash_blocker(dtype, head_dim, capability)
+    if not flash and not needs_bias_kernel:
+        return KernelChoice("cuda_flash")
+    if not eff:
+        return KernelChoice("cuda_efficient")
+    why = "a masked tile" if masked else "a causal tile with Lq != Lk"
+    if not needs_bias_kernel:
+        why = flash
+    return KernelChoice(
+        "math",
+        f"no fused CUDA attention kernel for {why} ({eff}); running the fp32 math kernel, "
+        "which materialises the [Lq, Lk] scores: use fp32/fp16/bf16 inputs to get a fused kernel",
+    )
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _pad_head(x: torch.Tensor, dp: int) -> torch.Tensor:
+    """Zero-pad the last dim to ``dp`` and make it unit-stride (what every fused op needs)."""
+    if x.shape[-1] != dp:
+        return F.pad(x, (0, dp - x.shape[-1]))
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _groups(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> int:
+    hq, hkv = q.shape[head_dim], k.shape[head_dim]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"query heads must be a multiple of key/value heads (GQA), got Hq={hq}, Hkv={hkv}"
+        )
+    return hq // hkv
+
+
+def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Philox seed/offset arguments of the flash backward; read only when dropout > 0."""
+    seed = torch.empty(2, dtype=torch.uint64, device=device)
+    offset = torch.empty((), dtype=torch.uint64, device=device)
+    return seed, offset
+
+
+def _bmhk(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, D]`` view whose storage is ``[B, L, H, D]``-contiguous (no copy if it is)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _aligned_bias(
+    mask: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int, int]
+) -> torch.Tensor:
+    """Bool ``[B or 1, Lq, Lk]`` (True = visible) -> additive bias ``[B, H, Lq, Lk]`` of ``dtype``.
+
+    The storage rows are padded to a multiple of :data:`BIAS_ALIGN` elements and the head dim is a
+    stride-0 broadcast, so one ``[B', Lq, Lk]`` tile serves every head.
+    """
+    b1, lq, lk = mask.shape
+    lk_pad = -(-lk // BIAS_ALIGN) * BIAS_ALIGN
+    buf = torch.zeros((b1, lq, lk_pad), dtype=dtype, device=mask.device)
+    view = buf[:, :, :lk]
+    view.masked_fill_(~mask, float("-inf"))
+    return view.unsqueeze(1).expand(shape)
+
+
+# --- flash (dense) ---------------------------------------------------------------------------
+
+
+def flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention with its LSE.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` fp16/bf16.
+        k: ``[B, Hkv, Lk, D]``, ``Hq % Hkv == 0``.
+        v: ``[B, Hkv, Lk, D]``.
+        is_causal: Lower-triangular mask (only with ``Lq == Lk``).
+        scale: Score scale.
+
+    Returns:
+        ``(out [B, Hq, Lq, D] in q's dtype, lse [B, Hq, Lq] fp32)``.
+    """
+    _groups(q, k, 1)
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp), 0.0, is_causal, False, scale=scale
+    )
+    out, lse = res[0], res[1]
+    return out[..., :d], lse[..., : q.shape[2]].float()  # (no LSE padding in torch 2.11-2.13)
+
+
+def flash_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`flash_forward` given the merged ``out`` / ``lse`` (finite).
+
+    Returns:
+        ``(dq [B, Hq, Lq, D], dk [B, Hkv, Lk, D], dv [B, Hkv, Lk, D])`` in q's dtype.
+    """
+    _groups(q, k, 1)
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    seed, offset = _rng_placeholders(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _pad_head(grad_out.to(q.dtype), dp),
+        _pad_head(q, dp),
+        _pad_head(k, dp),
+        _pad_head(v, dp),
+        _pad_head(out.to(q.dtype), dp),
+        lse.float().contiguous(),
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        is_causal,
+        seed,
+        offset,
+        scale=scale,
+    )
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+# --- memory-efficient ------------------------------------------------------------------------
+
+
+def efficient_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Memory-efficient attention with its LSE, one call per query group.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` fp32/fp16/bf16.
+        k: ``[B, Hkv, Lk, D]``.
+        v: ``[B, Hkv, Lk, D]``.
+        mask: Bool ``[B or 1, Lq, Lk]`` (True = visible) or ``None``.
+        is_causal: Top-left lower-triangular mask.
+        scale: Score scale.
+
+    Returns:
+        ``(out [B, Hq, Lq, D] in q's dtype, lse [B, Hq, Lq] fp32)``; rows with no visible key
+        have ``out = 0`` and ``lse = -inf``.
+    """
+    g = _groups(q, k, 1)
+    b, _, lq, d = q.shape
+    hkv = k.shape[1]
+    dp = padded_head_dim(d)
+    qp, kp, vp = _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp)
+    bias = None if mask is None else _aligned_bias(mask, q.dtype, (b, hkv, lq, k.shape[2]))
+    q5 = torch.unflatten(qp, 1, (hkv, g))
+    outs, lses = [], []
+    for i in range(g):
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q5[:, :, i], kp, vp, bias, True, 0.0, is_causal, scale=scale
+        )
+        outs.append(res[0][..., :d])
+        lses.append(res[1][..., :lq])
+    if g == 1:
+        out, lse = outs[0], lses[0].float()
+    else:
+        out = torch.stack(outs, dim=2).flatten(1, 2)
+        lse = torch.stack(lses, dim=2).flatten(1, 2).float()
+    if mask is not None:
+        empty = (~mask.any(dim=-1)).unsqueeze(1)  # [B', 1, Lq]
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def efficient_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`efficient_forward` given the merged ``out`` / ``lse`` (finite).
+
+    Returns:
+        ``(dq [B, Hq, Lq, D] in q's dtype, dk, dv [B, Hkv, Lk, D] fp32, summed over groups)``.
+    """
+    g = _groups(q, k, 1)
+    b, _, lq, d = q.shape
+    hkv = k.shape[1]
+    dp = padded_head_dim(d)
+    qp, kp, vp = _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp)
+    bias = None if mask is None else _aligned_bias(mask, q.dtype, (b, hkv, lq, k.shape[2]))
+    lq_pad = -(-lq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
+    lse_p = F.pad(lse.float(), (0, lq_pad - lq))
+    q5 = torch.unflatten(qp, 1, (hkv, g))
+    go5 = torch.unflatten(_pad_head(grad_out.to(q.dtype), dp), 1, (hkv, g))
+    o5 = torch.unflatten(_pad_head(out.to(q.dtype), dp), 1, (hkv, g))
+    l5 = torch.unflatten(lse_p, 1, (hkv, g))
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    offset = torch.empty((), dtype=torch.int64, device=q.device)
+    dqs = []
+    dk_sum: torch.Tensor | None = None
+    dv_sum: torch.Tensor | None = None
+    for i in range(g):
+        dq_i, dk_i, dv_i, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            _bmhk(go5[:, :, i]),
+            q5[:, :, i],
+            kp,
+            vp,
+            bias,
+            _bmhk(o5[:, :, i]),
+            l5[:, :, i].contiguous(),
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            is_causal,
+            scale=scale,
+        )
+        dqs.append(dq_i[..., :d])
+        dk_sum = dk_i[..., :d].float() if dk_sum is None else dk_sum + dk_i[..., :d]
+        dv_sum = dv_i[..., :d].float() if dv_sum is None else dv_sum + dv_i[..., :d]
+    assert dk_sum is not None
+    assert dv_sum is not None
+    dq = dqs[0] if g == 1 else torch.stack(dqs, dim=2).flatten(1, 2)
+    return dq, dk_sum, dv_sum
+
+
+# --- cuDNN -----------------------------------------------------------------------------------
+
+
+def cudnn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN attention with its LSE, one call per query group (no mask).
+
+    Returns:
+        ``(out [B, Hq, Lq, D] in q's dtype, lse [B, Hq, Lq] fp32)``.
+    """
+    g = _groups(q, k, 1)
+    b, _, lq, d = q.shape
+    hkv = k.shape[1]
+    dp = padded_head_dim(d)
+    kp, vp = _pad_head(k, dp).contiguous(), _pad_head(v, dp).contiguous()
+    q5 = torch.unflatten(_pad_head(q, dp), 1, (hkv, g))
+    outs, lses = [], []
+    for i in range(g):
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q5[:, :, i].contiguous(), kp, vp, None, True, 0.0, is_causal, False, scale=scale
+        )
+        outs.append(res[0][..., :d])
+        lses.append(res[1].reshape(b, hkv, lq))  # [B, H, Lq, 1] in torch 2.13
+    out = outs[0] if g == 1 else torch.stack(outs, dim=2).flatten(1, 2)
+    lse = lses[0] if g == 1 else torch.stack(lses, dim=2).flatten(1, 2)
+    return out, lse.float()
+
+
+def cudnn_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`cudnn_forward` given the merged ``out`` / ``lse`` (finite).
+
+    Returns:
+        ``(dq [B, Hq, Lq, D] in q's dtype, dk, dv [B, Hkv, Lk, D] fp32, summed over groups)``.
+    """
+    g = _groups(q, k, 1)
+    lq, lk, d = q.shape[2], k.shape[2], q.shape[-1]
+    hkv = k.shape[1]
+    dp = padded_head_dim(d)
+    kp, vp = _pad_head(k, dp).contiguous(), _pad_head(v, dp).contiguous()
+    q5 = torch.unflatten(_pad_head(q, dp), 1, (hkv, g))
+    go5 = torch.unflatten(_pad_head(grad_out.to(q.dtype), dp), 1, (hkv, g))
+    o5 = torch.unflatten(_pad_head(out.to(q.dtype), dp), 1, (hkv, g))
+    l5 = torch.unflatten(lse.float(), 1, (hkv, g))
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    offset = torch.empty((), dtype=torch.int64, device=q.device)
+    dqs = []
+    dk_sum: torch.Tensor | None = None
+    dv_sum: torch.Tensor | None = None
+    for i in range(g):
+        dq_i, dk_i, dv_i = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            go5[:, :, i].contiguous(),
+            q5[:, :, i].contiguous(),
+            kp,
+            vp,
+            o5[:, :, i].contiguous(),
+            l5[:, :, i].unsqueeze(-1).contiguous(),
+            seed,
+            offset,
+            None,
+            None,
+            None,
+            lq,
+            lk,
+            0.0,
+            is_causal,
+            scale=scale,
+        )
+        dqs.append(dq_i[..., :d])
+        dk_sum = dk_i[..., :d].float() if dk_sum is None else dk_sum + dk_i[..., :d]
+        dv_sum = dv_i[..., :d].float() if dv_sum is None else dv_sum + dv_i[..., :d]
+    assert dk_sum is not None
+    assert dv_sum is not None
+    dq = dqs[0] if g == 1 else torch.stack(dqs, dim=2).flatten(1, 2)
+    return dq, dk_sum, dv_sum
+
+
+# --- flash varlen ----------------------------------------------------------------------------
+
+
+def varlen_visible_keys(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, *, causal: bool
+) -> torch.Tensor:
+    """Number of keys each packed query sees, computed on the device without a host sync.
+
+    Causal alignment is bottom-right per run: query ``i`` of a run with ``Lq`` queries and ``Lk``
+    keys sees keys ``0 .. i + Lk - Lq`` (clamped to ``[0, Lk]``).
+
+    Args:
+        cu_q: ``int32 [n + 1]`` query run boundaries, ``cu_q[-1] == total_q``.
+        cu_k: ``int32 [n + 1]`` key run boundaries.
+        total_q: Number of packed queries.
+        causal: Bottom-right causal per run.
+
+    Returns:
+        ``int64 [total_q]``.
+    """
+    cq, ck = cu_q.long(), cu_k.long()
+    len_q = cq[1:] - cq[:-1]
+    len_k = ck[1:] - ck[:-1]
+    run = torch.repeat_interleave(
+        torch.arange(len_q.numel(), device=cu_q.device), len_q, output_size=total_q
+    )
+    lk = len_k[run]
+    if not causal:
+        return lk
+    local = torch.arange(total_q, device=cu_q.device) - cq[run]
+    return (local + lk - len_q[run] + 1).clamp(min=0).minimum(lk)
+
+
+def flash_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash varlen attention over packed runs, with its LSE.
+
+    Args:
+        q: ``[Tq, Hq, D]`` fp16/bf16 packed queries.
+        k: ``[Tk, Hkv, D]`` packed keys.
+        v: ``[Tk, Hkv, D]`` packed values.
+        cu_q: ``int32 [n + 1]`` query run boundaries on q's device.
+        cu_k: ``int32 [n + 1]`` key run boundaries.
+        max_q: Longest query run.
+        max_k: Longest key run.
+        causal: Bottom-right causal per run.
+        scale: Score scale.
+
+    Returns:
+        ``(out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32)``; queries with no visible key have
+        ``out = 0`` and ``lse = -inf``.
+    """
+    _groups(q, k, 1)
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    res = torch.ops.aten._flash_attention_forward(
+        _pad_head(q, dp),
+        _pad_head(k, dp),
+        _pad_head(v, dp),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )
+    out, lse = res[0][..., :d], res[1][:, : q.shape[0]].float()
+    # flash reports lse = +inf for a query with no key; the contract is out = 0, lse = -inf.
+    empty = varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0
+    lse = lse.masked_fill(empty.unsqueeze(0), float("-inf"))
+    out = out.masked_fill(empty[:, None, None], 0.0)
+    return out, lse
+
+
+def flash_varlen_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`flash_varlen_forward` given the merged ``out`` / ``lse``.
+
+    ``lse`` may be ``-inf`` for queries that see no key anywhere; it is replaced by 0 (every
+    score of such a query is masked, so it contributes nothing).
+
+    Returns:
+        ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])`` in q's dtype.
+    """
+    _groups(q, k, 1)
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    lse = lse.float()
+    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).contiguous()
+    seed, offset = _rng_placeholders(q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _pad_head(grad_out.to(q.dtype), dp),
+        _pad_head(q, dp),
+        _pad_head(k, dp),
+        _pad_head(v, dp),
+        _pad_head(out.to(q.dtype), dp),
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        seed,
+        offset,
+        scale=scale,
+    )
+    # Queries that see no key, and keys of runs without queries, get exact zeros (flash may
+    # skip writing them for empty runs).
+    dq = dq[..., :d].masked_fill(
+        (varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0)[:, None, None], 0.0
+    )
+    unseen = (varlen_visible_keys(cu_k, cu_q, k.shape[0], causal=False) == 0)[:, None, None]
+    return dq, dk[..., :d].masked_fill(unseen, 0.0), dv[..., :d].masked_fill(unseen, 0.0)

@@ -1,0 +1,116 @@
+"""Call-time guards on a CP-prepared model: the sharded batch runs inside its own ``ctx()``.
+
+:func:`prepare_cp_forward` installs one forward pre-hook on the model (idempotent, the public
+``register_forward_pre_hook`` API; nothing is patched). On every forward it checks, from facts
+the call itself carries (the local batch tensors carry the identity of the shard that made them):
+
+* a local batch tensor reaches the model *outside* ``ctx()`` (or inside
+  :func:`cpshard.attention.suspend`): attention would silently be shard-local -> ``ValueError``;
+* inside ``ctx()``, a local tensor of *another* batch (a stale ctx, or a ctx of a newer batch)
+  -> ``ValueError``;
+* inside ``ctx()``, ``labels`` handed to the model: an HF model would shift the pre-shifted labels
+  again and average over the local tokens only -> ``ValueError`` with the fix;
+* inside ``ctx()``, an ``attention_mask`` handed to the model: it would be ignored (padding
+  reaches CP attention through the sharded batch) -> ``ValueError`` with the fix.
+
+Calls on unsharded tensors outside ``ctx()`` (evaluation, generation) are not affected.
+
+It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
+raised and the loop caught the exception, this rank is out of step with its peers (they wait in
+that forward's collectives): the next :func:`prepare_cp_forward` then raises on this rank before
+any collective, so the run ends (the peers fail within the process-group timeout) instead of
+pairing unrelated collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from cpshard.attention.context import active_mode
+from cpshard.sharder import batch_tag, same_shard
+
+__all__ = ["install_model_guard"]
+
+_LOSS_FIX = (
+    "compute the loss from the logits with the global token count instead, e.g. "
+    "loss = cpshard.loss.cp_cross_entropy(logits, local['labels'], "
+    "num_tokens=cpshard.loss.count_tokens(batch['labels']))"
+)
+
+
+class _ModelGuard:
+    """The forward pre/post hooks of one prepared model."""
+
+    def __init__(self) -> None:
+        self.in_flight = False  # a forward under a multi-rank ctx() started and did not finish
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        _check_call(module, args, kwargs)
+        mode = active_mode()
+        if mode is not None and mode.group is not None:
+            self.in_flight = True
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self.in_flight = False
+
+
+def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if kwargs.get("_pre_embed_only"):  # the dispatcher's model-hook call
+        return
+    tags = [t for t in (batch_tag(v) for v in (*args, *kwargs.values())) if t is not None]
+    mode = active_mode()
+    if mode is None:
+        if tags:
+            raise ValueError(
+                f"{type(module).__name__} was prepared for CP and called on a sharded batch "
+                "outside its ctx(): attention would only see this rank's shard (silently wrong "
+                "at cp > 1). Run the forward inside the context: `with ctx(): "
+                "out = model(**local)`"
+            )
+        return
+    if not all(same_shard(t, mode.meta) for t in tags):
+        raise ValueError(
+            f"{type(module).__name__} got a local tensor of another batch than the one its "
+            "ctx() was made for; use the ctx returned together with this batch"
+        )
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            f"{type(module).__name__} got `labels` inside ctx(): its own loss would shift the "
+            "(already shifted) labels again and average over this rank's tokens only. Do not "
+            f"pass labels to the model under CP; {_LOSS_FIX}"
+        )
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            f"{type(module).__name__} got an `attention_mask` inside ctx(), which CP attention "
+            "cannot use (masks come from the sharded batch's token meta). Put the padding in the "
+            "batch given to prepare_cp_forward (attention_mask or padding_mask) and call the "
+            "model without it, e.g. model(input_ids=local['input_ids'], "
+            "position_ids=local['position_ids'])"
+        )
+
+
+def install_model_guard(model: nn.Module, cp_size: int) -> None:
+    """Register the call-time guard on ``model`` once; raise if this rank is out of step.
+
+    Raises:
+        RuntimeError: the model's previous forward under a multi-rank ``ctx()`` raised on this
+            rank and the exception was caught (only at ``cp_size > 1``).
+    """
+    for hook in model._forward_pre_hooks.values():
+        guard = getattr(hook, "__self__", None)
+        if isinstance(guard, _ModelGuard):
+            if guard.in_flight and cp_size > 1:
+                raise RuntimeError(
+                    f"the previous forward of {type(model).__name__} under a CP ctx() raised on "
+                    "this rank and the exception was caught: the CP ranks are now out of step "
+                    "(the others wait in that forward's collectives), and continuing would pair "
+                    "unrelated collectives. Do not continue a CP loop after an exception inside "
+                    "a step: re-raise it (the other ranks then fail within the process-group "
+                    "timeout) and restart from a checkpoint"
+                )
+            return
+    guard = _ModelGuard()
+    model.register_forward_pre_hook(guard.pre, with_kwargs=True)
+    model.register_forward_hook(guard.post, with_kwargs=True)

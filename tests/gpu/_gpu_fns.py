@@ -1,0 +1,72 @@
+"""Shared GPU-tier helpers: one CP case on CUDA, and spawned rank workers.
+
+Rank workers are *spawned* (never forked: a parent that has used CUDA cannot fork a child that
+uses it), so they live in this importable module.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from torch.testing import assert_close
+
+from _attention_common import inputs, make_case, make_meta, reference_with_grads
+from cpshard.attention import cp_sdpa
+
+TOL = {
+    torch.float32: (2e-4, 2e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (1e-2, 1e-2),
+}
+
+
+def cp_case(
+    world: int, rank: int, dtype: torch.dtype, method: str, device: str, layout: str = "round_robin"
+) -> None:
+    """cp_sdpa on ``device`` for this rank's shard, forward and backward vs an fp64 reference."""
+    rmap, docs = make_case(layout, world, 61, 2, 3, 0, 1)
+    q, k, v, go = inputs(2, 8, 4, rmap.numel(), 16, 0)
+    ref = reference_with_grads(q, k, v, go, docs, True)
+    idx = rmap[rank]
+    local = [t.index_select(2, idx).to(device, dtype).requires_grad_() for t in (q, k, v)]
+    group = torch.distributed.group.WORLD if world > 1 else None
+    out = cp_sdpa(*local, group=group, meta=make_meta(rmap, docs, rank).to(device), method=method)
+    out.backward(go.index_select(2, idx).to(device, dtype))
+    rtol, atol = TOL[dtype]
+    got = [out, *(t.grad for t in local)]
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        assert g is not None
+        assert_close(
+            g.double().cpu(), r.index_select(2, idx), rtol=rtol, atol=atol,
+            msg=lambda m, name=name: f"rank {rank}/{world} {method} {dtype} {name}: {m}",
+        )  # fmt: skip
+
+
+def gloo_one_gpu_worker(
+    rank: int, world: int, port: int, dtype_name: str, methods: list[str]
+) -> None:
+    """Several CP ranks sharing ``cuda:0`` over gloo (collectives staged through host memory)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    try:
+        for method in methods:
+            for layout in ("round_robin", "random"):
+                cp_case(world, rank, getattr(torch, dtype_name), method, "cuda:0", layout)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def nccl_worker(rank: int, world: int, port: int, method: str) -> None:
+    """One rank per GPU over NCCL."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        cp_case(world, rank, torch.float32, method, f"cuda:{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
