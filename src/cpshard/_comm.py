@@ -240,6 +240,14 @@ def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float =
     )
 
 
+def init_launched(backend: str, *, timeout_s: float) -> None:
+    """Join the process group a launcher such as ``torchrun`` describes in the environment
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), with a finite timeout."""
+    from datetime import timedelta
+
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+
 def destroy_process_group() -> None:
     """Leave the default process group if one is initialised."""
     if dist.is_initialized():
