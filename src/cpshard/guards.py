@@ -15,6 +15,11 @@ the call itself carries (the local batch tensors carry the identity of the shard
 
 Calls on unsharded tensors outside ``ctx()`` (evaluation, generation) are not affected.
 
+HF gradient checkpointing is checked at prepare: its recomputation runs in ``backward()``, outside
+any CP context, so it must be non-reentrant with
+``context_fn=cpshard.attention.checkpoint_context_fn`` (else attention would be recomputed as local
+attention: silently wrong gradients) -> ``ValueError`` with the fix.
+
 It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
 raised and the loop caught the exception, this rank is out of step with its peers (they wait in
 that forward's collectives): the next :func:`prepare_cp_forward` then raises on this rank before
@@ -24,14 +29,15 @@ pairing unrelated collectives.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
 
-from cpshard.attention.context import active_mode
+from cpshard.attention.context import active_mode, checkpoint_context_fn
 from cpshard.sharder import batch_tag, same_shard
 
-__all__ = ["install_model_guard"]
+__all__ = ["check_gradient_checkpointing", "install_model_guard"]
 
 _LOSS_FIX = (
     "compute the loss from the logits with the global token count instead, e.g. "
@@ -91,13 +97,45 @@ def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         )
 
 
+def check_gradient_checkpointing(model: nn.Module) -> None:
+    """Raise unless HF gradient checkpointing (if enabled) recomputes under the CP context.
+
+    Raises:
+        ValueError: a module checkpoints with the reentrant variant, or without
+            ``context_fn=cpshard.attention.checkpoint_context_fn``.
+    """
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is not True:
+            continue
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is None:
+            continue
+        kwargs = func.keywords if isinstance(func, functools.partial) else {}
+        if kwargs.get("use_reentrant", True) is not False:
+            problem = "uses reentrant checkpointing, whose recomputation cannot see the CP context"
+        elif kwargs.get("context_fn") is not checkpoint_context_fn:
+            problem = "checkpoints without cpshard's recompute context"
+        else:
+            continue
+        raise ValueError(
+            f"{type(model).__name__} has gradient checkpointing enabled (module "
+            f"{name or type(module).__name__!r}) and {problem}: backward() would recompute "
+            "attention as local attention of this rank's shard (silently wrong gradients under "
+            "CP). Enable it as model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False, 'context_fn': cpshard.attention.checkpoint_context_fn})"
+        )
+
+
 def install_model_guard(model: nn.Module, cp_size: int) -> None:
     """Register the call-time guard on ``model`` once; raise if this rank is out of step.
 
     Raises:
         RuntimeError: the model's previous forward under a multi-rank ``ctx()`` raised on this
             rank and the exception was caught (only at ``cp_size > 1``).
+        ValueError: HF gradient checkpointing that would recompute attention outside CP (see
+            :func:`check_gradient_checkpointing`).
     """
+    check_gradient_checkpointing(model)
     for hook in model._forward_pre_hooks.values():
         guard = getattr(hook, "__self__", None)
         if isinstance(guard, _ModelGuard):
