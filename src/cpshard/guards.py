@@ -8,6 +8,8 @@ the call itself carries (the local batch tensors carry the identity of the shard
   :func:`cpshard.attention.suspend`): attention would silently be shard-local -> ``ValueError``;
 * inside ``ctx()``, a local tensor of *another* batch (a stale ctx, or a ctx of a newer batch)
   -> ``ValueError``;
+* inside ``ctx()``, a sharded batch without ``position_ids`` (when the forward takes them): the
+  model would number the local tokens ``0..L-1`` -> ``ValueError`` with the fix;
 * inside ``ctx()``, ``labels`` handed to the model: an HF model would shift the pre-shifted labels
   again and average over the local tokens only -> ``ValueError`` with the fix;
 * inside ``ctx()``, an ``attention_mask`` handed to the model: it would be ignored (padding
@@ -30,6 +32,7 @@ pairing unrelated collectives.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 from torch import nn
@@ -95,6 +98,25 @@ def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "model without it, e.g. model(input_ids=local['input_ids'], "
             "position_ids=local['position_ids'])"
         )
+    if tags and _omits_position_ids(module, args, kwargs):
+        raise ValueError(
+            f"{type(module).__name__} got a sharded batch inside ctx() without `position_ids`: "
+            "it would number this rank's tokens 0..L-1 (RoPE / position embeddings silently "
+            "wrong, for packed rows at cp=1 too). Pass the sharded batch's global positions, "
+            "e.g. model(input_ids=local['input_ids'], position_ids=local['position_ids'])"
+        )
+
+
+def _omits_position_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``module``'s forward takes ``position_ids`` and this call leaves it ``None``."""
+    if kwargs.get("position_ids") is not None:
+        return False
+    try:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return "position_ids" in sig.parameters and bound.arguments.get("position_ids") is None
 
 
 def check_gradient_checkpointing(model: nn.Module) -> None:

@@ -210,11 +210,25 @@ def hf_calls_under_ctx(cp_mesh: DeviceMesh, case: str) -> str:
     elif case == "outside_ctx":
         with pytest.raises(ValueError, match="outside its ctx") as info:
             model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    elif case == "no_position_ids":  # HF would number the local tokens 0..L-1: RoPE wrong
+        with pytest.raises(ValueError, match="without `position_ids`") as info, ctx():
+            model(input_ids=local["input_ids"])
     else:
         raise AssertionError(case)
     assert "cp_cross_entropy" in str(info.value) or case != "labels"
     with ctx():  # the documented call works
         model(**{k: v for k, v in local.items() if k != "labels"})
+    return str(info.value)
+
+
+def plain_model_without_position_ids(cp_mesh: DeviceMesh) -> str:
+    """A plain model whose forward defaults position_ids to 0..L-1 raises under ctx()."""
+    model = _tiny()
+    ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, _base(True))
+    with pytest.raises(ValueError, match="without `position_ids`") as info, ctx():
+        model(local["input_ids"])
+    with ctx():  # positional position_ids count as given
+        model(local["input_ids"], local["position_ids"])
     return str(info.value)
 
 

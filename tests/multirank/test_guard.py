@@ -9,6 +9,7 @@ from _guard_fns import (
     divergent_gather,
     hf_calls_under_ctx,
     no_aliasing,
+    plain_model_without_position_ids,
     routing,
     same_batch_passes,
     stale_state,
@@ -83,9 +84,15 @@ def test_stale_state_raises_everywhere(ranks: Ranks, world: int, case: str) -> N
     assert len(set(msgs)) == 1
 
 
-@pytest.mark.parametrize("case", ["labels", "attention_mask", "outside_ctx"])
+@pytest.mark.parametrize("case", ["labels", "attention_mask", "outside_ctx", "no_position_ids"])
 def test_hf_calls_under_ctx_raise(ranks: Ranks, case: str) -> None:
     msgs = ranks(2, hf_calls_under_ctx, case, timeout=30)
+    assert len(set(msgs)) == 1
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_model_without_position_ids_raises(ranks: Ranks, world: int) -> None:
+    msgs = ranks(world, plain_model_without_position_ids, timeout=30)
     assert len(set(msgs)) == 1
 
 
