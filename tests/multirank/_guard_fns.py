@@ -232,6 +232,22 @@ def plain_model_without_position_ids(cp_mesh: DeviceMesh) -> str:
     return str(info.value)
 
 
+def reference_model_on_policy_batch(cp_mesh: DeviceMesh) -> None:
+    """A second HF model (a reference model) prepared on the policy's batch and run under its own
+    ctx on the policy's local tensors: its logits equal one process's."""
+    policy, ref = _llama(cp_mesh), _llama(cp_mesh)
+    batch = _base(False)
+    _, local, sharder = cpshard.prepare_cp_forward(policy, cp_mesh, batch)
+    call = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+    ctx_ref, _, _ = cpshard.prepare_cp_forward(ref, cp_mesh, batch)
+    with torch.no_grad(), ctx_ref():
+        got = sharder.gather_token_tensor(ref(**call).logits, trim=True)
+    with torch.no_grad():
+        want = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
 def routing(cp_mesh: DeviceMesh) -> None:
     """Non-causal same-length SDPA is never routed; suspend() exempts a region."""
     import warnings

@@ -10,6 +10,7 @@ from _guard_fns import (
     hf_calls_under_ctx,
     no_aliasing,
     plain_model_without_position_ids,
+    reference_model_on_policy_batch,
     routing,
     same_batch_passes,
     stale_state,
@@ -94,6 +95,11 @@ def test_hf_calls_under_ctx_raise(ranks: Ranks, case: str) -> None:
 def test_model_without_position_ids_raises(ranks: Ranks, world: int) -> None:
     msgs = ranks(world, plain_model_without_position_ids, timeout=30)
     assert len(set(msgs)) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reference_model_under_its_own_ctx(ranks: Ranks, world: int) -> None:
+    ranks(world, reference_model_on_policy_batch, timeout=30)
 
 
 def test_routing_and_suspend(ranks: Ranks) -> None:

@@ -147,9 +147,13 @@ class _CPSDPAMode(TorchFunctionMode):
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask inside "
                 "cp_attention_context; under CP the mask comes from the token meta (document ids "
-                "and global positions, padding included): pass attn_mask=None and is_causal; "
-                "wrap a module that is not attention over the sharded sequence in "
-                "cpshard.attention.suspend()"
+                "and global positions, padding included): pass attn_mask=None and is_causal. "
+                "An HF transformers model builds such a mask unless it runs inside its own "
+                "prepared ctx: for a second model on this batch (e.g. a reference model) call "
+                "ctx_ref, _, _ = cpshard.prepare_cp_forward(ref_model, cp_mesh, batch) and run it "
+                "under `with ctx_ref():` (the local tensors of both prepares are interchangeable). "
+                "Only a module that is NOT attention over the sharded sequence may be wrapped in "
+                "cpshard.attention.suspend() (it then runs local attention)"
             )
         if call["dropout_p"] != 0.0:
             raise ValueError(
