@@ -248,6 +248,26 @@ def reference_model_on_policy_batch(cp_mesh: DeviceMesh) -> None:
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
 
 
+def ddp_wrapped_hf_model(cp_mesh: DeviceMesh) -> None:
+    """A DDP-wrapped HF model is looked through: CP attention under ctx(), equal to one process."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _llama(cp_mesh)
+    wrapped = DistributedDataParallel(model)  # as Accelerate / TRL wrap it
+    batch = _base(False)
+    ctx, local, sharder = cpshard.prepare_cp_forward(wrapped, cp_mesh, batch)
+    with torch.no_grad(), ctx():
+        out = wrapped(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    got = sharder.gather_token_tensor(out, trim=True)
+    assert model.config._attn_implementation == "sdpa"  # its own attention again outside ctx()
+    with torch.no_grad():
+        want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="outside its ctx"):  # the guard sees wrapper calls
+        wrapped(input_ids=local["input_ids"], position_ids=local["position_ids"])
+
+
 def routing(cp_mesh: DeviceMesh) -> None:
     """Non-causal same-length SDPA is never routed; suspend() exempts a region."""
     import warnings

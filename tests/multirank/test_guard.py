@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from _guard_fns import (
     bad_inputs_everywhere,
+    ddp_wrapped_hf_model,
     divergent_batch,
     divergent_gather,
     hf_calls_under_ctx,
@@ -100,6 +101,11 @@ def test_model_without_position_ids_raises(ranks: Ranks, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_reference_model_under_its_own_ctx(ranks: Ranks, world: int) -> None:
     ranks(world, reference_model_on_policy_batch, timeout=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_wrapped_hf_model(ranks: Ranks, world: int) -> None:
+    ranks(world, ddp_wrapped_hf_model, timeout=30)
 
 
 def test_routing_and_suspend(ranks: Ranks) -> None:
