@@ -127,8 +127,8 @@ def check_gradient_checkpointing(model: nn.Module) -> None:
             ``context_fn=cpshard.attention.checkpoint_context_fn``.
     """
     for name, module in model.named_modules():
-        if getattr(module, "gradient_checkpointing", False) is not True:
-            continue
+        if getattr(module, "gradient_checkpointing", False) is not True or not module.training:
+            continue  # HF checkpoints only in training mode (eval / log-prob passes are fine)
         func = getattr(module, "_gradient_checkpointing_func", None)
         if func is None:
             continue

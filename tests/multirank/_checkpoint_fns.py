@@ -120,6 +120,9 @@ def hf_checkpointed(cp_mesh: DeviceMesh, case: str) -> str:
         return "ok"
     kwargs = {"use_reentrant": True} if case == "reentrant" else {"use_reentrant": False}
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.eval()  # a log-prob pass in eval mode recomputes nothing: allowed
+    cpshard.prepare_cp_forward(model, cp_mesh, _batch())
+    model.train()
     with pytest.raises(ValueError, match="gradient_checkpointing_kwargs") as info:
         cpshard.prepare_cp_forward(model, cp_mesh, _batch())
     return str(info.value)
