@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/cpshard parity
+	OMP_NUM_THREADS=1 $(BIN)/cpshard parity
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

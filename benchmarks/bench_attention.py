@@ -136,7 +136,7 @@ def _single(cfg: dict[str, int], reps: int, threads: int, out: Any) -> None:
     rss = _peak_mb() - rss0
     for x in (q, k, v):
         x.grad = None
-    out.put((0, t, rss, *_alloc_profile(fwd, bwd)))
+    out.put((0, t, rss, *_alloc_profile(fwd, bwd), 1.0))
 
 
 def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out: Any) -> None:
@@ -146,6 +146,7 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
     import torch.distributed as dist
 
     from cpshard.attention import cp_sdpa
+    from cpshard.attention.plan import attention_plan
     from cpshard.layouts import RoundRobinLayout
     from cpshard.meta import TokenMeta
 
@@ -157,6 +158,7 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
     rmap = RoundRobinLayout().rank_map(2, s)
     stream = rmap.reshape(1, -1)
     meta = TokenMeta(rank, 2, stream, torch.zeros_like(stream))
+    computed, needed = attention_plan(meta).pair_counts(method)
     # local shards only (values do not matter for timing), so the peak RSS is the rank's own
     ql, kl, vl, gl = _inputs(s // 2, cfg["hq"], cfg["hkv"], cfg["d"])
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
@@ -173,11 +175,11 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
     for x in (ql, kl, vl):
         x.grad = None
     dist.barrier()
-    out.put((rank, t, rss, *_alloc_profile(fwd, bwd)))
+    out.put((rank, t, rss, *_alloc_profile(fwd, bwd), computed / needed))
     dist.destroy_process_group()
 
 
-def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float, float, float]:
+def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float, float, float, float]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     with socket.socket() as sock:
@@ -197,6 +199,7 @@ def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float, float, flo
         max(r[2] for r in res),
         max(r[3] for r in res),
         max(r[4] for r in res),
+        max(r[5] for r in res),
     )
 
 
@@ -259,13 +262,13 @@ def main() -> None:
         "| S | Hq/Hkv | run | fwd+bwd s | efficiency t_single/t_cp | per-core efficiency "
         "t_1thread/(2 t) | fwd MB sent/rank/layer | formula (C-1)/C*S*2*Hkv*D*b MB "
         "| peak RSS delta MB/rank | tensor peak MB/rank | saved at bwd start MB/rank "
-        "| tensor peak / single |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| tensor peak / single | pairs computed / needed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
         f"| {s} | {h} | {name} | {t:.3f} | {eff:.2f} | {core:.2f} | {b / 2**20:.2f} "
-        f"| {f / 2**20:.2f} | {m:.0f} | {peak:.1f} | {saved:.1f} | {ratio:.2f} |\n"
-        for s, h, name, t, eff, core, b, f, m, peak, saved, ratio in rows
+        f"| {f / 2**20:.2f} | {m:.0f} | {peak:.1f} | {saved:.1f} | {ratio:.2f} | {pairs:.3f} |\n"
+        for s, h, name, t, eff, core, b, f, m, peak, saved, pairs, ratio in rows
     )
     cmd = "OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_attention.py" + (
         " --long" if args.long else ""

@@ -32,6 +32,7 @@ import argparse
 import itertools
 import math
 import os
+import queue
 import socket
 import statistics
 import time
@@ -225,21 +226,24 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _rank_worker(rank: int, world: int, port: int, s: int, dev: str, force: bool, res: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if force:  # the dry run stages CPU tensors too, through the same code path as CUDA ones
-        from unittest import mock
-
-        from cpshard import _comm
-
-        mock.patch.object(_comm, "_staged", return_value=True).start()
-    torch.set_num_threads(1)
-    device = torch.device(dev)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
+    """One CP rank on ``dev`` (every rank on the same device); always answers on ``res``."""
     try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if force:  # the dry run stages CPU tensors too, through the same code path as CUDA ones
+            from unittest import mock
+
+            from cpshard import _comm
+
+            mock.patch.object(_comm, "_staged", return_value=True).start()
+        torch.set_num_threads(1)
+        device = torch.device(dev)
+        if device.type == "cuda":
+            # set_device needs an index ("cuda" alone raises); every rank shares this GPU.
+            device = torch.device("cuda", 0 if device.index is None else device.index)
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         lens = _doc_lengths(s, seed=7)
         q, k, v, go = _qkv(s, device, seed=2)
         meta_full = _meta_single(lens, device)
@@ -261,13 +265,16 @@ def _rank_worker(rank: int, world: int, port: int, s: int, dev: str, force: bool
                 _rel_err(a.detach(), b.detach().index_select(2, idx)) for a, b in pairs
             )
         res.put((rank, errs, None))
-    except Exception:
+    except BaseException:
         res.put((rank, None, traceback.format_exc()))
     finally:
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
-def bench_ranks(world: int, s: int, device: torch.device, force: bool) -> list[dict[str, Any]]:
+def bench_ranks(
+    world: int, s: int, device: torch.device, force: bool, timeout_s: float = 120.0
+) -> list[dict[str, Any]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -282,11 +289,15 @@ def bench_ranks(world: int, s: int, device: torch.device, force: bool) -> list[d
     for p in procs:
         p.start()
     got = []
-    try:
-        for _ in range(world):
-            got.append(res.get(timeout=180))
-    except Exception as e:
-        got.append((-1, None, f"no answer: {_short(e)}"))
+    deadline = time.monotonic() + timeout_s
+    while len(got) < world and time.monotonic() < deadline:
+        try:
+            got.append(res.get(timeout=2))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and res.empty():
+                break  # every rank is gone (e.g. killed) and nothing more will come
+    if len(got) < world:
+        got.append((-1, None, f"{world - len(got)} rank(s) gave no answer within {timeout_s} s"))
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
@@ -338,6 +349,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="32768,131072", help="comma-separated S (GPU)")
     ap.add_argument("--world", type=int, default=2, help="ranks sharing the GPU")
     ap.add_argument("--out", default="", help="also write the table to this file")
+    ap.add_argument(
+        "--budget-s", type=float, default=140.0,
+        help="start no new step after this many seconds (the rest is reported as skipped)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.dry_run:
         device, sizes, warmup, iters, rank_s = torch.device("cpu"), [512, 1024], 0, 1, 256
@@ -345,25 +360,41 @@ def main() -> None:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run with --dry-run on CPU")
-        device = torch.device("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
         sizes = [int(x) for x in args.sizes.split(",")]
         warmup, iters, rank_s = 2, 5, 8192
         name = torch.cuda.get_device_name(device)
-    rows: list[dict[str, Any]] = []
-    for s in sizes:
-        rows += bench_dense(s, device, warmup, iters)
-        rows += bench_packed(s, device, warmup, iters)
-        print(_table(rows, f"(partial, S={s})"), flush=True)
-    rows += bench_ranks(args.world, rank_s, device, force=args.dry_run)
     header = (
         f"GPU: {name}; torch {torch.__version__}; bf16, B=1, Hq={HQ}, Hkv={HKV}, D={D}, causal, "
         f"fwd+bwd, median of {iters} after {warmup} warm-up"
     )
-    table = _table(rows, header)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    # Correctness of several ranks on the one GPU first (small, and the point of the run), then
+    # the timings from small to large; the table is rewritten after every step, so a run cut
+    # short by the caller's timeout still leaves every finished row in --out.
+    steps: list[tuple[str, int, Callable[[], list[dict[str, Any]]]]] = [
+        (f"ranks={args.world}", rank_s,
+         lambda: bench_ranks(args.world, rank_s, device, force=args.dry_run)),
+    ]  # fmt: skip
+    for s in sizes:
+        steps.append(("dense", s, lambda s=s: bench_dense(s, device, warmup, iters)))
+        steps.append(("packed", s, lambda s=s: bench_packed(s, device, warmup, iters)))
+    start = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    for case, s, step in steps:
+        if time.monotonic() - start > args.budget_s:
+            rows.append({"case": case, "S": s, "what": "-", "error": "skipped: time budget"})
+            continue
+        try:
+            rows += step()
+        except Exception as e:  # e.g. the baseline itself failed or ran out of memory
+            rows.append({"case": case, "S": s, "what": "-", "error": _short(e)})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        table = _table(rows, header)
+        print(table + "\n", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(table + "\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # attention benchmark (dense and packed at cp=1 vs torch flash SDPA, several ranks on the one GPU).
 #
 # Usage, from anywhere inside the repository:
-#   bash benchmarks/gpu_check.sh             # on a CUDA machine; table also in $OUT or ./gpu_check_results.md
+#   bash benchmarks/gpu_check.sh             # on a CUDA machine; table and test log also in
+#                                            # $OUT (or ./): gpu_check_results.md, gpu_tests.log
 #   bash benchmarks/gpu_check.sh --dry-run   # CPU: code paths of the benchmark only, tiny sizes
 # PYTHON selects the interpreter (default python3). Runs from the source tree (PYTHONPATH=src).
 set -uo pipefail
@@ -25,11 +26,14 @@ fi
 
 # addopts is cleared: the repo's addopts deselect the gpu marker and use --strict-config, which
 # fails where pytest-timeout (the ini's `timeout`) is not installed.
-timeout 300 "$PY" -m pytest tests/gpu -m gpu -q -o addopts="" -p no:cacheprovider -rs
-tests_rc=$?
-echo "tests/gpu exit code: $tests_rc"
+# The full pytest log also goes to $OUT (the device runner returns only the output's tail).
+DEST="${OUT:-$PWD}"  # $OUT: the device runner's output folder
+timeout 300 "$PY" -m pytest tests/gpu -m gpu -q -o addopts="" -p no:cacheprovider -rs \
+  --tb=short 2>&1 | tee "$DEST/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+echo "tests/gpu exit code: $tests_rc (log in $DEST/gpu_tests.log)"
 
-RESULTS="${OUT:-$PWD}/gpu_check_results.md"  # $OUT: the device runner's output folder
+RESULTS="$DEST/gpu_check_results.md"
 timeout 170 "$PY" benchmarks/bench_gpu.py --out "$RESULTS"
 bench_rc=$?
 echo "benchmark exit code: $bench_rc (table in $RESULTS)"

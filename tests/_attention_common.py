@@ -75,6 +75,8 @@ def reference(
     docs: torch.Tensor,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain masked softmax attention in fp64 on the global sequence (positions = arange)."""
     p = q.shape[-2]
@@ -84,8 +86,13 @@ def reference(
     vis = docs[:, :, None] == docs[:, None, :]
     if causal:
         vis = vis & torch.ones(p, p, dtype=torch.bool).tril()
+    if window is not None:
+        pos = torch.arange(p)
+        vis = vis & (pos[:, None] - pos[None, :] < window)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q.double() @ k.transpose(-1, -2)) * sc
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~vis[:, None], float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 
@@ -97,10 +104,12 @@ def reference_with_grads(
     go: torch.Tensor,
     docs: torch.Tensor,
     causal: bool,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference output and ``(dq, dk, dv)`` for the upstream gradient ``go`` (global order)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = reference(q, k, v, docs, causal)
+    out = reference(q, k, v, docs, causal, window=window, softcap=softcap)
     out.backward(go.double())
     assert q.grad is not None
     assert k.grad is not None

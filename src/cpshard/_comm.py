@@ -240,6 +240,14 @@ def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float =
     )
 
 
+def init_launched(backend: str, *, timeout_s: float) -> None:
+    """Join the process group a launcher such as ``torchrun`` describes in the environment
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), with a finite timeout."""
+    from datetime import timedelta
+
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+
 def destroy_process_group() -> None:
     """Leave the default process group if one is initialised."""
     if dist.is_initialized():
@@ -264,7 +272,7 @@ def all_reduce_sum_mesh_(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tens
         return t
     for dim in range(mesh.ndim):
         if mesh.size(dim) > 1:
-            dist.all_reduce(t, group=mesh.get_group(dim))
+            all_reduce_sum_(t, mesh.get_group(dim))
     return t
 
 
@@ -275,7 +283,7 @@ def all_reduce_sum_coalesced_(tensors: Sequence[torch.Tensor], group: ProcessGro
         buckets.setdefault((t.dtype, t.device), []).append(t)
     for bucket in buckets.values():
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
+        all_reduce_sum_(flat, group)  # host-staged where the group cannot move this device
         offset = 0
         for t in bucket:
             n = t.numel()

@@ -38,6 +38,7 @@ from cpshard.packed_layouts import (
 from cpshard.packing import PackSpec
 
 __all__ = [
+    "COLUMNS",
     "DISTRIBUTIONS",
     "BalanceReport",
     "all_plans",
@@ -50,6 +51,22 @@ __all__ = [
 ]
 
 PTRR_BLOCK = 128
+
+# Every column of the balance table (``cpshard balance``), defined once for its output and --help.
+COLUMNS: dict[str, str] = {
+    "batch": "the packed batch: length distribution, tokens per row, sampling seed",
+    "C": "CP size (number of ranks)",
+    "layout": "how tokens are assigned to ranks (torch_*: torch 2.13's own load balancers)",
+    "imbalance": "max / mean causal attention work per rank; work = (query, key) pairs under "
+    "the document-causal mask; 1.0 is perfect, the slowest rank sets the step time",
+    "padding": "(padded length - real tokens) / real tokens: extra slots the layout adds",
+    "remote K/V max": "max over ranks of the key tokens its queries attend to that live on "
+    "other ranks, / padded length (what a selective K/V exchange moves; all-gather and ring "
+    "move (C-1)/C regardless)",
+    "remote K/V mean": "the same, averaged over ranks",
+    "plan ms": "wall time to build the layout's plan (rank map, stream facts, checks), "
+    "after one untimed warm-up pass over every layout",
+}
 DISTRIBUTIONS = ("lognormal", "corpus")
 LOGNORMAL_MU = 7.5
 LOGNORMAL_SIGMA = 1.2

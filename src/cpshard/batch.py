@@ -371,8 +371,18 @@ def shard_batch_dense(
             continue
         t = _pad(out[key], dim, padded - seq_len, _pad_value(key, padding_token_id, extra))
         out[key] = t.index_select(dim, local).contiguous()
-    factory = functools.partial(_attention_context, cp_mesh, meta, attention)
+    factory = _attention_factory(cp_mesh, meta, attention)
     return CPContext(factory, facts), out
+
+
+def _attention_factory(
+    cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str
+) -> functools.partial[AbstractContextManager[Any]]:
+    """The batch's context factory; its attention plan is built here, once, at shard time."""
+    from cpshard.attention.plan import attention_plan
+
+    attention_plan(meta).for_method(method, True, None, meta.positions.device)
+    return functools.partial(_attention_context, cp_mesh, meta, method)
 
 
 def _attention_context(

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard import _comm
 from cpshard.batch import (
     TokenKey,
-    _attention_context,
+    _attention_factory,
     _pad_value,
     attention_mask_to_padding_mask,
     normalize_batch,
@@ -187,7 +187,7 @@ def shard_batch_packed(
         rank_map=rank_map,
         token_meta=meta,
     )
-    factory = functools.partial(_attention_context, cp_mesh, meta, attention)
+    factory = _attention_factory(cp_mesh, meta, attention)
     return CPContext(factory, facts), out
 
 

@@ -12,7 +12,8 @@ no real token ever sees a pad, and no row is fully masked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,12 +48,15 @@ class TokenMeta:
             the causal order.
         document_ids: LongTensor ``[B or 1, C * L]``: document of each token; pads are negative
             and unique (see :func:`pad_document_ids`).
+        plan_cache: Per-batch cache of derived plans (the attention plan of
+            :func:`cpshard.attention.plan.attention_plan`); not part of equality.
     """
 
     rank: int
     world_size: int
     positions: torch.Tensor
     document_ids: torch.Tensor
+    plan_cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 2 or self.document_ids.dim() != 2:

@@ -28,6 +28,8 @@ def cp_attention_case(
     n_docs: int = 3,
     seed: int = 0,
     backend: str = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Local output and gradients of ``cp_sdpa`` for one case (inputs sharded from global)."""
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -45,7 +47,7 @@ def cp_attention_case(
     meta = make_meta(rmap, docs, rank)
     out = cp_sdpa(
         ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
-        backend=backend,  # type: ignore[arg-type]
+        backend=backend, window=window, softcap=softcap,  # type: ignore[arg-type]
     )  # fmt: skip
     (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
     assert ql.grad is not None
@@ -55,7 +57,12 @@ def cp_attention_case(
 
 
 def cp_attention_error(
-    cp_mesh: DeviceMesh, method: str, heads: tuple[int, int], seq_len: int
+    cp_mesh: DeviceMesh,
+    method: str,
+    heads: tuple[int, int],
+    seq_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> str:
     """The ValueError message ``cp_sdpa`` raises on this rank (every rank must raise)."""
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -66,6 +73,7 @@ def cp_attention_error(
         cp_sdpa(
             q.index_select(2, idx), k.index_select(2, idx), v.index_select(2, idx),
             group=cp_group(cp_mesh), meta=make_meta(rmap, docs, rank), method=method,
+            window=window, softcap=softcap,
         )  # fmt: skip
     except ValueError as e:
         return str(e)
@@ -115,17 +123,32 @@ def tiny_module_case(
 
 
 def tiny_hf_model(arch: str) -> Any:
-    """A tiny random-init Llama or Qwen2 causal LM in fp64 (fixed seed, no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random-init causal LM in fp64 (fixed seed, no download).
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[arch]
-    cfg = config_cls(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-    )  # fmt: skip
+    ``llama``, ``qwen2``; with sliding windows of 3 tokens: ``mistral`` (every layer),
+    ``qwen2_sw`` / ``qwen3_sw`` (``use_sliding_window``; layer 0 full, layer 1 windowed),
+    ``gemma2`` (alternating windowed / full layers and score soft-capping).
+    """
+    import transformers as tf
+
+    small = {
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False,
+    }  # fmt: skip
+    window = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
+    config_cls, model_cls, extra = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 3}),
+        "qwen2_sw": (tf.Qwen2Config, tf.Qwen2ForCausalLM, window),
+        "qwen3_sw": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {**window, "head_dim": 8}),
+        "gemma2": (
+            tf.Gemma2Config, tf.Gemma2ForCausalLM,
+            {"sliding_window": 3, "attn_logit_softcapping": 2.0, "head_dim": 8,
+             "initializer_range": 0.5},  # large weights: scores of a few units, capped
+        ),
+    }[arch]  # fmt: skip
+    cfg = config_cls(**small, **extra)
     torch.manual_seed(0)
     return model_cls(cfg).to(torch.float64)
 
@@ -248,3 +271,33 @@ def hf_public_case(
         "loss": float(total),
         "grads": grads if cp_mesh.get_local_rank() == 0 else {},
     }
+
+
+def compiled_module_case(cp_mesh: DeviceMesh | None, method: str, fullgraph: bool) -> Any:
+    """:class:`TinyAttention` under ``ctx()``: eager vs ``torch.compile`` output and grads.
+
+    The batch is sharded by :func:`cpshard.prepare_cp_forward`'s machinery (the plan is built at
+    shard time), then the compiled module runs twice (the second call must reuse the graph).
+    """
+    import torch._dynamo
+
+    from cpshard import make_cp_batch_and_ctx
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyAttention(16, 4, 2)
+    x = torch.randn(2, 21, 16, dtype=torch.float64)
+    memory = torch.randn(2, 5, 4, dtype=torch.float64)
+    ctx, batch, _ = make_cp_batch_and_ctx(
+        cp_mesh, {"inputs_embeds": x}, attention=method, layout="round_robin"
+    )
+    xl = batch["inputs_embeds"]
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=fullgraph, dynamic=False)):
+        for _ in range(2):
+            model.zero_grad()
+            with ctx():
+                y = fn(xl, memory)
+            y.pow(2).sum().backward()
+        results.append((y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results

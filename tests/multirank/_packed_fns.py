@@ -173,7 +173,12 @@ def random_seq_lens(seed: int, rows: int, row_len: int) -> list[list[int]]:
 
 
 def _reference_grads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, spec: PackSpec
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    go: torch.Tensor,
+    spec: PackSpec,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """fp64 one-process attention in caller coordinates ``[B, S, H, D]``: each document attends
     causally within itself (pads see only themselves); output and ``(dq, dk, dv)``."""
@@ -182,7 +187,7 @@ def _reference_grads(
 
     docs = pad_document_ids(spec.document_ids(), spec.padding_mask())
     out, dq, dk, dv = reference_with_grads(
-        *(t.transpose(1, 2) for t in (q, k, v, go)), docs, causal=True
+        *(t.transpose(1, 2) for t in (q, k, v, go)), docs, causal=True, window=window
     )
     return tuple(t.transpose(1, 2) for t in (out, dq, dk, dv))
 
@@ -213,12 +218,25 @@ def packed_attention_lens(
     return _attention_case(cp_mesh, layout, spec, {"seq_lens": seq_lens}, 0)
 
 
+def packed_attention_window(cp_mesh: DeviceMesh, layout: str, window: int) -> int:
+    """:func:`packed_attention` (seq_lens rows) with a sliding window."""
+    seq_lens = random_seq_lens(3, 3, 5 * cp_mesh.size() + 7)
+    spec = PackSpec.from_seq_lens(seq_lens, 5 * cp_mesh.size() + 7)
+    return _attention_case(cp_mesh, layout, spec, {"seq_lens": seq_lens}, 3, window)
+
+
 def _attention_case(
-    cp_mesh: DeviceMesh, layout: str, spec: PackSpec, extra: dict[str, object], seed: int
+    cp_mesh: DeviceMesh,
+    layout: str,
+    spec: PackSpec,
+    extra: dict[str, object],
+    seed: int,
+    window: int | None = None,
 ) -> int:
     import torch.nn.functional as F
 
     from cpshard.attention import cp_attention
+    from cpshard.attention.context import active_cp_attention
 
     world = cp_mesh.size()
     hkv = max(world, 2)  # ulysses splits heads over the CP ranks
@@ -229,7 +247,7 @@ def _attention_case(
     k = torch.randn(bsz, seq, hkv, dim, generator=g, dtype=torch.float64)
     v = torch.randn(bsz, seq, hkv, dim, generator=g, dtype=torch.float64)
     go = torch.randn(bsz, seq, hq, dim, generator=g, dtype=torch.float64)
-    ref = _reference_grads(q, k, v, go, spec)
+    ref = _reference_grads(q, k, v, go, spec, window)
     real = ~spec.padding_mask()
     ids = torch.arange(1, bsz * seq + 1).reshape(bsz, seq)
     checked = 0
@@ -248,10 +266,15 @@ def _attention_case(
             )
             gol = sharder.shard_token_tensor(go, fill=0.0).transpose(1, 2)
             if path == "cp_attention":
-                o = cp_attention(ql, kl, vl, sharder=sharder, method=method)
-            else:
+                o = cp_attention(ql, kl, vl, sharder=sharder, method=method, window=window)
+            elif window is None:
                 with ctx():
                     o = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+            else:  # SDPA cannot carry a window: the context's bound attention (as HF's path)
+                with ctx():
+                    attn = active_cp_attention()
+                    assert attn is not None
+                    o = attn(ql, kl, vl, causal=True, window=window)
             (o * gol).sum().backward()
             got = [o.detach(), ql.grad, kl.grad, vl.grad]
             for name, local, want in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):

@@ -26,6 +26,9 @@ def _collectives(group: object, rank: int, world: int) -> dict[str, torch.Tensor
     res["reduce_scatter_stacked"] = _comm.reduce_scatter_stacked(stacked, group)
     res["all_to_all_stacked"] = _comm.all_to_all_stacked(stacked.bfloat16(), group).float()
     res["all_reduce_sum_"] = _comm.all_reduce_sum_(x.clone(), group)
+    pair = [x.clone(), stacked.clone()]  # two dtypes: two buckets
+    _comm.all_reduce_sum_coalesced_(pair, group)
+    res["all_reduce_sum_coalesced_0"], res["all_reduce_sum_coalesced_1"] = pair
     res["all_gather_long"] = _comm.all_gather_long(torch.arange(4) + 10 * rank, group)
     leaf = x.clone().requires_grad_()
     gathered = _comm.all_gather_dim0(leaf, group, "sum")
@@ -45,9 +48,12 @@ def staged_matches_direct(cp_mesh: DeviceMesh) -> dict[str, bool]:
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     backend = str(torch.distributed.get_backend(group))
     assert not _comm.needs_host_staging(backend, "cpu")
+    x = torch.arange(6.0).view(2, 3) * (rank + 1)
     direct = _collectives(group, rank, world)
+    direct["all_reduce_sum_mesh_"] = _comm.all_reduce_sum_mesh_(x.clone(), cp_mesh)
     with _forced_staging():
         staged = _collectives(group, rank, world)
+        staged["all_reduce_sum_mesh_"] = _comm.all_reduce_sum_mesh_(x.clone(), cp_mesh)
     return {name: torch.equal(direct[name], staged[name]) for name in direct}
 
 

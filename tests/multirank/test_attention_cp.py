@@ -31,16 +31,20 @@ def _check(
     meta_batch: int = 1,
     grads: bool = True,
     backend: str = "auto",
+    window: int | None = None,
+    seq_len: int | None = None,
+    n_docs: int = 3,
+    softcap: float | None = None,
 ) -> None:
-    seq_len = 8 * world - 3  # odd: the layout pads it
+    seq_len = 8 * world - 3 if seq_len is None else seq_len  # odd: the layout pads it
     heads = _heads(world)
     res = ranks(
         world, cp_attention_case, method, layout, seq_len, heads, causal, dtype, meta_batch,
-        3, 0, backend,
+        n_docs, 0, backend, window, softcap,
     )  # fmt: skip
-    rmap, docs = make_case(layout, world, seq_len, 2, 3, 0, meta_batch)
+    rmap, docs = make_case(layout, world, seq_len, 2, n_docs, 0, meta_batch)
     q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
-    ref = reference_with_grads(q, k, v, go, docs, causal)
+    ref = reference_with_grads(q, k, v, go, docs, causal, window=window, softcap=softcap)
     names = ("out", "dq", "dk", "dv") if grads else ("out",)
     for r, got in enumerate(res):
         assert torch.equal(got["idx"], rmap[r])
@@ -56,6 +60,24 @@ def _check(
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_causal_documents_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:
     _check(ranks, world, method, layout)
+
+
+@pytest.mark.parametrize("layout", ["round_robin", "random"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sliding_window_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:
+    """Windows of 1 (a token sees itself), 5 and 70 over documents of ~40 tokens."""
+    for window in (1, 5, 70):
+        _check(ranks, world, method, layout, window=window, seq_len=120 - world, n_docs=3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_softcap_with_window_fp64(ranks: Ranks, method: str) -> None:
+    _check(ranks, 2, method, "random", window=6, softcap=0.8, seq_len=45)
+
+
+def test_sliding_window_per_row_meta_fp64(ranks: Ranks) -> None:
+    _check(ranks, 2, "ring", "round_robin", meta_batch=2, window=4, seq_len=61)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -92,6 +114,18 @@ def test_ulysses_heads_not_divisible_raises_on_every_rank(
 ) -> None:
     msgs = ranks(2, cp_attention_error, "ulysses", heads, 12)
     assert all(f"number of {which} divisible by the CP size" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "match"),
+    [(0, None, "sliding_window must be a positive int"),
+     (None, -2.0, "softcap must be a positive finite number")],
+)  # fmt: skip
+def test_bad_window_or_softcap_raises_on_every_rank(
+    ranks: Ranks, window: int | None, softcap: float | None, match: str
+) -> None:
+    msgs = ranks(3, cp_attention_error, "ring", (2, 2), 12, window, softcap)
+    assert all(match in m for m in msgs), msgs
 
 
 def test_unknown_method_raises_on_every_rank(ranks: Ranks) -> None:

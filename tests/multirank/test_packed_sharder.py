@@ -6,6 +6,7 @@ import pytest
 from _packed_fns import (
     packed_attention,
     packed_attention_lens,
+    packed_attention_window,
     packed_bad_inputs,
     packed_corpus_batch,
     packed_embeds_grad,
@@ -60,6 +61,14 @@ def test_packed_attention_matches_one_process(
     """Attention on a packed batch sharded by the dispatcher equals one fp64 process, forward
     and backward, for every method, through cp_attention and through ctx() + plain SDPA."""
     assert ranks(world, packed_attention, layout, pack, seed) == [6] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_packed_attention_sliding_window(ranks: Ranks, world: int, layout: str) -> None:
+    """Windows of 1, 3 and 8 over packed documents, every method, both paths."""
+    for window in (1, 3, 8):
+        assert ranks(world, packed_attention_window, layout, window) == [6] * world
 
 
 EDGE_PACKS = {

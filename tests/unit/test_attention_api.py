@@ -167,6 +167,36 @@ def test_hf_function_is_plain_sdpa_outside_the_context_and_validates() -> None:
     assert not torch.allclose(dropped, plain)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"s_aux": torch.zeros(4)}, "got s_aux=.*not supported by CP attention"),
+        ({"head_mask": torch.ones(4)}, "got head_mask=.*not supported"),
+        ({"sliding_window": 0}, "sliding_window must be a positive int"),
+        ({"sliding_window": 3, "is_causal": False}, "needs causal attention"),
+        ({"softcap": -1.0}, "softcap must be a positive finite number"),
+    ],
+)
+def test_hf_function_rejects_kwargs_it_cannot_honour_under_cp(kwargs: dict, match: str) -> None:
+    q, k, v = _qkv()
+    with cp_attention_context(None, _meta(), "ring"), pytest.raises(ValueError, match=match):
+        cpshard_attention_forward(_Attn().eval(), q, k, v, None, **kwargs)
+
+
+def test_hf_function_honours_window_and_softcap_under_cp() -> None:
+    q, k, v = _qkv()
+    meta = _meta(n_docs=1)
+    with cp_attention_context(None, meta, "all_gather"):
+        out, _ = cpshard_attention_forward(
+            _Attn().eval(), q, k, v, None, scaling=0.3, sliding_window=2, softcap=0.5
+        )
+    want = cp_sdpa(q, k, v, group=None, meta=meta, scale=0.3, window=2, softcap=0.5)
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    docs = meta.document_ids
+    ref = reference(q, k, v, docs, True, scale=0.3, window=2, softcap=0.5)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+
+
 def test_use_cp_attention_registers_and_selects_the_name() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(

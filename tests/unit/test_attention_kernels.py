@@ -1,4 +1,4 @@
-"""The local block kernel and the tile planner, without a process group."""
+"""The local block kernel, without a process group."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpshard.attention.blockwise import PairKind, attend, make_span, plan
 from cpshard.attention.kernels import block_attention, block_attention_backward
-from cpshard.layouts import RoundRobinLayout
 
 BACKENDS = ("cpu_flash", "math")
 
@@ -68,39 +66,3 @@ def test_block_accepts_bf16_and_fp16() -> None:
         assert out.dtype == dtype
         assert lse.dtype == torch.float32
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-def test_round_robin_plan_runs_only_needed_tiles() -> None:
-    rmap = RoundRobinLayout().rank_map(2, 16)  # r0 [0-3, 12-15], r1 [4-11]
-    doc = torch.zeros(1, 8, dtype=torch.long)
-    spans = [make_span(rmap[r][None], doc, 8) for r in range(2)]
-    assert spans[0].tiles == ((0, 4), (4, 8))
-    assert spans[1].tiles == ((0, 8),)
-    own = plan(spans[0], spans[0], causal=True)
-    assert own == [(0, 0, PairKind.DIAG), (1, 0, PairKind.FULL), (1, 1, PairKind.DIAG)]
-    assert plan(spans[0], spans[1], causal=True) == [(1, 0, PairKind.FULL)]  # tail sees r1
-    assert plan(spans[1], spans[0], causal=True) == [(0, 0, PairKind.FULL)]  # r1 sees head
-    assert plan(spans[1], spans[0], causal=False) == [(0, 0, PairKind.FULL), (0, 1, PairKind.FULL)]
-
-
-def test_plan_skips_other_documents_and_masks_mixed_tiles() -> None:
-    pos = torch.arange(8)[None]
-    doc_a = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
-    q = make_span(pos[:, :4], doc_a[:, :4], 4)
-    k = make_span(pos[:, 4:], doc_a[:, 4:], 4)
-    assert plan(q, k, causal=False) == []  # disjoint documents
-    doc_b = torch.tensor([[0, 0, 1, 1]])
-    kb = make_span(pos[:, :4], doc_b, 4)
-    assert plan(q, kb, causal=True) == [(0, 0, PairKind.MASKED)]
-
-
-def test_many_runs_fall_back_to_one_masked_tile_per_segment() -> None:
-    pos = torch.randperm(40, generator=torch.Generator().manual_seed(0))[None]
-    span = make_span(pos, torch.zeros_like(pos), 20)
-    assert span.tiles == ((0, 20), (20, 40))
-    assert not span.runs
-    q, k, v = (torch.randn(1, 2, 40, 4, dtype=torch.float64) for _ in range(3))
-    out, _ = attend(q, k, v, span, span, causal=True, scale=0.5)
-    vis = pos[0][None, :] <= pos[0][:, None]
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, scale=0.5)
-    torch.testing.assert_close(out, ref)

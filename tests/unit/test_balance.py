@@ -155,4 +155,4 @@ def test_cli_times_after_one_warm_up(
     monkeypatch.setattr(cli_balance, "all_plans", counting)
     assert main(["balance", "--tokens", "2048", "--cp", "2", "4", "--seed", "0", "1"]) == 0
     assert calls == [2, 2, 4, 2, 4]  # one untimed warm-up, then 2 batches x 2 CP sizes
-    assert "after one untimed warm-up pass" in capsys.readouterr().out
+    assert "after one untimed warm-up pass" in " ".join(capsys.readouterr().out.split())

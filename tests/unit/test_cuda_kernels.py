@@ -51,6 +51,11 @@ def _choose(
         ({"requested": "cuda_flash", "masked": True}, "cuda_efficient"),
         ({"requested": "cuda_efficient"}, "cuda_efficient"),
         ({"requested": "math"}, "math"),
+        ({"head_dim": 200, "cap": (8, 9)}, "cuda_efficient"),  # no flash backward there
+        ({"head_dim": 224, "cap": (8, 6)}, "cuda_efficient"),
+        ({"head_dim": 232, "cap": (8, 9)}, "cuda_flash"),
+        ({"head_dim": 200, "cap": (12, 0)}, "cuda_efficient"),
+        ({"head_dim": 200}, "cuda_flash"),  # H100/H200 are fine
     ],
 )
 def test_choice(kwargs: dict[str, object], backend: str) -> None:
@@ -81,6 +86,7 @@ def test_math_fallback_says_why(kwargs: dict[str, object], why: str) -> None:
         ({"requested": "cuda_flash", "cap": T4}, "capability"),
         ({"requested": "cuda_flash", "head_dim": 320}, "head dim"),
         ({"requested": "cudnn", "head_dim": 192}, "head dim"),
+        ({"requested": "cuda_flash", "head_dim": 200, "cap": (8, 6)}, r"\(192, 224\]"),
         ({"requested": "cuda_efficient", "dtype": FP64}, "fp32/fp16/bf16"),
         ({"requested": "cpu_flash"}, "cannot run CUDA"),
     ],

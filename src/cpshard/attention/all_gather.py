@@ -16,9 +16,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import all_gather_stacked, reduce_scatter_stacked
-from cpshard.attention.blockwise import Span, attend, attend_backward_into
+from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype
+from cpshard.attention.plan import PairPlan
 
 __all__ = ["all_gather_attention"]
 
@@ -40,12 +41,11 @@ class _AllGatherAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_span: Span,
-        stream_span: Span,
+        plan: PairPlan,
         group: ProcessGroup | None,
-        causal: bool,
         scale: float,
         backend: KernelBackend,
+        softcap: float | None,
     ) -> torch.Tensor:
         if group is None:
             full = None
@@ -55,20 +55,18 @@ class _AllGatherAttention(torch.autograd.Function):
             # its k/v are plain strided views: no reordering copy of the full K/V.
             full = all_gather_stacked(_seq_major(k, v), group).flatten(0, 1)
             k_all, v_all = _stream_views(full)
-        out, lse = attend(
-            q, k_all, v_all, q_span, stream_span, causal=causal, scale=scale, backend=backend
-        )
+        out, lse = attend(q, k_all, v_all, plan, scale=scale, backend=backend, softcap=softcap)
         result = out.to(q.dtype)
         # As in the ring: keep the returned tensor, not an fp32 copy, for the flash backward.
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
         ctx.save_for_backward(q, k, v, full, keep, lse)
-        ctx.args = (q_span, stream_span, group, causal, scale, backend)
+        ctx.args = (plan, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, full, out, lse = ctx.saved_tensors
-        q_span, stream_span, group, causal, scale, backend = ctx.args
+        plan, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         if full is None:
@@ -82,28 +80,27 @@ class _AllGatherAttention(torch.autograd.Function):
             dfull = torch.zeros(full.shape, dtype=acc, device=full.device)
             dk, dv = _stream_views(dfull)
         attend_backward_into(
-            grad_out.contiguous(), q, k_all, v_all, out, lse, q_span, stream_span, dq, dk, dv,
-            causal=causal, scale=scale, backend=backend,
+            grad_out.contiguous(), q, k_all, v_all, out, lse, plan, dq, dk, dv, scale=scale,
+            backend=backend, softcap=softcap,
         )  # fmt: skip
         if full is not None:
             world = full.shape[0] // q.shape[2]
             mine = reduce_scatter_stacked(dfull.view(world, -1, *dfull.shape[1:]), group)
             del dfull, dk, dv
             dk, dv = (t.contiguous() for t in _stream_views(mine))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
 
 
 def all_gather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_span: Span,
-    stream_span: Span,
+    plan: PairPlan,
     group: ProcessGroup | None,
     *,
-    causal: bool,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable all-gather CP attention (inputs already validated).
 
@@ -111,17 +108,16 @@ def all_gather_attention(
         q: ``[B, Hq, L, D]`` local queries.
         k: ``[B, Hkv, L, D]`` local keys.
         v: ``[B, Hkv, L, D]`` local values.
-        q_span: Span of the local tokens.
-        stream_span: Span of the whole rank-major stream ``[C * L]``.
+        plan: Local queries against the whole rank-major stream ``[C * L]``.
         group: CP process group, or ``None`` for world size 1.
-        causal: Causal masking by global position.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, q_span, stream_span, group, causal, scale, backend
+        q, k, v, plan, group, scale, backend, softcap
     )
     return out

@@ -1,186 +1,75 @@
-"""Tiled attention of a query set against a key set, skipping what the mask rules out.
+"""Run a precomputed :class:`~cpshard.attention.plan.PairPlan`: kernel calls merged in fp32.
 
-Both sides are described by a :class:`Span`: the global position and document id of every token
-plus a split into *tiles*, maximal runs of consecutive positions (capped in number). For every
-(query tile, key tile) pair the tile statistics decide, without building a mask, whether the pair
-is
-
-* ``EMPTY``: no query sees any key (disjoint documents, or all keys after all queries) -> skipped;
-* ``FULL``: one shared document and every key at or before every query -> kernel without a mask;
-* ``DIAG``: the same run of positions in one document -> kernel with ``is_causal=True``;
-* ``MASKED``: anything else -> kernel with the explicit mask ``same doc & k_pos <= q_pos``.
-
-For the round-robin layout this makes every CP rank run only the causal triangles and full
-squares it needs, with the same kernels a single process would use.
+Every task of the plan is one call of :func:`~cpshard.attention.kernels.block_attention` on static
+slices of ``q`` and ``k``/``v`` (no mask, the kernel's ``is_causal``, or a prepared bounded tile
+mask); partial results are merged with the online-softmax rule. Nothing here reads tensor values
+on the host, so the per-layer work has no host-device sync and no data-dependent branching.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from cpshard.attention.kernels import KernelBackend, block_attention, block_attention_backward
 from cpshard.attention.merge import accumulation_dtype, merge_into
+from cpshard.attention.plan import PairPlan, Task
+from cpshard.attention.softcap import softcap_attention, softcap_attention_backward
 
-__all__ = [
-    "MAX_TILES",
-    "PairKind",
-    "Span",
-    "attend",
-    "attend_backward",
-    "attend_backward_into",
-    "make_span",
-    "plan",
-]
-
-MAX_TILES = 8
-"""Above this many runs a span is tiled per segment instead (mask-only, no fast paths)."""
+__all__ = ["attend", "attend_backward", "attend_backward_into"]
 
 
-class PairKind(IntEnum):
-    """How a (query tile, key tile) pair is computed."""
-
-    EMPTY = 0
-    FULL = 1
-    DIAG = 2
-    MASKED = 3
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(0, rows)
 
 
-@dataclass(frozen=True)
-class Span:
-    """Positions, document ids and tiles of a set of tokens.
-
-    Attributes:
-        positions: LongTensor ``[B or 1, N]``.
-        document_ids: LongTensor ``[B or 1, N]``.
-        tiles: ``(start, end)`` ranges covering ``[0, N)`` in order.
-        runs: Whether every tile is a run of consecutive positions (enables ``DIAG``).
-        stats: LongTensor ``[T, 4, B or 1]``: per tile min/max position, min/max document.
-    """
-
-    positions: torch.Tensor
-    document_ids: torch.Tensor
-    tiles: tuple[tuple[int, int], ...]
-    runs: bool
-    stats: torch.Tensor
-
-
-def make_span(positions: torch.Tensor, document_ids: torch.Tensor, segment_len: int) -> Span:
-    """Tile a token set into runs of consecutive positions that do not cross segments.
-
-    Args:
-        positions: LongTensor ``[B or 1, N]``; ``N`` a multiple of ``segment_len``.
-        document_ids: LongTensor ``[B or 1, N]``.
-        segment_len: Tiles never cross a multiple of this (the per-rank length ``L``).
-
-    Returns:
-        The :class:`Span`. With more than :data:`MAX_TILES` runs, one tile per segment.
-    """
-    n = positions.shape[-1]
-    breaks = torch.zeros(n, dtype=torch.bool, device=positions.device)
-    if n > 1:
-        jump = (positions[:, 1:] != positions[:, :-1] + 1).any(dim=0)
-        breaks[1:] = jump
-    breaks[::segment_len] = True
-    starts = breaks.nonzero().flatten().tolist()
-    runs = len(starts) <= MAX_TILES
-    if not runs:
-        starts = list(range(0, n, segment_len))
-    ends = [*starts[1:], n]
-    tiles = tuple(zip(starts, ends, strict=True))
-    stats = torch.stack(
-        [
-            torch.stack(
-                [
-                    positions[:, s:e].amin(-1),
-                    positions[:, s:e].amax(-1),
-                    document_ids[:, s:e].amin(-1),
-                    document_ids[:, s:e].amax(-1),
-                ]
+def _forward_tasks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tasks: tuple[Task, ...],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    backend: KernelBackend,
+    softcap: float | None,
+) -> None:
+    for t in tasks:
+        qs, ks, vs = q[:, :, t.q0 : t.q1], k[:, :, t.k0 : t.k1], v[:, :, t.k0 : t.k1]
+        if softcap is None:
+            o, l_ = block_attention(
+                qs, ks, vs, mask=t.mask, is_causal=t.causal, scale=scale, backend=backend
             )
-            for s, e in tiles
-        ]
-    )
-    return Span(positions, document_ids, tiles, runs, stats)
-
-
-def plan(qs: Span, ks: Span, causal: bool) -> list[tuple[int, int, PairKind]]:
-    """Classify every (query tile, key tile) pair; return the non-empty ones.
-
-    Args:
-        qs: Query span.
-        ks: Key span.
-        causal: Causal masking.
-
-    Returns:
-        ``[(query_tile, key_tile, kind)]`` for every pair that is not ``EMPTY``.
-    """
-    q = qs.stats[:, None]  # [Tq, 1, 4, B]
-    k = ks.stats[None, :]  # [1, Tk, 4, B]
-    qpmin, qpmax, qdmin, qdmax = q.unbind(2)
-    kpmin, kpmax, kdmin, kdmax = k.unbind(2)
-    empty = (kdmax < qdmin) | (kdmin > qdmax)
-    one_doc = (qdmin == qdmax) & (kdmin == kdmax) & (qdmin == kdmin)
-    if causal:
-        empty = empty | (kpmin > qpmax)
-        full = one_doc & (kpmax <= qpmin)
-        diag = one_doc & (qpmin == kpmin) & (qpmax == kpmax)
-    else:
-        full = one_doc
-        diag = torch.zeros_like(full)
-    empty_all = empty.all(-1).tolist()
-    full_all = full.all(-1).tolist()
-    diag_all = diag.all(-1).tolist()
-    pairs = []
-    for i, (qa, qb) in enumerate(qs.tiles):
-        for j, (ka, kb) in enumerate(ks.tiles):
-            if empty_all[i][j]:
-                continue
-            if full_all[i][j]:
-                kind = PairKind.FULL
-            elif diag_all[i][j] and qs.runs and ks.runs and qb - qa == kb - ka:
-                kind = PairKind.DIAG
-            else:
-                kind = PairKind.MASKED
-            pairs.append((i, j, kind))
-    return pairs
-
-
-def _mask(
-    qs: Span, ks: Span, qt: tuple[int, int], kt: tuple[int, int], causal: bool
-) -> torch.Tensor:
-    qp, qd = qs.positions[:, qt[0] : qt[1]], qs.document_ids[:, qt[0] : qt[1]]
-    kp, kd = ks.positions[:, kt[0] : kt[1]], ks.document_ids[:, kt[0] : kt[1]]
-    vis = qd.unsqueeze(-1) == kd.unsqueeze(-2)
-    if causal:
-        vis = vis & (kp.unsqueeze(-2) <= qp.unsqueeze(-1))
-    return vis
+        else:
+            o, l_ = softcap_attention(
+                qs, ks, vs, mask=t.mask, is_causal=t.causal, scale=scale, softcap=softcap
+            )
+        if t.first:
+            out[:, :, t.q0 : t.q1] = o
+            lse[:, :, t.q0 : t.q1] = l_
+        else:
+            merge_into(out[:, :, t.q0 : t.q1], lse[:, :, t.q0 : t.q1], o, l_)
 
 
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    qs: Span,
-    ks: Span,
+    plan: PairPlan,
     *,
-    causal: bool,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention of ``q`` against ``k``/``v`` by tiles, merged in fp32.
+    """Attention of ``q`` against ``k``/``v`` as planned, merged in fp32.
 
     Args:
-        q: ``[B, Hq, Nq, D]`` queries described by ``qs``.
-        k: ``[B, Hkv, Nk, D]`` keys described by ``ks``.
+        q: ``[B, Hq, Nq, D]`` queries (the plan's query slots).
+        k: ``[B, Hkv, Nk, D]`` keys (the plan's key slots).
         v: ``[B, Hkv, Nk, D]`` values.
-        qs: Query span.
-        ks: Key span.
-        causal: Causal masking by global position.
+        plan: The pair's plan.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores (:mod:`cpshard.attention.softcap`), or ``None``.
 
     Returns:
         ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])`` in the accumulation dtype; queries that see
@@ -190,29 +79,55 @@ def attend(
     b, h, n, d = q.shape
     out = torch.zeros((b, h, n, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-    written: set[int] = set()
-    for i, j, kind in plan(qs, ks, causal):
-        qa, qb = qs.tiles[i]
-        ka, kb = ks.tiles[j]
-        mask = _mask(qs, ks, qs.tiles[i], ks.tiles[j], causal) if kind == PairKind.MASKED else None
-        if mask is not None and not bool(mask.any()):
+    for rows, tasks in plan.groups:
+        if rows is None:
+            _forward_tasks(q, k, v, tasks, out, lse, scale, backend, softcap)
             continue
-        o, l_ = block_attention(
-            q[:, :, qa:qb],
-            k[:, :, ka:kb],
-            v[:, :, ka:kb],
-            mask=mask,
-            is_causal=kind == PairKind.DIAG,
-            scale=scale,
-            backend=backend,
+        og = torch.zeros((rows.shape[0], h, n, d), dtype=acc, device=q.device)
+        lg = torch.full((rows.shape[0], h, n), float("-inf"), dtype=acc, device=q.device)
+        _forward_tasks(
+            _rows(q, rows), _rows(k, rows), _rows(v, rows), tasks, og, lg, scale, backend, softcap
         )
-        if i in written:
-            merge_into(out[:, :, qa:qb], lse[:, :, qa:qb], o, l_)
-        else:
-            out[:, :, qa:qb] = o
-            lse[:, :, qa:qb] = l_
-            written.add(i)
+        out.index_copy_(0, rows, og)
+        lse.index_copy_(0, rows, lg)
     return out, lse
+
+
+def _backward_tasks(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    tasks: tuple[Task, ...],
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    backend: KernelBackend,
+    softcap: float | None,
+) -> None:
+    for t in tasks:
+        args = (
+            grad_out[:, :, t.q0 : t.q1],
+            q[:, :, t.q0 : t.q1],
+            k[:, :, t.k0 : t.k1],
+            v[:, :, t.k0 : t.k1],
+            out[:, :, t.q0 : t.q1],
+            lse[:, :, t.q0 : t.q1],
+        )
+        if softcap is None:
+            gq, gk, gv = block_attention_backward(
+                *args, mask=t.mask, is_causal=t.causal, scale=scale, backend=backend
+            )
+        else:
+            gq, gk, gv = softcap_attention_backward(
+                *args, mask=t.mask, is_causal=t.causal, scale=scale, softcap=softcap
+            )
+        dq[:, :, t.q0 : t.q1] += gq
+        dk[:, :, t.k0 : t.k1] += gk
+        dv[:, :, t.k0 : t.k1] += gv
 
 
 def attend_backward_into(
@@ -222,20 +137,18 @@ def attend_backward_into(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    qs: Span,
-    ks: Span,
+    plan: PairPlan,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
     *,
-    causal: bool,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> bool:
     """Add the gradients of :func:`attend` for one key set into caller-owned accumulators.
 
-    Only tile-sized temporaries are allocated: each (query tile, key tile) result is added into
-    the accumulators at once, so no full-size per-block ``dq``/``dk``/``dv`` exists.
+    Only task-sized temporaries are allocated (plus one row-group copy for per-row plans).
 
     Args:
         grad_out: ``[B, Hq, Nq, D]`` upstream gradient.
@@ -244,43 +157,35 @@ def attend_backward_into(
         v: ``[B, Hkv, Nk, D]`` values.
         out: ``[B, Hq, Nq, D]`` global output (merged over every key set).
         lse: ``[B, Hq, Nq]`` global LSE.
-        qs: Query span.
-        ks: Key span.
+        plan: The pair's plan.
         dq: ``[B, Hq, Nq, D]`` accumulator (accumulation dtype, any strides), added to in place.
         dk: ``[B, Hkv, Nk, D]`` accumulator, added to in place.
         dv: ``[B, Hkv, Nk, D]`` accumulator, added to in place.
-        causal: Causal masking.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: As in :func:`attend`.
 
     Returns:
         Whether anything was added (``False`` when no query sees any key).
     """
-    added = False
     out_q = out.to(q.dtype)
-    for i, j, kind in plan(qs, ks, causal):
-        qa, qb = qs.tiles[i]
-        ka, kb = ks.tiles[j]
-        mask = _mask(qs, ks, qs.tiles[i], ks.tiles[j], causal) if kind == PairKind.MASKED else None
-        if mask is not None and not bool(mask.any()):
+    for rows, tasks in plan.groups:
+        if not tasks:
             continue
-        gq, gk, gv = block_attention_backward(
-            grad_out[:, :, qa:qb],
-            q[:, :, qa:qb],
-            k[:, :, ka:kb],
-            v[:, :, ka:kb],
-            out_q[:, :, qa:qb],
-            lse[:, :, qa:qb],
-            mask=mask,
-            is_causal=kind == PairKind.DIAG,
-            scale=scale,
-            backend=backend,
-        )
-        dq[:, :, qa:qb] += gq
-        dk[:, :, ka:kb] += gk
-        dv[:, :, ka:kb] += gv
-        added = True
-    return added
+        if rows is None:
+            _backward_tasks(
+                grad_out, q, k, v, out_q, lse, tasks, dq, dk, dv, scale, backend, softcap
+            )
+            continue
+        gq, gk, gv = (torch.zeros_like(_rows(t, rows)) for t in (dq, dk, dv))
+        _backward_tasks(
+            _rows(grad_out, rows), _rows(q, rows), _rows(k, rows), _rows(v, rows),
+            _rows(out_q, rows), _rows(lse, rows), tasks, gq, gk, gv, scale, backend, softcap,
+        )  # fmt: skip
+        dq.index_add_(0, rows, gq)
+        dk.index_add_(0, rows, gk)
+        dv.index_add_(0, rows, gv)
+    return not plan.empty
 
 
 def attend_backward(
@@ -290,13 +195,12 @@ def attend_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    qs: Span,
-    ks: Span,
+    plan: PairPlan,
     *,
-    causal: bool,
     scale: float,
     backend: KernelBackend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attend` for one key set, given the global ``out``/``lse``.
 
     Args:
@@ -304,26 +208,23 @@ def attend_backward(
         q: ``[B, Hq, Nq, D]`` queries.
         k: ``[B, Hkv, Nk, D]`` keys.
         v: ``[B, Hkv, Nk, D]`` values.
-        out: ``[B, Hq, Nq, D]`` global output (merged over every key set).
+        out: ``[B, Hq, Nq, D]`` global output.
         lse: ``[B, Hq, Nq]`` global LSE.
-        qs: Query span.
-        ks: Key span.
-        causal: Causal masking.
+        plan: The pair's plan.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: As in :func:`attend`.
 
     Returns:
-        ``(dq, dk, dv)`` in the accumulation dtype, shaped like ``q``, ``k``, ``v``; ``None``
-        when no query sees any key (all gradients zero).
+        ``(dq, dk, dv)`` in the accumulation dtype, shaped like ``q``, ``k``, ``v`` (zeros where
+        no query sees a key).
     """
     acc = accumulation_dtype(q.dtype)
-    if not plan(qs, ks, causal):
-        return None
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    added = attend_backward_into(
-        grad_out, q, k, v, out, lse, qs, ks, dq, dk, dv, causal=causal, scale=scale,
-        backend=backend,
+    attend_backward_into(
+        grad_out, q, k, v, out, lse, plan, dq, dk, dv, scale=scale, backend=backend,
+        softcap=softcap,
     )  # fmt: skip
-    return (dq, dk, dv) if added else None
+    return dq, dk, dv

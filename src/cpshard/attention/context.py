@@ -9,7 +9,7 @@
   tower or an encoder whose length happens to equal ``L``): it runs as local attention, with a
   warning once per context. Bidirectional CP attention is explicit:
   :func:`cpshard.attention.cp_attention` with ``causal=False``, or the HF ``"cpshard"``
-  attention of a prepared model (:func:`routed_sdpa`);
+  attention of a prepared model (through :func:`active_cp_attention`);
 * a call of that length with an explicit ``attn_mask`` raises (a mask built from local positions
   is wrong under CP);
 * every other SDPA call (another length) passes through untouched;
@@ -29,6 +29,7 @@ Nothing global is patched, and the autograd Functions capture the group and meta
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -45,11 +46,11 @@ from cpshard.meta import TokenMeta
 from cpshard.sharder import same_shard
 
 __all__ = [
+    "active_cp_attention",
     "active_mode",
     "checkpoint_context_fn",
     "cp_attention_context",
     "cp_context_active",
-    "routed_sdpa",
     "suspend",
 ]
 
@@ -189,6 +190,8 @@ def _inside_torch_checkpoint() -> bool:
 
     Its saved-tensors hook (``_checkpoint_hook``) is then the innermost default hook.
     """
+    if torch.compiler.is_compiling():  # not traceable; compiled checkpoints are not checked
+        return False
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         return False
@@ -215,29 +218,25 @@ def cp_context_active() -> bool:
     return active_mode() is not None
 
 
-def routed_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> torch.Tensor:
-    """SDPA of a *known* self-attention of the prepared model (HF's ``"cpshard"`` attention).
+def active_cp_attention() -> Callable[..., torch.Tensor] | None:
+    """:func:`cp_sdpa` bound to the active (not suspended) context's group, meta and method.
 
-    Inside an active CP context, a call over the sharded sequence (both lengths ``L``) is CP
-    attention, causal or not; anything else is ``F.scaled_dot_product_attention``.
+    For integrations that pass attention arguments SDPA cannot carry (``window``, ``softcap``):
+    call the result as ``attn(q, k, v, causal=..., scale=..., window=..., softcap=...)``.
+
+    Returns:
+        The bound function, or ``None`` when no CP context is active (or it is suspended).
+
+    Raises:
+        ValueError: inside an activation checkpoint without :func:`checkpoint_context_fn` (its
+            recomputation would run local attention).
     """
     mode = active_mode()
-    call = _bind((query, key, value), {"is_causal": is_causal, "scale": scale,
-                                       "enable_gqa": enable_gqa})  # fmt: skip
-    if mode is not None and mode.matches(call):
-        return mode.serve(call)
-    out: torch.Tensor = F.scaled_dot_product_attention(
-        query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )
-    return out
+    if mode is None:
+        return None
+    if not mode.checkpointed and _inside_torch_checkpoint():
+        raise ValueError(_CHECKPOINT_FIX)
+    return functools.partial(cp_sdpa, group=mode.group, meta=mode.meta, method=mode.method)
 
 
 @contextlib.contextmanager

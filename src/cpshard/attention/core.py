@@ -16,9 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard._comm import cp_group, group_rank_and_size
 from cpshard.attention.all_gather import all_gather_attention
-from cpshard.attention.blockwise import make_span
 from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.ring import ring_attention
+from cpshard.attention.softcap import check_softcap
 from cpshard.attention.ulysses import ulysses_attention
 from cpshard.meta import TokenMeta
 
@@ -56,8 +57,21 @@ def _validate(
     method: str,
     rank: int,
     world: int,
+    plan: AttentionPlan | None,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     check_method(method)
+    check_window(window, causal)
+    check_softcap(softcap)
+    if plan is not None and plan.meta is not meta:
+        raise ValueError(
+            f"the attention plan belongs to another batch's token meta (plan for rank "
+            f"{plan.rank} of {plan.world_size}, local_len={plan.local_len}; meta for rank "
+            f"{meta.rank} of {meta.world_size}, local_len={meta.local_len}); pass the plan built "
+            "from this batch's meta (cpshard.attention.plan.attention_plan(meta)) or plan=None"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -120,11 +134,17 @@ def cp_sdpa(
     causal: bool = True,
     scale: float | None = None,
     backend: KernelBackend = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention over the global sequence from local CP shards.
 
     Query ``i`` sees key ``j`` iff they share a document id and (``causal``) key position
-    ``<=`` query position, with ids and positions from ``meta``, whatever the layout.
+    ``<=`` query position (and ``q_pos - k_pos < window`` with a sliding window), with ids and
+    positions from ``meta``, whatever the layout. The kernel calls come from the batch's
+    :class:`~cpshard.attention.plan.AttentionPlan` (built once per meta and cached on it), so
+    repeated calls (every layer, the backward) only run kernels and collectives.
 
     Args:
         q: ``[B, Hq, L, D]`` local queries, ``L = meta.local_len`` (any strides).
@@ -137,37 +157,35 @@ def cp_sdpa(
         scale: Score scale; ``None`` -> ``1 / sqrt(D)``.
         backend: Local kernel: ``"auto"`` (CPU flash op on CPU, fp32 math elsewhere),
             ``"cpu_flash"`` or ``"math"``.
+        window: Sliding window (``None`` = none), a positive int; needs ``causal``.
+        softcap: Soft-cap of the scores, ``cap * tanh(s / cap)`` (Gemma 2), or ``None``; runs
+            the chunked math kernel of :mod:`cpshard.attention.softcap`.
+        plan: The batch's attention plan; ``None`` -> the one cached on ``meta``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
 
     Raises:
         ValueError: unknown method, inconsistent shapes/dtypes, a meta that does not match the
-            inputs or the group, or (ulysses) heads not divisible by the CP size.
+            inputs or the group, a plan of another meta, a window that is not a positive int
+            (or a window without causal masking), or (ulysses) heads not divisible by the CP size.
     """
     rank, world = (0, 1) if group is None else group_rank_and_size(group)
-    _validate(q, k, v, meta, method, rank, world)
+    _validate(q, k, v, meta, method, rank, world, plan, causal, window, softcap)
     if group is not None and world == 1:
         group = None
-    if meta.positions.device != q.device:
-        meta = meta.to(q.device)
-    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    n = meta.local_len
-    if method == "ulysses":
-        stream = make_span(meta.positions, meta.document_ids, n)
-        return ulysses_attention(
-            q, k, v, stream, group, world, causal=causal, scale=sc, backend=backend
-        )
-    q_span = make_span(*meta.local(), n)
-    if method == "ring":
-        spans = [make_span(*meta.rank_slice(r), n) for r in range(world)]
-        return ring_attention(
-            q, k, v, q_span, spans, group, causal=causal, scale=sc, backend=backend
-        )
-    stream = make_span(meta.positions, meta.document_ids, n)
-    return all_gather_attention(
-        q, k, v, q_span, stream, group, causal=causal, scale=sc, backend=backend
+    plans = (attention_plan(meta) if plan is None else plan).for_method(
+        method, causal, window, q.device
     )
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    cap = None if softcap is None else float(softcap)
+    if isinstance(plans, tuple):
+        return ring_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
+    if method == "ulysses":
+        return ulysses_attention(
+            q, k, v, plans, group, world, scale=sc, backend=backend, softcap=cap
+        )
+    return all_gather_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
 
 
 def cp_attention(
@@ -179,6 +197,8 @@ def cp_attention(
     method: str = "all_gather",
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """CP attention for models that call it explicitly, with the group and meta of a sharder.
 
@@ -190,6 +210,8 @@ def cp_attention(
         method: See :func:`cp_sdpa`.
         causal: Causal masking by global position.
         scale: Score scale; ``None`` -> ``1 / sqrt(D)``.
+        window: Sliding window (``None`` = none).
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
@@ -205,5 +227,5 @@ def cp_attention(
         )
     return cp_sdpa(
         q, k, v, group=cp_group(sharder.cp_mesh), meta=meta, method=method, causal=causal,
-        scale=scale,
+        scale=scale, window=window, softcap=softcap,
     )  # fmt: skip

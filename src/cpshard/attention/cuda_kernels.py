@@ -28,6 +28,26 @@ Head dims that are not a multiple of 8 are zero-padded (scores and the output's 
 columns are unchanged with an explicit ``scale``) and the padding is sliced off. Every backward is
 given the *merged* output and LSE of the full key set, so per-block gradients add up exactly.
 The random-state tensors of the backward ops are only read with dropout, which is always 0 here.
+
+Desk-checked against torch's sources (``native_functions.yaml``, ``attention.cu``,
+``attention_backward.cu``, ``flash_api.cpp``, the mem-efficient kernels) and the meta kernels of
+torch 2.13; **not yet run on a GPU** (``tests/gpu`` and ``benchmarks/gpu_check.sh`` do that):
+
+* confirmed in the sources: the positional order of every call below; flash takes ``Hkv < Hq``
+  natively (``num_heads % num_heads_k == 0``) and sums the group gradients itself; flash needs
+  ``stride(-1) == 1`` only and makes ``grad_out``/``out`` contiguous itself; the flash varlen LSE
+  is unpadded ``[H, Tq]``, the dense one ``[B, H, Lq]``; flash (dense and varlen) aligns causal
+  masks bottom-right, memory-efficient attention (``CausalFromTopLeft``) and the CPU op top-left;
+  flash reports ``lse = +inf`` (out 0) for a query with no key; the memory-efficient forward pads
+  its LSE to a multiple of 32 and its backward reads it through its batch/head strides; the
+  memory-efficient backward derives the output's row stride as ``H * D`` (``o_strideM``), so
+  ``out`` must be ``[B, L, H, D]``-contiguous (:func:`_bmhk`), and it needs equal head counts;
+  with ``max_q == 1`` and GQA flash varlen reshapes ``q`` to ``[n_runs, ...]``, which fails when
+  a run has no query (so ``max_q`` is passed as at least 2, a valid bound).
+* unverified until a GPU runs ``tests/gpu``: the numerics (tolerances), cuDNN's LSE being a
+  natural log (torch's own context parallelism merges it like flash's), cuDNN's shape limits for
+  small or odd sequence lengths, and the memory-efficient kernel's output for a row whose bias is
+  all ``-inf`` (overwritten here with ``out = 0``, ``lse = -inf`` either way).
 """
 
 from __future__ import annotations
@@ -54,6 +74,7 @@ __all__ = [
     "flash_varlen_backward",
     "flash_varlen_forward",
     "padded_head_dim",
+    "varlen_max_q_bound",
     "varlen_visible_keys",
 ]
 
@@ -90,9 +111,22 @@ def _flash_blocker(dtype: torch.dtype, head_dim: int, capability: tuple[int, int
         return f"flash attention supports only fp16/bf16, got {_dtype_name(dtype)}"
     if capability < (8, 0):
         return f"flash attention needs compute capability >= 8.0, got {capability}"
-    if padded_head_dim(head_dim) > FLASH_MAX_HEAD_DIM:
+    dp = padded_head_dim(head_dim)
+    if dp > FLASH_MAX_HEAD_DIM:
         return f"flash attention supports head dim <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+    if _flash_bwd_lacks_192_224(capability) and 192 < dp <= 224:
+        # torch's sdp_utils (check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120)
+        # refuses flash training there: its backward kernel does not fit these GPUs.
+        return (
+            f"flash attention's backward does not support head dim in (192, 224] on compute "
+            f"capability {capability}, got {head_dim}"
+        )
     return ""
+
+
+def _flash_bwd_lacks_192_224(capability: tuple[int, int]) -> bool:
+    """sm86-sm89 and sm120-sm121: no flash backward for head dims in (192, 224]."""
+    return (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)
 
 
 def _efficient_blocker(dtype: torch.dtype, capability: tuple[int, int]) -> str:
@@ -220,6 +254,30 @@ def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return seed, offset
 
 
+def _lse_rows(
+    lse: torch.Tensor, lead: tuple[int, ...], rows: int, op: str, *, exact: bool = False
+) -> torch.Tensor:
+    """The first ``rows`` LSE entries of a ``[*lead, >= rows]`` op result, else a clear error.
+
+    A torch build whose op returns another LSE layout (e.g. a padded per-run varlen LSE) must
+    fail loudly here instead of merging misaligned values (host metadata only, no sync).
+    ``exact``: the last dim must be exactly ``rows`` (no padding allowed).
+    """
+    n = lse.shape[-1] if lse.dim() else -1
+    if (
+        lse.dim() != len(lead) + 1
+        or tuple(lse.shape[:-1]) != lead
+        or n < rows
+        or (exact and n != rows)
+    ):
+        raise RuntimeError(
+            f"{op} returned a log-sum-exp of shape {tuple(lse.shape)}, expected "
+            f"{(*lead, rows)} (torch {torch.__version__}); cpshard's fused CUDA path supports the "
+            "layouts of torch 2.11-2.13: use backend='math' with this torch"
+        )
+    return lse[..., :rows]
+
+
 def _bmhk(x: torch.Tensor) -> torch.Tensor:
     """``[B, H, L, D]`` view whose storage is ``[B, L, H, D]``-contiguous (no copy if it is)."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
@@ -265,8 +323,8 @@ def flash_forward(
     res = torch.ops.aten._scaled_dot_product_flash_attention(
         _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp), 0.0, is_causal, False, scale=scale
     )
-    out, lse = res[0], res[1]
-    return out[..., :d], lse[..., : q.shape[2]].float()  # (no LSE padding in torch 2.11-2.13)
+    lse = _lse_rows(res[1], tuple(q.shape[:2]), q.shape[2], "_scaled_dot_product_flash_attention")
+    return res[0][..., :d], lse.float()
 
 
 def flash_backward(
@@ -348,7 +406,7 @@ def efficient_forward(
             q5[:, :, i], kp, vp, bias, True, 0.0, is_causal, scale=scale
         )
         outs.append(res[0][..., :d])
-        lses.append(res[1][..., :lq])
+        lses.append(_lse_rows(res[1], (b, hkv), lq, "_scaled_dot_product_efficient_attention"))
     if g == 1:
         out, lse = outs[0], lses[0].float()
     else:
@@ -510,6 +568,18 @@ def cudnn_backward(
 # --- flash varlen ----------------------------------------------------------------------------
 
 
+def varlen_max_q_bound(max_q: int) -> int:
+    """The ``max_q`` handed to flash varlen: the caller's bound, at least 2.
+
+    With ``max_q == 1`` and ``Hq > Hkv`` (and no window or dropout), torch's flash varlen forward
+    (``mha_varlen_fwd``, "seqlenq_ngroups_swapped") reshapes ``q [Tq, Hq, D]`` to
+    ``[n_runs, Hkv, G, D]``, which raises when a run has no query (``Tq < n_runs``). ``max_q``
+    only sizes the kernel's grid, so 2 is an equally valid bound; causal stays exact because a
+    1-query run sees all its keys under bottom-right alignment either way.
+    """
+    return max(max_q, 2)
+
+
 def varlen_visible_keys(
     cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, *, causal: bool
 ) -> torch.Tensor:
@@ -578,14 +648,18 @@ def flash_varlen_forward(
         _pad_head(v, dp),
         cu_q,
         cu_k,
-        max_q,
+        varlen_max_q_bound(max_q),
         max_k,
         0.0,
         causal,
         False,
         scale=scale,
     )
-    out, lse = res[0][..., :d], res[1][:, : q.shape[0]].float()
+    # The run offsets index an unpadded [H, Tq] LSE: any other length is another layout.
+    lse = _lse_rows(
+        res[1], (q.shape[1],), q.shape[0], "_flash_attention_forward (varlen)", exact=True
+    ).float()
+    out = res[0][..., :d]
     # flash reports lse = +inf for a query with no key; the contract is out = 0, lse = -inf.
     empty = varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0
     lse = lse.masked_fill(empty.unsqueeze(0), float("-inf"))

@@ -4,8 +4,9 @@
 mask builder) and selects it on a model.
 
 * Inside :func:`cpshard.attention.cp_attention_context` the mask builder builds nothing and the
-  function hands ``is_causal`` and no mask to the active context (``routed_sdpa``), which runs
-  CP attention (padding and documents come from the token meta). A custom name
+  function runs CP attention through the active context (``active_cp_attention``), with
+  ``is_causal``, ``sliding_window`` and ``softcap`` honoured and no mask (padding and documents
+  come from the token meta). A custom name
   matters: with the stock ``"sdpa"`` path, transformers reads jumps in sharded ``position_ids`` as
   packed-document boundaries and builds a wrong block mask.
 * Outside it the name behaves exactly like transformers' ``"sdpa"`` (its mask builder and its
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.context import active_mode, cp_context_active, routed_sdpa
+from cpshard.attention.context import active_mode, cp_context_active
+from cpshard.attention.hf_options import run_cp_hf_attention
 
 __all__ = [
     "ATTENTION_NAME",
@@ -59,7 +61,9 @@ def cpshard_attention_forward(
             a CP context, transformers' sdpa mask.
         dropout: Attention dropout; must be 0 while training.
         scaling: Score scale (``None`` -> ``1/sqrt(D)``).
-        **kwargs: Ignored except ``is_causal``, which overrides ``module.is_causal``.
+        **kwargs: ``is_causal`` (overrides ``module.is_causal``), ``sliding_window`` and
+            ``softcap`` are honoured under CP; ``s_aux``/``head_mask``/score mods raise
+            (:mod:`cpshard.attention.hf_options`); the rest is bookkeeping.
 
     Returns:
         ``(attn_output [B, S, Hq, D], None)``.
@@ -88,18 +92,9 @@ def cpshard_attention_forward(
             f"the 'cpshard' attention does not support dropout, got dropout={dropout} in "
             "training mode; set config.attention_dropout=0.0"
         )
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = bool(getattr(module, "is_causal", True))
-    # Explicitly routed: this is the prepared model's self-attention (causal or not).
-    out = routed_sdpa(
-        query,
-        key,
-        value,
-        is_causal=bool(is_causal),
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    # The prepared model's own self-attention: routed explicitly (causal or not), with
+    # sliding_window / softcap / is_causal honoured and sinks & co. rejected (hf_options.py).
+    out = run_cp_hf_attention(module, query, key, value, scaling, kwargs)
     return out.transpose(1, 2).contiguous(), None
 
 

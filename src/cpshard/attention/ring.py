@@ -20,9 +20,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import RingTransfer, group_rank_and_size, ring_shift_start
-from cpshard.attention.blockwise import Span, attend, attend_backward_into, plan
+from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
+from cpshard.attention.plan import PairPlan
 
 __all__ = ["ring_attention"]
 
@@ -41,12 +42,11 @@ class _RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_span: Span,
-        k_spans: Sequence[Span],
+        plans: Sequence[PairPlan],
         group: ProcessGroup | None,
-        causal: bool,
         scale: float,
         backend: KernelBackend,
+        softcap: float | None,
     ) -> torch.Tensor:
         rank, world = _rank_and_size(group)
         kv: list[torch.Tensor] = [k, v]  # step 0 attends to the inputs themselves, no copy
@@ -59,11 +59,10 @@ class _RingAttention(torch.autograd.Function):
                 if group is not None and step < world - 1
                 else None
             )
-            if plan(q_span, k_spans[src], causal):
+            if not plans[src].empty:
                 o, l_ = attend(
-                    q, kv[0], kv[1], q_span, k_spans[src], causal=causal, scale=scale,
-                    backend=backend,
-                )  # fmt: skip
+                    q, kv[0], kv[1], plans[src], scale=scale, backend=backend, softcap=softcap
+                )
                 if out is None or lse is None:
                     out, lse = o, l_
                 else:
@@ -79,13 +78,13 @@ class _RingAttention(torch.autograd.Function):
         # tensor, not a second, fp32 copy of it (for fp32 they are the same tensor).
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
         ctx.save_for_backward(q, k, v, keep, lse)
-        ctx.args = (q_span, k_spans, group, causal, scale, backend)
+        ctx.args = (plans, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        q_span, k_spans, group, causal, scale, backend = ctx.args
+        plans, group, scale, backend, softcap = ctx.args
         rank, world = _rank_and_size(group)
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -104,8 +103,8 @@ class _RingAttention(torch.autograd.Function):
             # accumulator of that block can still be in flight while we compute.
             dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
             attend_backward_into(
-                grad_out, q, kv[0], kv[1], out, lse, q_span, k_spans[src], dq, dkv[0], dkv[1],
-                causal=causal, scale=scale, backend=backend,
+                grad_out, q, kv[0], kv[1], out, lse, plans[src], dq, dkv[0], dkv[1], scale=scale,
+                backend=backend, softcap=softcap,
             )  # fmt: skip
             # The accumulator for block `src` arrives from the rank that held it last step; waiting
             # also completes (and frees) our previous accumulator's send.
@@ -120,20 +119,19 @@ class _RingAttention(torch.autograd.Function):
         if grad_xfer is not None:
             dkv = grad_xfer.wait()  # our own block's accumulator, back after C hops
         dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
 
 
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_span: Span,
-    k_spans: Sequence[Span],
+    plans: Sequence[PairPlan],
     group: ProcessGroup | None,
     *,
-    causal: bool,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable ring CP attention (inputs already validated).
 
@@ -141,17 +139,16 @@ def ring_attention(
         q: ``[B, Hq, L, D]`` local queries.
         k: ``[B, Hkv, L, D]`` local keys.
         v: ``[B, Hkv, L, D]`` local values.
-        q_span: Span of the local tokens.
-        k_spans: Span of every rank's tokens, index ``r`` for rank ``r``.
+        plans: Local queries against every rank's block, index ``r`` for rank ``r``.
         group: CP process group, or ``None`` for world size 1.
-        causal: Causal masking by global position.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, q_span, tuple(k_spans), group, causal, scale, backend
+        q, k, v, tuple(plans), group, scale, backend, softcap
     )
     return out

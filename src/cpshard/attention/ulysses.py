@@ -15,8 +15,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import all_to_all_stacked
-from cpshard.attention.blockwise import Span, attend, attend_backward
+from cpshard.attention.blockwise import attend, attend_backward
 from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.plan import PairPlan
 
 __all__ = ["ulysses_attention"]
 
@@ -59,34 +60,28 @@ class _UlyssesAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        stream_span: Span,
+        plan: PairPlan,
         group: ProcessGroup | None,
         world: int,
-        causal: bool,
         scale: float,
         backend: KernelBackend,
+        softcap: float | None,
     ) -> torch.Tensor:
         qh, kh, vh = _seq_to_heads([q, k, v], group, world)
-        out, lse = attend(
-            qh, kh, vh, stream_span, stream_span, causal=causal, scale=scale, backend=backend
-        )
+        out, lse = attend(qh, kh, vh, plan, scale=scale, backend=backend, softcap=softcap)
         ctx.save_for_backward(qh, kh, vh, out, lse)
-        ctx.args = (stream_span, group, world, causal, scale, backend)
+        ctx.args = (plan, group, world, scale, backend, softcap)
         (local,) = _heads_to_seq([out.to(q.dtype)], group, world)
         return local
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qh, kh, vh, out, lse = ctx.saved_tensors
-        stream_span, group, world, causal, scale, backend = ctx.args
+        plan, group, world, scale, backend, softcap = ctx.args
         (gh,) = _seq_to_heads([grad_out.contiguous()], group, world)
         res = attend_backward(
-            gh, qh, kh, vh, out, lse, stream_span, stream_span, causal=causal, scale=scale,
-            backend=backend,
-        )  # fmt: skip
-        if res is None:
-            res = (torch.zeros_like(out), torch.zeros_like(kh, dtype=out.dtype),
-                   torch.zeros_like(vh, dtype=out.dtype))  # fmt: skip
+            gh, qh, kh, vh, out, lse, plan, scale=scale, backend=backend, softcap=softcap
+        )
         dq, dk, dv = _heads_to_seq(list(res), group, world)
         return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), *([None] * 6)
 
@@ -95,13 +90,13 @@ def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    stream_span: Span,
+    plan: PairPlan,
     group: ProcessGroup | None,
     world: int,
     *,
-    causal: bool,
     scale: float,
     backend: KernelBackend = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable Ulysses CP attention (inputs already validated, heads divisible by C).
 
@@ -109,17 +104,17 @@ def ulysses_attention(
         q: ``[B, Hq, L, D]`` local queries.
         k: ``[B, Hkv, L, D]`` local keys.
         v: ``[B, Hkv, L, D]`` local values.
-        stream_span: Span of the whole rank-major stream ``[C * L]``.
+        plan: The whole rank-major stream ``[C * L]`` against itself.
         group: CP process group, or ``None`` for world size 1.
         world: CP size ``C``.
-        causal: Causal masking by global position.
         scale: Score scale.
         backend: Kernel backend.
+        softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _UlyssesAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, stream_span, group, world, causal, scale, backend
+        q, k, v, plan, group, world, scale, backend, softcap
     )
     return out

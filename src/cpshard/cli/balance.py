@@ -6,19 +6,19 @@ Examples::
     cpshard balance --dist corpus --cp 8 --plot balance.png
     cpshard balance --seq-lens 100,200,3000 --cp 3
 
-Per layout it prints the imbalance (max / mean causal work per rank), the padding overhead, the
-remote K/V a rank needs (max and mean, fraction of the padded stream) and the time to build the
-layout (measured after one untimed warm-up pass). ``--plot`` draws per-rank work, normalised by
-the mean, for every layout (matplotlib).
+Per layout it prints one table row (columns defined below, and again under the table);
+``--plot`` draws per-rank work, normalised by the mean, for every layout (matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Any
 
 from cpshard.balance import (
+    COLUMNS,
     DISTRIBUTIONS,
     BalanceReport,
     all_plans,
@@ -27,7 +27,18 @@ from cpshard.balance import (
 )
 from cpshard.packing import PackSpec
 
-__all__ = ["add_arguments", "add_parser", "format_table", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "add_parser", "column_legend", "format_table", "run"]
+
+
+def column_legend() -> str:
+    """One line per table column: its name and definition."""
+    return "\n".join(
+        textwrap.fill(f"{name}: {text}", width=96, initial_indent="  ", subsequent_indent="    ")
+        for name, text in COLUMNS.items()
+    )
+
+
+DESCRIPTION = f"{__doc__}\nColumns:\n{column_legend()}\n"
 
 
 def _seq_lens(text: str) -> list[int]:
@@ -62,7 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "balance",
         help="layout balance on packed batches",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
@@ -72,10 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def format_table(rows: list[tuple[str, BalanceReport]]) -> str:
     """Markdown table of ``(batch label, report)`` rows."""
-    lines = [
-        "| batch | C | layout | imbalance | padding | remote K/V max | remote K/V mean | ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for label, r in rows:
         lines.append(
             f"| {label} | {r.world_size} | {r.layout} | {r.imbalance:.4f} | "
@@ -131,13 +139,10 @@ def run(args: argparse.Namespace) -> int:
                 for plan in all_plans(spec, c, include_torch=not args.no_torch):
                     rows.append((label, balance_report(plan)))
     except ValueError as err:
-        print(f"cpshard balance: {err}", file=sys.stderr)
+        print(f"cpshard balance: error: {err}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    print(
-        "\nms: wall time to build each layout's plan (rank map, stream facts, checks), after one "
-        "untimed warm-up pass over every layout"
-    )
+    print(f"\ncolumns:\n{column_legend()}")
     if args.plot:
         first = batches[0][0]
         _plot(args.plot, first, [r for label, r in rows if label == first])

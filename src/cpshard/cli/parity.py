@@ -1,131 +1,386 @@
-"""``cpshard parity``: loss and gradient parity per CP attention method and layout.
+"""``cpshard parity``: proves that cp=N trains exactly like cp=1, per attention method and layout.
 
-For every (batch kind, layout, attention method) it trains the same tiny model for a few steps
-on N local gloo ranks and on one rank, through the same code, and compares the global losses of
-every step and the CP-reduced gradients of the first step.
+What is compared: for every row (model, dtype, batch kind, layout, attention method) the same
+model, from the same init, trains --steps AdamW steps on the same real-text batches twice,
+through the same code: once on N CP ranks (the cp=N side) and once in one process (the cp=1
+reference). At EVERY step it compares
+  - the global loss of the two runs: rel |dloss| = |loss_N - loss_1| / loss_1;
+  - every parameter's gradient after the CP gradient sync against the cp=1 gradient on the SAME
+    weights (rank 0 recomputes it each step): grad err = max|g_N - g_1| / max|g_1|. So a step's
+    CP error is measured, not the rounding drift of two 50-step trajectories.
+A "cp=1 vs native attention" row per batch kind checks the reference itself the same way
+against the model's own attention without cpshard (e.g. HF dense rows with their attention
+mask, packed rows one document at a time).
+
+Where it runs: by default on --ranks forked local CPU ranks (gloo), started once and reused for
+every row. Under torchrun (WORLD_SIZE set) on the launched ranks instead (NCCL on CUDA, gloo on
+CPU), with the cp=1 reference on rank 0: `torchrun --nproc-per-node 4 -m cpshard parity --ranks 4`.
+
+Exit status: 0 iff every row passed, 1 if any row failed, 2 on bad input (checked before any
+work starts). Examples:
+
+    cpshard parity                                    # the demo: 14 rows, 3 steps, 4 ranks
+    cpshard parity --models all --steps 50 --json parity.json --plot parity.png  # thorough
+    cpshard parity --models llama,tiny --dtypes float32,bfloat16 --ranks 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Literal
+from pathlib import Path
+from typing import Any
 
-from cpshard.cli._spawn import run_local_ranks
+from cpshard.cli._parity_plan import DENSE_LAYOUTS, METHODS, PACKED_LAYOUTS, Row, plan_rows
+from cpshard.cli._parity_report import Record, format_row, table_header, write_json, write_plot
+from cpshard.cli._parity_run import CpSide, LaunchedRunner, LocalRunner, launched_world_size
+from cpshard.cli._pool import DEFAULT_TIMEOUT_S, RankFailure
 from cpshard.parity import (
+    GRAD_SYNCS,
     HEADS,
     KV_HEADS,
+    MODELS,
+    TOLERANCES,
     ParityCase,
     ParityResult,
+    Shadow,
     compare,
-    native_steps,
-    train_steps,
 )
 
-_METHODS = ("all_gather", "ring", "ulysses")
-_DENSE = ("round_robin", "contiguous")
-_PACKED = ("balanced", "packed")
-_TOL = {"float32": (2e-4, 2e-4), "float64": (1e-9, 1e-9)}
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
+
+
+def _tolerance_text() -> str:
+    lines = ["Tolerances, at every step (see cpshard.parity.TOLERANCES for why):"]
+    for dtype, tol in TOLERANCES.items():
+        lines.append(f"    {dtype}: rel |dloss| <= {tol.rel_loss:g}, grad err <= {tol.grad:g}")
+    return "\n".join(lines)
+
+
+DESCRIPTION = f"{__doc__}\n{_tolerance_text()}"
+_PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+class UsageError(ValueError):
+    """Bad command-line input: one line naming the flag, the rule and the fix (exit status 2)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``cpshard parity``."""
-    p.add_argument("--ranks", type=int, default=4, help="CP size (default 4)")
-    p.add_argument("--model", choices=("llama", "qwen2", "tiny"), default="llama")
-    p.add_argument("--methods", default=",".join(_METHODS), help="comma-separated")
+    p.add_argument("--ranks", type=int, default=4, help="CP size N of the cp=N side")
+    p.add_argument(
+        "--models",
+        "--model",
+        default="llama",
+        help=f"comma list of {', '.join(MODELS)}, or all (vlm: pre-embedding, layout chosen by "
+        "the dispatcher; prefix: model-owned sharder)",
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of attention methods")
     p.add_argument(
         "--layouts",
-        default=",".join(_DENSE + _PACKED),
-        help="comma-separated; round_robin/contiguous use dense rows, balanced/packed packed rows",
+        default=",".join(DENSE_LAYOUTS + PACKED_LAYOUTS),
+        help="comma list; round_robin/contiguous use dense rows, balanced/packed packed rows "
+        "(models that own their CP layout ignore it)",
     )
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--dtype", choices=tuple(_TOL), default="float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtypes", "--dtype", default="float32", help=f"comma list of {', '.join(TOLERANCES)}"
+    )
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps per row (50: thorough)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row of a batch")
+    p.add_argument("--batch-size", type=int, default=2, help="rows per dense batch")
+    p.add_argument("--seed", type=int, default=0, help="model init and batch sampling seed")
+    p.add_argument("--json", default=None, metavar="PATH", help="write one record per row")
+    p.add_argument(
+        "--plot", default=None, metavar="PATH", help="loss curves and |dloss| per step (.png)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a rank may wait in one collective before the run fails",
+    )
+    p.add_argument(
+        "--grad-sync",
+        choices=GRAD_SYNCS,
+        default="sum",
+        help="gradient sync of the cp=N side; 'mean' and 'none' are known mistakes, to see the "
+        "check fail",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="progress bar with ETA on stderr",
+    )
 
 
-def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+def _csv(text: str, allowed: Any, flag: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in items if s not in allowed]
     if bad or not items:
-        raise SystemExit(f"cpshard parity: --{what} takes a comma list of {allowed}, got {text!r}")
+        raise UsageError(
+            f"{flag} {text!r}: unknown {', '.join(map(repr, bad)) or 'empty list'}; "
+            f"use a comma list of {', '.join(allowed)}"
+        )
     return items
 
 
-def _run(world: int, case: ParityCase) -> ParityResult:
-    result: ParityResult = run_local_ranks(world, train_steps, case)[0]
-    return result
+def _check_writable(path: str, flag: str) -> None:
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file path like {p / 'out'}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {path}: file is not writable; choose another path")
+    if not p.exists() and not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise UsageError(
+            f"{flag} {path}: directory {parent} does not exist or is not writable; "
+            f"create it or choose another path"
+        )
 
 
-def _native(cp_mesh: object, case: ParityCase) -> ParityResult:
-    del cp_mesh  # one process, no collective: the model's own attention
-    return native_steps(case)
+def _validate(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Every check that does not need a rank; raises :class:`UsageError`."""
+    names = {
+        "models": list(MODELS)
+        if args.models.strip() == "all"
+        else _csv(args.models, MODELS, "--models"),
+        "methods": _csv(args.methods, METHODS, "--methods"),
+        "layouts": _csv(args.layouts, DENSE_LAYOUTS + PACKED_LAYOUTS, "--layouts"),
+        "dtypes": _csv(args.dtypes, TOLERANCES, "--dtypes"),
+    }
+    for flag, value, low in (
+        ("--steps", args.steps, 1),
+        ("--seq-len", args.seq_len, 2),
+        ("--batch-size", args.batch_size, 1),
+    ):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be >= {low}; pass {flag} {low} or more")
+    if args.ranks < 1:
+        raise UsageError(f"--ranks {args.ranks}: must be >= 1; pass --ranks 1 or more")
+    if 2 * args.ranks > args.seq_len:
+        raise UsageError(
+            f"--ranks {args.ranks} is more than --seq-len {args.seq_len} allows: round_robin cuts "
+            f"a row into 2 x ranks chunks of at least one token; use --ranks <= "
+            f"{args.seq_len // 2} or --seq-len >= {2 * args.ranks}"
+        )
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout}: must be > 0 seconds; e.g. --timeout 120")
+    if args.json is not None:
+        _check_writable(args.json, "--json")
+    if args.plot is not None:
+        if Path(args.plot).suffix.lower() not in _PLOT_SUFFIXES:
+            raise UsageError(
+                f"--plot {args.plot}: unknown image type; end the path in "
+                f"{', '.join(_PLOT_SUFFIXES)}"
+            )
+        _check_writable(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib, which is not installed; pip install 'cpshard[plot]' "
+                "or drop --plot"
+            ) from None
+    world = launched_world_size()
+    if world is not None and world != args.ranks:
+        raise UsageError(
+            f"--ranks {args.ranks} but the launcher started WORLD_SIZE={world} ranks; pass "
+            f"--ranks {world}, or launch with torchrun --nproc-per-node {args.ranks}"
+        )
+    return names
+
+
+def _plan_text(args: argparse.Namespace, names: dict[str, list[str]], rows: list[Row]) -> str:
+    todo = [r for r in rows if r.skip is None]
+    lines = [
+        f"cpshard parity: cp={args.ranks} vs cp=1 through the same training code; {len(rows)} "
+        f"rows ({len(todo)} to run), {args.steps} AdamW steps each",
+        f"  models: {', '.join(f'{m} ({MODELS[m].description})' for m in names['models'])}",
+        f"  batches: corpus text (CPython docs, byte tokens); dense [{args.batch_size}, "
+        f"{args.seq_len}], packed [1, {args.batch_size * args.seq_len}]; seed {args.seed}",
+        f"  attention heads {HEADS}, KV heads {KV_HEADS}; gradient sync: {args.grad_sync}",
+        "  compared at every step: rel |dloss| = |loss_N - loss_1| / loss_1 of the two runs, and "
+        "grad err = max|g_N - g_1| / max|g_1| (all parameters after the CP gradient sync, g_1 "
+        "on the same weights)",
+    ]
+    for dtype in names["dtypes"]:
+        tol = TOLERANCES[dtype]
+        lines.append(
+            f"  tolerance {dtype}: rel |dloss| <= {tol.rel_loss:g}, grad err <= {tol.grad:g}"
+        )
+    return "\n".join(lines)
+
+
+class _Driver:
+    """Runs the rows on a runner and turns each into a :class:`Record`."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.refs: dict[ParityCase, CpSide] = {}
+
+    def _record(self, row: Row, world: int) -> Record:
+        c = row.case
+        tol = TOLERANCES[c.dtype]
+        return Record(
+            kind=row.kind,
+            model=c.model,
+            dtype=c.dtype,
+            batch=c.batch,
+            layout=row.layout,
+            method="native" if row.kind == "reference" else c.method,
+            world=world,
+            steps=c.steps,
+            grad_sync=c.grad_sync,
+            launcher=self.runner.launcher,
+            backend=self.runner.backend if world > 1 else "none",
+            device=self.runner.device,
+            tol_rel_dloss=tol.rel_loss,
+            tol_grad_err=tol.grad,
+            skipped=row.skip,
+        )
+
+    def reference(self, row: Row) -> CpSide:
+        """The cp=1 run shared by the rows of one model/dtype/batch kind; its per-step gradient
+        errors are against the model's own attention on the same weights (the reference row)."""
+        key = row.ref_key
+        if key not in self.refs:
+            shadow: Shadow = "native" if MODELS[key.model].native_loss is not None else "none"
+            self.refs[key] = self.runner.reference(replace(key, grad_sync="sum"), shadow)
+        return self.refs[key]
+
+    def _fill(self, rec: Record, got: CpSide, ref: ParityResult) -> None:
+        diff = compare(ref, got.result)  # losses of two runs; gradients on the same weights
+        rec.sharder_layout = got.result.layout
+        rec.local_tokens = got.result.local_tokens
+        rec.losses, rec.ref_losses = got.result.losses, ref.losses
+        rec.abs_dloss, rec.rel_dloss, rec.grad_errs = diff.abs_dloss, diff.rel_dloss, diff.grad_err
+        rec.max_abs_dloss = max(diff.abs_dloss)
+        rec.max_rel_dloss = max(diff.rel_dloss)
+        rec.grad_err = max(diff.grad_err)
+        rec.passed = diff.passed(TOLERANCES[rec.dtype])
+        rec.seconds = got.seconds
+        rec.peak_mem_mb, rec.peak_mem_kind = got.peak_mem_mb, got.peak_mem_kind
+
+    def run_row(self, row: Row) -> Record | None:
+        """Run one row on every rank; the main process gets the record, the others ``None``."""
+        if row.kind == "reference":
+            if not self.runner.is_main:
+                return None
+            rec = self._record(row, 1)
+            native = self.runner.native(replace(row.ref_key, grad_sync="sum"))
+            self._fill(rec, self.reference(row), native.result)
+            return rec
+        rec = self._record(row, self.runner.world)
+        if row.skip is not None:
+            return rec if self.runner.is_main else None
+        try:
+            got = self.runner.cp_side(row.case)
+        except RankFailure as err:
+            rec.error, rec.passed = str(err), False
+            return rec
+        if got is None:
+            return None
+        self._fill(rec, got, self.reference(row).result)
+        return rec
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc="parity rows",
+        unit="row",
+        file=sys.stderr,
+        disable=not enabled,
+        dynamic_ncols=True,
+        bar_format="{desc}: {n}/{total} |{bar}| [{elapsed} elapsed, ETA {remaining}]",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run every parity case; exit status 0 iff all of them agree within tolerance."""
-    if args.model != "tiny":
-        import transformers  # noqa: F401  (imported once here, before the ranks fork)
-    methods = _csv(args.methods, _METHODS, "methods")
-    layouts = _csv(args.layouts, _DENSE + _PACKED, "layouts")
+    """Run every parity row; exit status 0 iff all passed, 1 if any failed, 2 on bad input."""
+    try:
+        names = _validate(args)
+    except UsageError as err:
+        print(f"cpshard parity: error: {err}", file=sys.stderr)
+        return 2
     base = ParityCase(
-        model=args.model,
         steps=args.steps,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
-        dtype=args.dtype,
         seed=args.seed,
+        grad_sync=args.grad_sync,
     )
-    tol_loss, tol_grad = _TOL[args.dtype]
-    print(
-        f"cpshard parity: {args.model} ({HEADS} heads, {KV_HEADS} KV heads), {args.dtype}, "
-        f"{args.ranks} gloo ranks vs 1, {args.steps} AdamW steps, corpus batches "
-        f"[{args.batch_size}, {args.seq_len}]\n"
+    rows = plan_rows(
+        base,
+        models=names["models"],
+        dtypes=names["dtypes"],
+        layouts=names["layouts"],
+        methods=names["methods"],
+        world=args.ranks,
     )
-    print(
-        "| batch | layout | attention | local tokens | losses (cp=N) | max dloss | grad err | ok |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    refs: dict[str, ParityResult] = {}
-    all_ok = True
+    import torch
+
+    torch.set_num_threads(1)  # before any op: the local ranks are forked from this process
+    for model in names["models"]:  # one-off imports and init paths before the ranks fork
+        MODELS[model].build(torch.float32, args.seed)
+    runner: Any
+    if launched_world_size() is None:
+        runner = LocalRunner(args.ranks, timeout_s=args.timeout)
+    else:
+        runner = LaunchedRunner(timeout_s=args.timeout)
+    emit: Callable[[str], None] = print if runner.is_main else (lambda _line: None)
+    emit(_plan_text(args, names, rows))
+    emit(f"  cp={args.ranks} side: {runner.world} {runner.backend} ranks ({runner.launcher})\n")
     t0 = time.perf_counter()
-    for layout in layouts:
-        kind: Literal["dense", "packed"] = "dense" if layout in _DENSE else "packed"
-        if kind not in refs:
-            refs[kind] = _run(1, replace(base, batch=kind))
-            # the cp=1 reference itself against the model's own attention, without cpshard
-            native = run_local_ranks(1, _native, replace(base, batch=kind))[0]
-            dloss, dgrad = compare(native, refs[kind])
-            ok = dloss <= tol_loss and dgrad <= tol_grad
-            all_ok &= ok
-            losses = " ".join(f"{x:.4f}" for x in refs[kind].losses)
-            print(
-                f"| {kind} | cp=1 vs native attention | - | {refs[kind].local_tokens} | "
-                f"{losses} | {dloss:.2e} | {dgrad:.2e} | {'yes' if ok else 'NO'} |"
-            )
-        for method in methods:
-            if method == "ulysses" and (HEADS % args.ranks or KV_HEADS % args.ranks):
-                print(
-                    f"| {kind} | {layout} | {method} | - | - | - | - | skipped: heads "
-                    f"{HEADS}/{KV_HEADS} not divisible by {args.ranks} ranks |"
-                )
-                continue
-            case = replace(base, batch=kind, layout=layout, method=method)  # type: ignore[arg-type]
-            got = _run(args.ranks, case)
-            dloss, dgrad = compare(refs[kind], got)
-            ok = dloss <= tol_loss and dgrad <= tol_grad
-            all_ok &= ok
-            losses = " ".join(f"{x:.4f}" for x in got.losses)
-            print(
-                f"| {kind} | {got.layout} | {method} | {got.local_tokens} | {losses} | "
-                f"{dloss:.2e} | {dgrad:.2e} | {'yes' if ok else 'NO'} |"
-            )
-    ref_losses = "; ".join(
-        f"{k}: " + " ".join(f"{x:.4f}" for x in r.losses) for k, r in refs.items()
+    records: list[Record] = []
+    driver = _Driver(runner)
+    try:
+        runner.start()
+        bar = _progress(len(rows), args.progress and runner.is_main)
+
+        def show(line: str) -> None:
+            if runner.is_main:
+                bar.write(line, file=sys.stdout)
+
+        for line in table_header():
+            show(line)
+        for row in rows:
+            rec = driver.run_row(row)
+            if rec is not None:
+                records.append(rec)
+                show(format_row(rec))
+            bar.update(1)
+        bar.close()
+        ok = all(r.passed is not False for r in records)
+        ok = runner.agree(ok)
+    finally:
+        runner.close()
+    if not runner.is_main:
+        return 0 if ok else 1
+    for r in records:
+        if r.error is not None:
+            print(f"\n{r.model} {r.dtype} {r.batch} {r.layout} {r.method}: {r.error}")
+    refs = "; ".join(
+        f"{k.model} {k.dtype} {k.batch}: "
+        + " ".join(f"{x:.4f}" for x in v.result.losses[:4])
+        + (" .." if len(v.result.losses) > 4 else "")
+        for k, v in driver.refs.items()
     )
-    print(f"\nreference losses (cp=1): {ref_losses}")
-    print(f"tolerance: dloss <= {tol_loss:g}, grad err (max |dg| / max |g|) <= {tol_grad:g}")
-    print(f"{'PASS' if all_ok else 'FAIL'} in {time.perf_counter() - t0:.1f} s")
-    return 0 if all_ok else 1
+    print(f"\nreference losses (cp=1): {refs}")
+    if args.json is not None:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        write_plot(args.plot, records)
+        print(f"wrote {args.plot}")
+    failed = [r for r in records if r.passed is False]
+    verdict = "PASS" if ok else f"FAIL ({len(failed)} rows)"
+    print(f"{verdict} in {time.perf_counter() - t0:.1f} s")
+    return 0 if ok else 1

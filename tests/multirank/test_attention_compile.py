@@ -1,0 +1,29 @@
+"""torch.compile of a model under ctx(): planning adds no graph breaks (one small case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_fns import compiled_module_case
+
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("method", ["all_gather", "ulysses"])
+def test_fullgraph_compile_matches_eager(ranks: Ranks, method: str) -> None:
+    """cp=2, fullgraph=True: the plan is built at shard time, the compiled graph only runs
+    kernels and collectives; output and parameter grads equal the eager CP run."""
+    for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, method, True):
+        torch.testing.assert_close(yc, y)
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_c[name], g, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_ring_compiles_with_graph_breaks_at_its_p2p_calls(ranks: Ranks) -> None:
+    """Ring's batch_isend_irecv is not traceable: fullgraph=False compiles around it."""
+    for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, "ring", False):
+        torch.testing.assert_close(yc, y)
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_c[name], g, msg=lambda m, n=name: f"{n}: {m}")
