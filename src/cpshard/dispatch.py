@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from cpshard import _comm
 from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
@@ -37,6 +38,7 @@ __all__ = [
     "closed_form_sharder",
     "make_cp_batch_and_ctx",
     "prepare_cp_forward",
+    "unwrap_model",
 ]
 
 LayoutName = Literal["auto", "none", "contiguous", "round_robin", "packed", "balanced"]
@@ -308,6 +310,18 @@ def _gathered_rank_map(sharder: CPSharder, padded: int, world: int) -> torch.Ten
     return full[:, :n]
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside ``DistributedDataParallel`` / ``DataParallel`` wrappers (else ``model``).
+
+    Such a wrapper hides the model's attributes (``prepare_model_inputs_for_cp``,
+    ``set_attn_implementation``, ``config``), so without unwrapping a wrapped HF model would keep
+    its own attention under ``ctx()`` and a model-owned hook would be skipped.
+    """
+    while isinstance(model, DistributedDataParallel | DataParallel):
+        model = model.module
+    return model
+
+
 def prepare_cp_forward(
     model: nn.Module,
     cp_mesh: DeviceMesh | None,
@@ -345,6 +359,9 @@ def prepare_cp_forward(
             check_consistency: As in :func:`make_cp_batch_and_ctx` (the fingerprint is taken of
             the caller's batch, before the model hook runs).
 
+    A ``DistributedDataParallel`` / ``DataParallel`` wrapper is looked through
+    (:func:`unwrap_model`): call the wrapper as usual inside ``ctx()``.
+
     The model gets a forward guard (see :mod:`cpshard.guards`): a sharded batch must run inside
     its own ``ctx()``, and under ``ctx()`` the model takes no ``labels`` and no
     ``attention_mask``.
@@ -359,6 +376,9 @@ def prepare_cp_forward(
             CP ranks are out of step).
     """
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    # DDP / DataParallel: the hook, the HF attention switch and the guard act on the model inside
+    # (the wrapper forwards the call to it, so the guard still sees every forward).
+    model = unwrap_model(model)
     # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.
     install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
     if check_consistency:

@@ -210,12 +210,62 @@ def hf_calls_under_ctx(cp_mesh: DeviceMesh, case: str) -> str:
     elif case == "outside_ctx":
         with pytest.raises(ValueError, match="outside its ctx") as info:
             model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    elif case == "no_position_ids":  # HF would number the local tokens 0..L-1: RoPE wrong
+        with pytest.raises(ValueError, match="without `position_ids`") as info, ctx():
+            model(input_ids=local["input_ids"])
     else:
         raise AssertionError(case)
     assert "cp_cross_entropy" in str(info.value) or case != "labels"
     with ctx():  # the documented call works
         model(**{k: v for k, v in local.items() if k != "labels"})
     return str(info.value)
+
+
+def plain_model_without_position_ids(cp_mesh: DeviceMesh) -> str:
+    """A plain model whose forward defaults position_ids to 0..L-1 raises under ctx()."""
+    model = _tiny()
+    ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, _base(True))
+    with pytest.raises(ValueError, match="without `position_ids`") as info, ctx():
+        model(local["input_ids"])
+    with ctx():  # positional position_ids count as given
+        model(local["input_ids"], local["position_ids"])
+    return str(info.value)
+
+
+def reference_model_on_policy_batch(cp_mesh: DeviceMesh) -> None:
+    """A second HF model (a reference model) prepared on the policy's batch and run under its own
+    ctx on the policy's local tensors: its logits equal one process's."""
+    policy, ref = _llama(cp_mesh), _llama(cp_mesh)
+    batch = _base(False)
+    _, local, sharder = cpshard.prepare_cp_forward(policy, cp_mesh, batch)
+    call = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+    ctx_ref, _, _ = cpshard.prepare_cp_forward(ref, cp_mesh, batch)
+    with torch.no_grad(), ctx_ref():
+        got = sharder.gather_token_tensor(ref(**call).logits, trim=True)
+    with torch.no_grad():
+        want = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+def ddp_wrapped_hf_model(cp_mesh: DeviceMesh) -> None:
+    """A DDP-wrapped HF model is looked through: CP attention under ctx(), equal to one process."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _llama(cp_mesh)
+    wrapped = DistributedDataParallel(model)  # as Accelerate / TRL wrap it
+    batch = _base(False)
+    ctx, local, sharder = cpshard.prepare_cp_forward(wrapped, cp_mesh, batch)
+    with torch.no_grad(), ctx():
+        out = wrapped(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    got = sharder.gather_token_tensor(out, trim=True)
+    assert model.config._attn_implementation == "sdpa"  # its own attention again outside ctx()
+    with torch.no_grad():
+        want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="outside its ctx"):  # the guard sees wrapper calls
+        wrapped(input_ids=local["input_ids"], position_ids=local["position_ids"])
 
 
 def routing(cp_mesh: DeviceMesh) -> None:

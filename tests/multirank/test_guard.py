@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 from _guard_fns import (
     bad_inputs_everywhere,
+    ddp_wrapped_hf_model,
     divergent_batch,
     divergent_gather,
     hf_calls_under_ctx,
     no_aliasing,
+    plain_model_without_position_ids,
+    reference_model_on_policy_batch,
     routing,
     same_batch_passes,
     stale_state,
@@ -83,10 +86,26 @@ def test_stale_state_raises_everywhere(ranks: Ranks, world: int, case: str) -> N
     assert len(set(msgs)) == 1
 
 
-@pytest.mark.parametrize("case", ["labels", "attention_mask", "outside_ctx"])
+@pytest.mark.parametrize("case", ["labels", "attention_mask", "outside_ctx", "no_position_ids"])
 def test_hf_calls_under_ctx_raise(ranks: Ranks, case: str) -> None:
     msgs = ranks(2, hf_calls_under_ctx, case, timeout=30)
     assert len(set(msgs)) == 1
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_model_without_position_ids_raises(ranks: Ranks, world: int) -> None:
+    msgs = ranks(world, plain_model_without_position_ids, timeout=30)
+    assert len(set(msgs)) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reference_model_under_its_own_ctx(ranks: Ranks, world: int) -> None:
+    ranks(world, reference_model_on_policy_batch, timeout=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_wrapped_hf_model(ranks: Ranks, world: int) -> None:
+    ranks(world, ddp_wrapped_hf_model, timeout=30)
 
 
 def test_routing_and_suspend(ranks: Ranks) -> None:

@@ -14,6 +14,11 @@
   is wrong under CP);
 * every other SDPA call (another length) passes through untouched;
 * :func:`suspend` exempts a region (nothing is routed there, and HF models see no CP context);
+* activation checkpointing (``torch.utils.checkpoint`` / HF gradient checkpointing) recomputes
+  the forward during ``backward()``, where no context is active: pass
+  ``context_fn=cpshard.attention.checkpoint_context_fn`` (non-reentrant checkpointing) so the
+  recomputation routes like the forward did; a routed call inside a checkpoint without it raises
+  (the recomputation would otherwise silently run local attention);
 * an op on a local tensor of another batch (a stale ``ctx`` used with a newer batch, or the
   reverse) raises, and entering a context inside another one raises.
 
@@ -43,6 +48,7 @@ from cpshard.sharder import same_shard
 __all__ = [
     "active_cp_attention",
     "active_mode",
+    "checkpoint_context_fn",
     "cp_attention_context",
     "cp_context_active",
     "suspend",
@@ -87,6 +93,10 @@ class _CPSDPAMode(TorchFunctionMode):
         self.method = method
         self.suspended = 0  # > 0 inside suspend()
         self.warned = False
+        self.checkpointed = 0  # > 0 inside the forward of a checkpoint_context_fn checkpoint
+        # Contexts a recomputation re-enters with the routing (e.g. an HF model's "cpshard"
+        # attention implementation, which is selected only while its ctx() is open).
+        self.on_recompute: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
 
     def __torch_function__(
         self,
@@ -132,13 +142,19 @@ class _CPSDPAMode(TorchFunctionMode):
     def serve(self, call: Mapping[str, Any]) -> torch.Tensor:
         """CP attention for a named SDPA call (checked first)."""
         q, k = call["query"], call["key"]
+        if not self.checkpointed and _inside_torch_checkpoint():
+            raise ValueError(_CHECKPOINT_FIX)
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask inside "
                 "cp_attention_context; under CP the mask comes from the token meta (document ids "
-                "and global positions, padding included): pass attn_mask=None and is_causal; "
-                "wrap a module that is not attention over the sharded sequence in "
-                "cpshard.attention.suspend()"
+                "and global positions, padding included): pass attn_mask=None and is_causal. "
+                "An HF transformers model builds such a mask unless it runs inside its own "
+                "prepared ctx: for a second model on this batch (e.g. a reference model) call "
+                "ctx_ref, _, _ = cpshard.prepare_cp_forward(ref_model, cp_mesh, batch) and run it "
+                "under `with ctx_ref():` (the local tensors of both prepares are interchangeable). "
+                "Only a module that is NOT attention over the sharded sequence may be wrapped in "
+                "cpshard.attention.suspend() (it then runs local attention)"
             )
         if call["dropout_p"] != 0.0:
             raise ValueError(
@@ -155,6 +171,31 @@ class _CPSDPAMode(TorchFunctionMode):
             q, k, call["value"], group=self.group, meta=self.meta, method=self.method,
             causal=bool(call["is_causal"]), scale=call["scale"],
         )  # fmt: skip
+
+
+_CHECKPOINT_FIX = (
+    "CP attention ran inside an activation checkpoint (torch.utils.checkpoint or HF gradient "
+    "checkpointing) without cpshard's recompute context: backward() recomputes the forward "
+    "outside the CP context, where attention would silently be local to this rank's shard "
+    "(wrong gradients). Pass context_fn=cpshard.attention.checkpoint_context_fn to the "
+    "non-reentrant checkpoint: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, "
+    "context_fn=cpshard.attention.checkpoint_context_fn), or for an HF model "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False, "
+    "'context_fn': cpshard.attention.checkpoint_context_fn})"
+)
+
+
+def _inside_torch_checkpoint() -> bool:
+    """Whether the forward of a non-reentrant ``torch.utils.checkpoint`` is running here.
+
+    Its saved-tensors hook (``_checkpoint_hook``) is then the innermost default hook.
+    """
+    if torch.compiler.is_compiling():  # not traceable; compiled checkpoints are not checked
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return False
+    return "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _modes() -> list[_CPSDPAMode]:
@@ -185,10 +226,16 @@ def active_cp_attention() -> Callable[..., torch.Tensor] | None:
 
     Returns:
         The bound function, or ``None`` when no CP context is active (or it is suspended).
+
+    Raises:
+        ValueError: inside an activation checkpoint without :func:`checkpoint_context_fn` (its
+            recomputation would run local attention).
     """
     mode = active_mode()
     if mode is None:
         return None
+    if not mode.checkpointed and _inside_torch_checkpoint():
+        raise ValueError(_CHECKPOINT_FIX)
     return functools.partial(cp_sdpa, group=mode.group, meta=mode.meta, method=mode.method)
 
 
@@ -213,6 +260,57 @@ def suspend() -> Iterator[None]:
     finally:
         for m in modes:
             m.suspended -= 1
+
+
+@contextlib.contextmanager
+def _marked(mode: _CPSDPAMode) -> Iterator[None]:
+    mode.checkpointed += 1
+    try:
+        yield
+    finally:
+        mode.checkpointed -= 1
+
+
+@contextlib.contextmanager
+def _recompute_in(mode: _CPSDPAMode) -> Iterator[None]:
+    """Re-enter ``mode``'s routing (same group, batch meta and method) for a recomputation."""
+    if _modes():  # already inside a CP context (e.g. a checkpoint recomputed in the forward)
+        yield
+        return
+    again = _CPSDPAMode(None, mode.meta, mode.method)
+    again.group = mode.group
+    again.checkpointed = 1
+    with contextlib.ExitStack() as stack:
+        for factory in mode.on_recompute:
+            stack.enter_context(factory())
+        stack.enter_context(again)
+        yield
+
+
+def checkpoint_context_fn() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant) under CP.
+
+    The recomputation of a checkpointed region runs during ``backward()``, where no CP context is
+    active (also when ``backward()`` is called inside ``ctx()``): without this it would silently
+    compute local attention. Called when the checkpointed forward starts, it captures the active
+    CP context; the recomputation then routes exactly like the forward did. Outside ``ctx()``
+    (evaluation, generation) both contexts do nothing.
+
+    Returns:
+        ``(forward_context, recompute_context)`` as ``torch.utils.checkpoint`` expects.
+
+    Example:
+        >>> model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        ...     "use_reentrant": False, "context_fn": cpshard.attention.checkpoint_context_fn})
+        >>> out = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False,
+        ...     context_fn=cpshard.attention.checkpoint_context_fn)
+    """
+    mode = active_mode()
+    if mode is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return _marked(mode), _recompute_in(mode)
 
 
 @contextlib.contextmanager

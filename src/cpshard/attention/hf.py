@@ -19,12 +19,13 @@ transformers is imported lazily.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from cpshard.attention.context import cp_context_active
+from cpshard.attention.context import active_mode, cp_context_active
 from cpshard.attention.hf_options import run_cp_hf_attention
 
 __all__ = [
@@ -183,15 +184,24 @@ def attention_implementations(config: Any) -> str | dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _scope(model: torch.nn.Module, inner: Callable[[], Any]) -> Iterator[None]:
+def _selected(model: torch.nn.Module) -> Iterator[None]:
+    """Select ``"cpshard"`` on ``model`` for the span of the block, then restore its own."""
     saved = attention_implementations(model.config)  # type: ignore[union-attr]
     use_cp_attention(model)
     try:
-        with inner():
-            yield
+        yield
     finally:
         if saved != ATTENTION_NAME:
             model.set_attn_implementation(saved)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def _scope(model: torch.nn.Module, inner: Callable[[], Any]) -> Iterator[None]:
+    with _selected(model), inner():
+        mode = active_mode()
+        if mode is not None:  # a checkpoint's recomputation selects "cpshard" again
+            mode.on_recompute.append(functools.partial(_selected, model))
+        yield
 
 
 def cp_attention_scope(
