@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from cpshard.layouts import (
     RoundRobinLayout,
     check_rank_map,
 )
+from cpshard.names import LAYOUT_NAMES, METHOD_NAMES, LayoutName
 from cpshard.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
 
@@ -41,9 +42,6 @@ __all__ = [
     "unwrap_model",
 ]
 
-LayoutName = Literal["auto", "none", "contiguous", "round_robin", "packed", "balanced"]
-_LAYOUTS = ("auto", "none", "contiguous", "round_robin", "packed", "balanced")
-_METHODS = ("all_gather", "ring", "ulysses")
 _PACK_KEYS = ("seq_lens", "cu_seqlens")
 
 
@@ -94,10 +92,10 @@ def _resolve(
     extra_token_keys: Mapping[str, TokenKey] | None,
     attention: str,
 ) -> CPSharder:
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS}, got layout={layout!r}")
-    if attention not in _METHODS:
-        raise ValueError(f"attention must be one of {_METHODS}, got attention={attention!r}")
+    if layout not in LAYOUT_NAMES:
+        raise ValueError(f"layout must be one of {LAYOUT_NAMES}, got layout={layout!r}")
+    if attention not in METHOD_NAMES:
+        raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
     packed = _is_packed(batch)
     if layout == "auto":
         layout = "balanced" if packed else ("round_robin" if cp_size > 1 else "none")

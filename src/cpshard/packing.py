@@ -270,14 +270,6 @@ class PackSpec:
         """LongTensor ``[D]``: document lengths, global document order (row-major)."""
         return torch.tensor([n for row in self.doc_lens for n in row], dtype=torch.long)
 
-    def input_starts(self) -> torch.Tensor:
-        """LongTensor ``[D]``: flat offset ``b * S + s`` of each document's first token."""
-        starts: list[int] = []
-        for b, row in enumerate(self.doc_lens):
-            starts.extend(b * self.row_len + o for o in itertools.accumulate(row, initial=0))
-            starts.pop()
-        return torch.tensor(starts, dtype=torch.long)
-
     def _segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Row-major segments: documents and each row's pad; (lengths, doc id or -1)."""
         lens: list[int] = []

@@ -8,7 +8,7 @@ waiting in a collective.
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -22,11 +22,9 @@ from cpshard.attention.ring import ring_attention
 from cpshard.attention.softcap import check_softcap
 from cpshard.attention.ulysses import ulysses_attention
 from cpshard.meta import TokenMeta
+from cpshard.names import METHOD_NAMES, AttentionMethod
 
 __all__ = ["AttentionMethod", "CPAttentionSharder", "cp_attention", "cp_sdpa"]
-
-AttentionMethod = Literal["all_gather", "ring", "ulysses"]
-METHODS: tuple[str, ...] = get_args(AttentionMethod)
 
 
 class CPAttentionSharder(Protocol):
@@ -43,9 +41,9 @@ class CPAttentionSharder(Protocol):
 
 def check_method(method: str) -> None:
     """Raise ``ValueError`` unless ``method`` is one of :data:`AttentionMethod`."""
-    if method not in METHODS:
+    if method not in METHOD_NAMES:
         raise ValueError(
-            f"unknown CP attention method {method!r}; valid methods are {', '.join(METHODS)}"
+            f"unknown CP attention method {method!r}; valid methods are {', '.join(METHOD_NAMES)}"
         )
 
 

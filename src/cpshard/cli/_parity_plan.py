@@ -14,14 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
 from cpshard.parity import HEADS, KV_HEADS, MODELS, ParityCase
 
 __all__ = ["DENSE_LAYOUTS", "LAYOUT_BATCH", "METHODS", "PACKED_LAYOUTS", "Row", "plan_rows"]
 
-METHODS = ("all_gather", "ring", "ulysses")
-DENSE_LAYOUTS = ("round_robin", "contiguous")
-PACKED_LAYOUTS = ("balanced", "packed")
-LAYOUT_BATCH = {**dict.fromkeys(DENSE_LAYOUTS, "dense"), **dict.fromkeys(PACKED_LAYOUTS, "packed")}
+METHODS: tuple[str, ...] = METHOD_NAMES
+LAYOUT_BATCH: dict[str, str] = {
+    **dict.fromkeys(DENSE_LAYOUTS, "dense"),
+    **dict.fromkeys(PACKED_LAYOUTS, "packed"),
+}
 AUTO_LAYOUT = "auto"  # rows whose layout the model's hook (or else the dispatcher) chooses
 OWN_ATTENTION = "own"  # the method column of rows whose model needs no CP attention method
 

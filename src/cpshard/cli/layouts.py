@@ -23,14 +23,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.cli._pool import LocalRankPool
-from cpshard.dispatch import LayoutName, make_cp_batch_and_ctx
+from cpshard.dispatch import make_cp_batch_and_ctx
 from cpshard.layouts import consecutive_runs
+from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 
 __all__ = ["DENSE_LAYOUTS", "DESCRIPTION", "PACKED_LAYOUTS", "add_arguments", "run"]
 
 DESCRIPTION = __doc__
-DENSE_LAYOUTS: tuple[LayoutName, ...] = ("round_robin", "contiguous")
-PACKED_LAYOUTS: tuple[LayoutName, ...] = ("packed", "balanced")
 _TRAILING_PADS = 2
 
 
