@@ -85,7 +85,30 @@ def _cp_rank(
     return (res if cp_mesh.get_local_rank() == 0 else None), secs, mb, kind
 
 
-class LocalRunner:
+class _InProcessSides:
+    """The one-process sides of a row, run where the runner's main process is (its ``device``).
+
+    Under a launcher only rank 0 calls these.
+    """
+
+    device: str
+
+    def reference(self, case: ParityCase, shadow: Shadow) -> CpSide:
+        """The cp=1 run of ``case`` in this process (``shadow``: see ``train_steps``)."""
+        c = replace(case, device=self.device)
+        res, secs, mb, kind = measure(
+            lambda: train_steps(None, c, shadow), torch.device(self.device)
+        )
+        return CpSide(res, secs, [mb], kind)
+
+    def native(self, case: ParityCase) -> CpSide:
+        """``case`` with the model's own attention, in this process."""
+        c = replace(case, device=self.device)
+        res, secs, mb, kind = measure(lambda: native_steps(c), torch.device(self.device))
+        return CpSide(res, secs, [mb], kind)
+
+
+class LocalRunner(_InProcessSides):
     """The cp=N side on ``world`` forked gloo ranks of this machine, the reference here.
 
     Args:
@@ -126,20 +149,6 @@ class LocalRunner:
         assert res is not None
         return CpSide(res, max(o[1] for o in out), [o[2] for o in out], out[0][3])
 
-    def reference(self, case: ParityCase, shadow: Shadow) -> CpSide:
-        """The cp=1 run of ``case`` in this process (``shadow``: see ``train_steps``)."""
-        c = replace(case, device=self.device)
-        res, secs, mb, kind = measure(
-            lambda: train_steps(None, c, shadow), torch.device(self.device)
-        )
-        return CpSide(res, secs, [mb], kind)
-
-    def native(self, case: ParityCase) -> CpSide:
-        """``case`` with the model's own attention, in this process."""
-        c = replace(case, device=self.device)
-        res, secs, mb, kind = measure(lambda: native_steps(c), torch.device(self.device))
-        return CpSide(res, secs, [mb], kind)
-
     def agree(self, ok: bool) -> bool:
         """One process decides: nothing to share."""
         return ok
@@ -165,7 +174,7 @@ def launched_world_size() -> int | None:
     return int(text)
 
 
-class LaunchedRunner:
+class LaunchedRunner(_InProcessSides):
     """The cp=N side on the ranks a launcher started (every rank runs this), reference on rank 0.
 
     Args:
@@ -207,20 +216,6 @@ class LaunchedRunner:
         mems = self._gather_floats(mb)
         secs = max(self._gather_floats(secs))
         return CpSide(res, secs, mems, kind) if self.is_main else None
-
-    def reference(self, case: ParityCase, shadow: Shadow) -> CpSide:
-        """The cp=1 run of ``case`` on this rank (call it on rank 0 only)."""
-        c = replace(case, device=self.device)
-        res, secs, mb, kind = measure(
-            lambda: train_steps(None, c, shadow), torch.device(self.device)
-        )
-        return CpSide(res, secs, [mb], kind)
-
-    def native(self, case: ParityCase) -> CpSide:
-        """``case`` with the model's own attention on this rank (call it on rank 0 only)."""
-        c = replace(case, device=self.device)
-        res, secs, mb, kind = measure(lambda: native_steps(c), torch.device(self.device))
-        return CpSide(res, secs, [mb], kind)
 
     def agree(self, ok: bool) -> bool:
         """Rank 0's verdict on every rank."""
