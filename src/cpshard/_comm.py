@@ -15,7 +15,7 @@ test-side patch); the library itself reads no environment variable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -121,22 +121,29 @@ def cp_rank_and_size(cp_mesh: DeviceMesh | None) -> tuple[int, int]:
     return cp_mesh.get_local_rank(), cp_mesh.size()
 
 
-def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+_Into = Callable[[torch.Tensor, torch.Tensor, ProcessGroup], None]
+
+
+def _into(direct: _Into, out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    """``direct(out, x, group)``, through host buffers when the group cannot move x's device."""
     if _staged(x, group):
         host = _host_like(out)
-        _all_gather_into_direct(host, _to_host(x), group)
+        direct(host, _to_host(x), group)
         out.copy_(host)
     else:
-        _all_gather_into_direct(out, x, group)
+        direct(out, x, group)
+
+
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    _into(_all_gather_into_direct, out, x, group)
 
 
 def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    if _staged(x, group):
-        host = _host_like(out)
-        _reduce_scatter_into_direct(host, _to_host(x), group)
-        out.copy_(host)
-    else:
-        _reduce_scatter_into_direct(out, x, group)
+    _into(_reduce_scatter_into_direct, out, x, group)
+
+
+def _all_to_all_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    dist.all_to_all_single(out, x, group=group)
 
 
 def _all_gather_into_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
@@ -351,12 +358,7 @@ def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """
     x = x.contiguous()
     out = torch.empty_like(x)
-    if _staged(x, group):
-        host = _host_like(out)
-        dist.all_to_all_single(host, _to_host(x), group=group)
-        out.copy_(host)
-    else:
-        dist.all_to_all_single(out, x, group=group)
+    _into(_all_to_all_direct, out, x, group)
     return out
 
 
