@@ -133,6 +133,30 @@ def _row(
     }  # fmt: skip
 
 
+def _measure(
+    case: str,
+    s: int,
+    docs: int,
+    target: float,
+    base: Callable[[], None],
+    paths: dict[str, Callable[[], None]],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+) -> list[dict[str, Any]]:
+    """One row per cpshard path: time and peak memory as ratios to ``base``."""
+    tb = _time(base, device, warmup, iters)
+    mb = _peak_bytes(base, device)
+    rows = []
+    for what, fn in paths.items():
+        try:
+            t = _time(fn, device, warmup, iters)
+            rows.append(_row(case, s, docs, tb, t, target, _peak_bytes(fn, device) / mb, what))
+        except Exception as e:  # a failing row is reported, the others still run
+            rows.append({"case": case, "S": s, "what": what, "error": _short(e)})
+    return rows
+
+
 def bench_dense(s: int, device: torch.device, warmup: int, iters: int) -> list[dict[str, Any]]:
     q, k, v, go = _qkv(s, device)
     sc = D**-0.5
@@ -153,16 +177,8 @@ def bench_dense(s: int, device: torch.device, warmup: int, iters: int) -> list[d
         out = cp_sdpa(*leaves, group=None, meta=meta, method="all_gather")
         torch.autograd.grad(out, leaves, go)
 
-    tb = _time(base, device, warmup, iters)
-    mb = _peak_bytes(base, device)
-    rows = []
-    for what, fn in (("block_attention", kernel), ("cp_sdpa", public)):
-        try:
-            t = _time(fn, device, warmup, iters)
-            rows.append(_row("dense", s, 1, tb, t, 0.9, _peak_bytes(fn, device) / mb, what))
-        except Exception as e:  # a failing row is reported, the others still run
-            rows.append({"case": "dense", "S": s, "what": what, "error": _short(e)})
-    return rows
+    paths = {"block_attention": kernel, "cp_sdpa": public}
+    return _measure("dense", s, 1, 0.9, base, paths, device, warmup, iters)
 
 
 def bench_packed(s: int, device: torch.device, warmup: int, iters: int) -> list[dict[str, Any]]:
@@ -199,18 +215,8 @@ def bench_packed(s: int, device: torch.device, warmup: int, iters: int) -> list[
         out = cp_sdpa(*leaves, group=None, meta=meta, method="all_gather")
         torch.autograd.grad(out, leaves, go)
 
-    tb = _time(base, device, warmup, iters)
-    mb = _peak_bytes(base, device)
-    rows = []
-    for what, fn in (("varlen_attention", kernel), ("cp_sdpa", public)):
-        try:
-            t = _time(fn, device, warmup, iters)
-            rows.append(
-                _row("packed", s, len(lens), tb, t, 0.8, _peak_bytes(fn, device) / mb, what)
-            )
-        except Exception as e:
-            rows.append({"case": "packed", "S": s, "what": what, "error": _short(e)})
-    return rows
+    paths = {"varlen_attention": kernel, "cp_sdpa": public}
+    return _measure("packed", s, len(lens), 0.8, base, paths, device, warmup, iters)
 
 
 def _short(e: BaseException) -> str:
