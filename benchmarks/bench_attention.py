@@ -147,8 +147,8 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
 
     from cpshard.attention import cp_sdpa
     from cpshard.attention.plan import attention_plan
-    from cpshard.layouts import RoundRobinLayout
-    from cpshard.meta import TokenMeta
+    from cpshard.layouts.closed_form import RoundRobinLayout
+    from cpshard.sharding.meta import TokenMeta
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600))

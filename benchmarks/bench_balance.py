@@ -22,9 +22,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from cpshard.balance import BalanceReport, all_plans, balance_report, sample_packed_batch
-from cpshard.packed_layouts import _balanced_rank_map, plan_balanced
-from cpshard.packing import PackSpec
+from cpshard.layouts.balanced import _balanced_rank_map, plan_balanced
+from cpshard.layouts.documents import PackSpec
+from cpshard.tools.balance import BalanceReport, all_plans, balance_report, sample_packed_batch
 
 TOKENS = (32768, 131072)
 CPS = (2, 4, 8, 16)

@@ -51,8 +51,8 @@ from cpshard.attention.kernels import (
     varlen_attention,
     varlen_attention_backward,
 )
-from cpshard.layouts import RoundRobinLayout
-from cpshard.meta import TokenMeta
+from cpshard.layouts.closed_form import RoundRobinLayout
+from cpshard.sharding.meta import TokenMeta
 
 HQ, HKV, D = 16, 4, 128
 DTYPE = torch.bfloat16

@@ -87,7 +87,7 @@ def _single(s: int, hq: int, hkv: int, which: str, threads: int, reps: int, out:
 
     from cpshard.attention import cp_sdpa
     from cpshard.attention.plan import attention_plan
-    from cpshard.meta import TokenMeta
+    from cpshard.sharding.meta import TokenMeta
 
     torch.set_num_threads(threads)
     lens = doc_lengths(s)
@@ -170,9 +170,10 @@ def _balance(s: int, hq: int, hkv: int, layout: str, world: int, reps: int, out:
 
     from cpshard.attention.blockwise import attend, attend_backward
     from cpshard.attention.plan import attention_plan
-    from cpshard.meta import TokenMeta, pad_document_ids
-    from cpshard.packed_layouts import plan_balanced, plan_packed
-    from cpshard.packing import PackSpec
+    from cpshard.layouts.balanced import plan_balanced
+    from cpshard.layouts.documents import PackSpec
+    from cpshard.layouts.packed import plan_packed
+    from cpshard.sharding.meta import TokenMeta, pad_document_ids
 
     torch.set_num_threads(1)
     spec = PackSpec.from_seq_lens([doc_lengths(s)], s)

@@ -18,10 +18,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import cpshard
-from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch
 from cpshard.launch import run_local_ranks
 from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging
 from cpshard.models import TinyDecoder, TinyDecoderConfig
+from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch
 
 
 def train(cp_mesh: DeviceMesh, steps: int, seq_len: int, attention: str) -> list[float]:

@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import cpshard
-from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch
 from cpshard.launch import run_local_ranks
 from cpshard.loss import (
     count_tokens,
@@ -28,6 +27,7 @@ from cpshard.loss import (
     reduce_for_logging,
 )
 from cpshard.models import TinyDecoder, TinyDecoderConfig
+from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch
 
 
 # --- README: training loops (begin)

@@ -6,8 +6,9 @@ import math
 
 import torch
 
-from cpshard.layouts import ContiguousLayout, RoundRobinLayout, padded_length
-from cpshard.meta import TokenMeta, pad_document_ids
+from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
+from cpshard.layouts.index import padded_length
+from cpshard.sharding.meta import TokenMeta, pad_document_ids
 
 LAYOUTS = ("contiguous", "round_robin", "random")
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}

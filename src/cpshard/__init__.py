@@ -4,22 +4,23 @@ See ``cpshard.prepare_cp_forward`` (with a model) and ``cpshard.make_cp_batch_an
 """
 
 # Subpackages the README uses as ``cpshard.<name>.<fn>``: ``import cpshard`` is enough for them.
-from cpshard import attention, consistency, loss
-from cpshard.batch import TokenKey, attention_mask_to_padding_mask
-from cpshard.batch_packed import packed_sharder
+from cpshard import attention, loss
 from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
-from cpshard.labels import shift_labels
-from cpshard.layouts import (
+from cpshard.guards import consistency
+from cpshard.layouts.closed_form import (
     ContiguousLayout,
     NoneLayout,
     RoundRobinLayout,
     contiguous_local_indices,
     round_robin_local_indices,
 )
+from cpshard.layouts.documents import PackSpec
 from cpshard.loss import sync_grads
-from cpshard.meta import TokenMeta
-from cpshard.packing import PackSpec, shift_labels_packed
-from cpshard.sharder import CPContext, CPSharder, ShardFacts
+from cpshard.sharding.batch import TokenKey, attention_mask_to_padding_mask
+from cpshard.sharding.labels import shift_labels, shift_labels_packed
+from cpshard.sharding.meta import TokenMeta
+from cpshard.sharding.packed import packed_sharder
+from cpshard.sharding.sharder import CPContext, CPSharder, ShardFacts
 
 __all__ = [
     "CPContext",

@@ -18,19 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from cpshard import _comm
-from cpshard.batch import TokenKey, check_batch_mapping, shard_batch_dense
-from cpshard.consistency import check_dispatch_consistency as _check_consistency
-from cpshard.guards import install_model_guard
-from cpshard.layouts import (
+from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
+from cpshard.guards.model import install_model_guard
+from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
+from cpshard.layouts.closed_form import (
     ClosedFormLayout,
     ContiguousLayout,
     NoneLayout,
     RoundRobinLayout,
-    check_rank_map,
 )
+from cpshard.layouts.index import check_rank_map
 from cpshard.names import LAYOUT_NAMES, METHOD_NAMES, LayoutName
-from cpshard.pad_id import check_padding_token_id, model_vocab_size
-from cpshard.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
+from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
+from cpshard.sharding.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
 
 __all__ = [
     "LayoutName",
@@ -100,7 +100,7 @@ def _resolve(
     if layout == "auto":
         layout = "balanced" if packed else ("round_robin" if cp_size > 1 else "none")
     if layout in ("packed", "balanced"):
-        from cpshard.batch_packed import packed_sharder
+        from cpshard.sharding.packed import packed_sharder
 
         sharder: CPSharder = packed_sharder(
             layout, extra_token_keys=extra_token_keys, attention=attention
@@ -360,8 +360,8 @@ def prepare_cp_forward(
     A ``DistributedDataParallel`` / ``DataParallel`` wrapper is looked through
     (:func:`unwrap_model`): call the wrapper as usual inside ``ctx()``.
 
-    The model gets a forward guard (see :mod:`cpshard.guards`): a sharded batch must run inside
-    its own ``ctx()``, and under ``ctx()`` the model takes no ``labels`` and no
+    The model gets a forward guard (see :mod:`cpshard.guards.model`): a sharded batch must run
+    inside its own ``ctx()``, and under ``ctx()`` the model takes no ``labels`` and no
     ``attention_mask``.
 
     Returns:

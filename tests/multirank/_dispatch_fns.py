@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
-from cpshard.batch import shard_batch_dense
-from cpshard.layouts import ContiguousLayout
-from cpshard.sharder import CPContext, CPSharder
+from cpshard.layouts.closed_form import ContiguousLayout
+from cpshard.sharding.batch import shard_batch_dense
+from cpshard.sharding.sharder import CPContext, CPSharder
 
 
 class HookModel(nn.Module):

@@ -36,8 +36,8 @@ def _fail(fault: str, out: Any) -> None:
 
 def _step(model: Any, cp_mesh: Any, step: int, attention: str, fault: str, out: Any) -> None:
     import cpshard
-    from cpshard.corpus import PAD_ID, dense_batch
     from cpshard.loss import count_tokens, cp_cross_entropy
+    from cpshard.tools.corpus import PAD_ID, dense_batch
 
     rank = cp_mesh.get_local_rank()
     inject = rank == FAULT_RANK and step == FAULT_STEP
@@ -72,8 +72,8 @@ def fault_rank(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpshard.corpus import VOCAB_SIZE
     from cpshard.models import TinyDecoder, TinyDecoderConfig
+    from cpshard.tools.corpus import VOCAB_SIZE
 
     status = 0
     try:

@@ -6,8 +6,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
-from cpshard.packed_layouts import plan_balanced, plan_packed
-from cpshard.packing import PackSpec, shift_labels_packed
+from cpshard.layouts.balanced import plan_balanced
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.packed import plan_packed
+from cpshard.sharding.labels import shift_labels_packed
 
 SEQ_LENS = [[5, 1, 4], [7, 2], [1, 1, 1, 1, 9]]  # B=3, S=13: rows 0 and 1 end in padding
 ROW_LEN = 13
@@ -120,7 +122,7 @@ def packed_errors(cp_mesh: DeviceMesh) -> None:
 
 def packed_corpus_batch(cp_mesh: DeviceMesh) -> None:
     """The shipped corpus's packed batch (flat seq_lens, end padding) round-trips."""
-    from cpshard import corpus
+    from cpshard.tools import corpus
 
     ids, seq_lens = corpus.packed_batch(300, max_doc_len=70, seed=1)
     labels = shift_labels_packed(ids, PackSpec.from_seq_lens(seq_lens, 300))
@@ -183,7 +185,7 @@ def _reference_grads(
     """fp64 one-process attention in caller coordinates ``[B, S, H, D]``: each document attends
     causally within itself (pads see only themselves); output and ``(dq, dk, dv)``."""
     from _attention_common import reference_with_grads
-    from cpshard.meta import pad_document_ids
+    from cpshard.sharding.meta import pad_document_ids
 
     docs = pad_document_ids(spec.document_ids(), spec.padding_mask())
     out, dq, dk, dv = reference_with_grads(
@@ -399,7 +401,7 @@ def packed_bad_inputs(cp_mesh: DeviceMesh, layout: str) -> list[str]:
         "",
         rf"cannot shard 3 real tokens over world_size={world} CP ranks",
     )
-    from cpshard.layouts import ContiguousLayout, NoneLayout, RoundRobinLayout
+    from cpshard.layouts.closed_form import ContiguousLayout, NoneLayout, RoundRobinLayout
 
     lens_batch = {"input_ids": torch.arange(8).reshape(2, 4), "seq_lens": [[4], [1, 2]]}
     # closed-form sharders handed over directly (model-owned CP) cannot express documents either

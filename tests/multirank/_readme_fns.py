@@ -12,8 +12,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from cpshard.corpus import dense_batch
 from cpshard.loss import count_tokens, cp_cross_entropy
+from cpshard.tools.corpus import dense_batch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing import assert_close
 
 import cpshard
-from cpshard.layouts import ContiguousLayout, NoneLayout, RoundRobinLayout
+from cpshard.layouts.closed_form import ContiguousLayout, NoneLayout, RoundRobinLayout
 
 DTYPES = {
     "float32": torch.float32,

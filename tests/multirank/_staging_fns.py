@@ -59,8 +59,8 @@ def staged_matches_direct(cp_mesh: DeviceMesh) -> dict[str, bool]:
 
 def _cp_sdpa_step(cp_mesh: DeviceMesh, method: str) -> list[torch.Tensor]:
     from cpshard.attention import cp_sdpa
-    from cpshard.layouts import RoundRobinLayout
-    from cpshard.meta import TokenMeta
+    from cpshard.layouts.closed_form import RoundRobinLayout
+    from cpshard.sharding.meta import TokenMeta
 
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     s = 8 * world

@@ -13,9 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 import cpshard
-import cpshard.corpus
 import cpshard.loss
-from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch
+import cpshard.tools.corpus
 from cpshard.loss import (
     count_tokens,
     cp_cross_entropy,
@@ -23,6 +22,7 @@ from cpshard.loss import (
     reduce_for_logging,
 )
 from cpshard.models import TinyDecoder, TinyDecoderConfig
+from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch
 
 _CFG = TinyDecoderConfig(vocab_size=VOCAB_SIZE, hidden_size=32, num_layers=2, intermediate_size=64)
 
@@ -209,7 +209,7 @@ def grpo_packed_step(cp_mesh: DeviceMesh, mode: str, layout: str) -> None:
 def _micro_batches(step: int) -> list[dict[str, Any]]:
     """Two micro-batches per step: dense rows and a packed stream, lengths change every step."""
     dense = dense_batch(2, 15 + 3 * step, seed=step)
-    ids, lens = cpshard.corpus.packed_batch(24 + 5 * step, max_doc_len=9, seed=100 + step)
+    ids, lens = cpshard.tools.corpus.packed_batch(24 + 5 * step, max_doc_len=9, seed=100 + step)
     spec = cpshard.PackSpec.from_seq_lens([lens], ids.shape[1])
     packed = {
         "input_ids": ids,
@@ -259,7 +259,7 @@ def _router_load(local: dict[str, Any], vocab: int) -> torch.Tensor:
 
 def pads_visible_to_consumers(cp_mesh: DeviceMesh, layout: str) -> None:
     """padding_mask marks every CP pad slot: the consumer sees the same tokens at cp=1 and N."""
-    ids, lens = cpshard.corpus.packed_batch(37, max_doc_len=11, seed=3)
+    ids, lens = cpshard.tools.corpus.packed_batch(37, max_doc_len=11, seed=3)
     if layout == "dense":
         batch: dict[str, Any] = dense_batch(3, 13, seed=2)  # attention_mask -> padding_mask
     else:

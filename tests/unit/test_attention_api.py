@@ -12,7 +12,7 @@ import cpshard
 from _attention_common import inputs, make_case, make_meta, reference
 from cpshard.attention import cp_attention, cp_attention_context, cp_sdpa, use_cp_attention
 from cpshard.attention.hf import cpshard_attention_forward
-from cpshard.meta import TokenMeta
+from cpshard.sharding.meta import TokenMeta
 
 
 def _meta(seq_len: int = 8, n_docs: int = 2, world: int = 1, rank: int = 0) -> TokenMeta:

@@ -9,8 +9,8 @@ import torch
 from _attention_common import reference_with_grads
 from cpshard.attention import cp_sdpa
 from cpshard.attention.plan import TILE, AttentionPlan, attention_plan
-from cpshard.layouts import RoundRobinLayout
-from cpshard.meta import TokenMeta, pad_document_ids
+from cpshard.layouts.closed_form import RoundRobinLayout
+from cpshard.sharding.meta import TokenMeta, pad_document_ids
 
 CPU = torch.device("cpu")
 

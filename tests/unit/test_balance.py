@@ -9,7 +9,12 @@ import pytest
 import torch
 from test_packing import random_spec
 
-from cpshard.balance import (
+from cpshard.cli.main import main
+from cpshard.layouts.balanced import plan_balanced
+from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.packed import PackedPlan, plan_closed_form
+from cpshard.tools.balance import (
     all_plans,
     balance_report,
     corpus_doc_lengths,
@@ -18,10 +23,6 @@ from cpshard.balance import (
     sample_packed_batch,
     torch_balancer_plans,
 )
-from cpshard.cli.main import main
-from cpshard.layouts import ContiguousLayout, RoundRobinLayout
-from cpshard.packed_layouts import PackedPlan, plan_balanced, plan_closed_form
-from cpshard.packing import PackSpec
 
 
 def _brute_force(plan: PackedPlan) -> tuple[list[int], list[int]]:

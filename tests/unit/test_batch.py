@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cpshard
-from cpshard.batch import TokenKey, attention_mask_to_padding_mask, normalize_batch
+from cpshard.sharding.batch import TokenKey, attention_mask_to_padding_mask, normalize_batch
 
 
 def _ids(b: int = 2, s: int = 5) -> torch.Tensor:

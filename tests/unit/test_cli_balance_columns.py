@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpshard.balance import COLUMNS
 from cpshard.cli.main import main
+from cpshard.tools.balance import COLUMNS
 
 
 def test_every_column_is_defined_in_output(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch, document_lengths, packed_batch
+from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch, document_lengths, packed_batch
 
 
 def test_corpus_is_the_cpython_topics() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cpshard
-from cpshard.consistency import FIELDS, batch_fingerprint, mismatch_message
+from cpshard.guards.consistency import FIELDS, batch_fingerprint, mismatch_message
 from cpshard.models import TinyDecoder, TinyDecoderConfig
 
 
@@ -209,7 +209,7 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
 
 @pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
 def test_content_hash_is_the_weighted_sum_mod_2_64(shape: tuple[int, ...]) -> None:
-    from cpshard.consistency import _content_hash
+    from cpshard.guards.consistency import _content_hash
 
     x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
     flat = x.reshape(-1)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpshard.layouts import (
+from cpshard.layouts.closed_form import (
     ContiguousLayout,
     NoneLayout,
     RoundRobinLayout,
-    check_rank_map,
     contiguous_local_indices,
-    inverse_permutation,
-    padded_length,
     round_robin_local_indices,
 )
+from cpshard.layouts.index import check_rank_map, inverse_permutation, padded_length
 
 
 def test_round_robin_worked_examples() -> None:

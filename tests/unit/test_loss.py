@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from cpshard.layouts import RoundRobinLayout
+from cpshard.layouts.closed_form import RoundRobinLayout
 from cpshard.loss import (
     count_tokens,
     cp_cross_entropy,

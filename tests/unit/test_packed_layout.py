@@ -9,10 +9,12 @@ import pytest
 import torch
 from test_packing import random_spec
 
-from cpshard.balance import all_plans
-from cpshard.layouts import ContiguousLayout, RoundRobinLayout, check_rank_map
-from cpshard.packed_layouts import PackedPlan, plan_balanced, plan_closed_form, plan_packed
-from cpshard.packing import PackSpec
+from cpshard.layouts.balanced import plan_balanced
+from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.index import check_rank_map
+from cpshard.layouts.packed import PackedPlan, plan_closed_form, plan_packed
+from cpshard.tools.balance import all_plans
 
 
 @pytest.mark.parametrize(

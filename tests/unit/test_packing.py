@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from cpshard.packing import PackSpec, shift_labels_packed
+from cpshard.layouts.documents import PackSpec
+from cpshard.sharding.labels import shift_labels_packed
 
 
 def random_spec(rng: random.Random, rows: int, row_len: int) -> PackSpec:

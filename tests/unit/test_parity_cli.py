@@ -14,7 +14,14 @@ import cpshard.cli.parity as parity_cli
 from cpshard.cli._parity_plan import plan_rows
 from cpshard.cli._parity_report import Record, format_row, write_json, write_plot
 from cpshard.cli.main import main
-from cpshard.parity import TOLERANCES, ParityCase, ParityResult, Tolerance, compare, grad_error
+from cpshard.tools.parity import (
+    TOLERANCES,
+    ParityCase,
+    ParityResult,
+    Tolerance,
+    compare,
+    grad_error,
+)
 
 
 @pytest.fixture

@@ -79,8 +79,8 @@ def test_packed_attention_without_mesh(layout: str, method: str) -> None:
 
     from _attention_common import reference_with_grads
     from cpshard.attention import cp_attention
-    from cpshard.meta import pad_document_ids
-    from cpshard.packing import PackSpec
+    from cpshard.layouts.documents import PackSpec
+    from cpshard.sharding.meta import pad_document_ids
 
     seq_lens = [[3, 1], [], [2, 5]]  # an all-padding row and a row ending in padding
     spec = PackSpec.from_seq_lens(seq_lens, 8)

@@ -21,8 +21,8 @@ from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.ring import ring_attention
 from cpshard.attention.softcap import check_softcap
 from cpshard.attention.ulysses import ulysses_attention
-from cpshard.meta import TokenMeta
 from cpshard.names import METHOD_NAMES, AttentionMethod
+from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["AttentionMethod", "CPAttentionSharder", "cp_attention", "cp_sdpa"]
 

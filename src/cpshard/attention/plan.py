@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from cpshard.attention.pieces import SMALL_PAIRS, TILE, Cutter, Task, runs, tasks_of
-from cpshard.meta import TokenMeta
+from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
     "SMALL_PAIRS",
@@ -134,7 +134,7 @@ def pair_plan(
 class AttentionPlan:
     """The attention plan of one sharded batch, for one CP rank.
 
-    Built from the :class:`~cpshard.meta.TokenMeta` once (host copies of its positions and
+    Built from the :class:`~cpshard.sharding.meta.TokenMeta` once (host copies of its positions and
     document ids); the per-method plans (:meth:`all_gather`, :meth:`ring`, :meth:`ulysses`) are
     made on first use for each ``(causal, window, device)`` and then reused by every layer and
     by the backward.

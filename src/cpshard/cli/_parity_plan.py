@@ -1,7 +1,7 @@
 """The rows of a ``cpshard parity`` run: which (model, dtype, batch, layout, method) to check.
 
-Rows come from one table, :data:`cpshard.parity.MODELS`: a model with ``layouts`` gets one row per
-(layout, method) with the batch kind its layout needs (dense rows for ``round_robin`` and
+Rows come from one table, :data:`cpshard.tools.parity.MODELS`: a model with ``layouts`` gets one
+row per (layout, method) with the batch kind its layout needs (dense rows for ``round_robin`` and
 ``contiguous``, packed rows for ``balanced`` and ``packed``); a model that owns its CP layout
 (``layouts=None``) gets one row per method on each of its batch kinds, or a single row when its
 attention is its own (``attention="own"``: no CP attention method applies). Before the CP rows of a
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
-from cpshard.parity import HEADS, KV_HEADS, MODELS, ParityCase
+from cpshard.tools.parity import HEADS, KV_HEADS, MODELS, ParityCase
 
 __all__ = ["DENSE_LAYOUTS", "LAYOUT_BATCH", "METHODS", "PACKED_LAYOUTS", "Row", "plan_rows"]
 
@@ -73,7 +73,7 @@ def plan_rows(
 
     Args:
         base: Sizes, steps, seed, grad sync and device shared by every row.
-        models: Keys of :data:`cpshard.parity.MODELS`.
+        models: Keys of :data:`cpshard.tools.parity.MODELS`.
         dtypes: ``float32``, ``float64``, ``bfloat16``.
         layouts: cpshard layouts for models that do not own theirs.
         methods: Attention methods.

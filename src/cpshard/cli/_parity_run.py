@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cpshard import _comm
 from cpshard.cli._pool import DEFAULT_TIMEOUT_S, LocalRankPool
-from cpshard.parity import ParityCase, ParityResult, Shadow, native_steps, train_steps
+from cpshard.tools.parity import ParityCase, ParityResult, Shadow, native_steps, train_steps
 
 __all__ = ["CpSide", "LaunchedRunner", "LocalRunner", "launched_world_size", "measure"]
 

@@ -17,7 +17,8 @@ import sys
 import textwrap
 from typing import Any
 
-from cpshard.balance import (
+from cpshard.layouts.documents import PackSpec
+from cpshard.tools.balance import (
     COLUMNS,
     DISTRIBUTIONS,
     BalanceReport,
@@ -25,7 +26,6 @@ from cpshard.balance import (
     balance_report,
     sample_packed_batch,
 )
-from cpshard.packing import PackSpec
 
 __all__ = ["DESCRIPTION", "add_arguments", "add_parser", "column_legend", "format_table", "run"]
 

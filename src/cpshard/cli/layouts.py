@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.cli._pool import LocalRankPool
 from cpshard.dispatch import make_cp_batch_and_ctx
-from cpshard.layouts import consecutive_runs
+from cpshard.layouts.index import consecutive_runs
 from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 
 __all__ = ["DENSE_LAYOUTS", "DESCRIPTION", "PACKED_LAYOUTS", "add_arguments", "run"]

@@ -39,7 +39,7 @@ from cpshard.cli._parity_plan import DENSE_LAYOUTS, METHODS, PACKED_LAYOUTS, Row
 from cpshard.cli._parity_report import Record, format_row, table_header, write_json, write_plot
 from cpshard.cli._parity_run import CpSide, LaunchedRunner, LocalRunner, launched_world_size
 from cpshard.cli._pool import DEFAULT_TIMEOUT_S, RankFailure
-from cpshard.parity import (
+from cpshard.tools.parity import (
     GRAD_SYNCS,
     HEADS,
     KV_HEADS,
@@ -55,7 +55,7 @@ __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
 def _tolerance_text() -> str:
-    lines = ["Tolerances, at every step (see cpshard.parity.TOLERANCES for why):"]
+    lines = ["Tolerances, at every step (see cpshard.tools.parity.TOLERANCES for why):"]
     for dtype, tol in TOLERANCES.items():
         lines.append(f"    {dtype}: rel |dloss| <= {tol.rel_loss:g}, grad err <= {tol.grad:g}")
     return "\n".join(lines)

@@ -33,10 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.attention.context import cp_attention_context
-from cpshard.batch import normalize_batch
-from cpshard.meta import TokenMeta, pad_document_ids
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
-from cpshard.sharder import CPContext, CPSharder, ShardFacts
+from cpshard.sharding.batch import normalize_batch
+from cpshard.sharding.meta import TokenMeta, pad_document_ids
+from cpshard.sharding.sharder import CPContext, CPSharder, ShardFacts
 
 __all__ = [
     "GlobalPrefixConfig",

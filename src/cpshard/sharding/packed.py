@@ -1,11 +1,12 @@
 """``shard_batch`` for packed batches: the ``packed`` (TE THD) and ``balanced`` layouts.
 
-A packed batch is a dense batch (see :mod:`cpshard.batch`) plus a description of its documents:
+A packed batch is a dense batch (see :mod:`cpshard.sharding.batch`) plus a description of its
+documents:
 
 * ``seq_lens``: per row of ``[B, S]``, the document lengths (rest of the row = padding), or
 * ``cu_seqlens``: offsets of the documents of a ``[1, T]`` stream (must end at ``T``).
 
-Every rank computes the same :class:`~cpshard.packed_layouts.PackedPlan` from the document
+Every rank computes the same :class:`~cpshard.layouts.packed.PackedPlan` from the document
 lengths (no collective). The rows are flattened into one padded stream of ``P`` tokens (row-end
 padding dropped; layout padding added), and rank ``r`` keeps ``plan.rank_map[r]``: every local
 per-token tensor is ``[1, P / C, ...]``. Pad table as for dense batches (``input_ids`` ->
@@ -30,17 +31,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.batch import (
+from cpshard.layouts.balanced import plan_balanced
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.packed import PackedPlan, plan_packed
+from cpshard.sharding.batch import (
     TokenKey,
     _attention_factory,
     _pad_value,
     attention_mask_to_padding_mask,
     normalize_batch,
 )
-from cpshard.meta import TokenMeta, pad_document_ids
-from cpshard.packed_layouts import PackedPlan, plan_balanced, plan_packed
-from cpshard.packing import PackSpec
-from cpshard.sharder import CPContext, CPSharder, ShardFacts
+from cpshard.sharding.meta import TokenMeta, pad_document_ids
+from cpshard.sharding.sharder import CPContext, CPSharder, ShardFacts
 
 __all__ = ["PACKED_LAYOUTS", "pack_spec_of_batch", "packed_sharder", "shard_batch_packed"]
 

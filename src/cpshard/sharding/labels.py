@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["shift_labels"]
+from cpshard.layouts.documents import PackSpec
+
+__all__ = ["shift_labels", "shift_labels_packed"]
 
 
 def shift_labels(
@@ -49,4 +51,33 @@ def shift_labels(
         nxt_pad = torch.ones_like(pad)
         nxt_pad[:, :-1] = pad[:, 1:]
         out = out.masked_fill(pad | nxt_pad, ignore_index)
+    return out
+
+
+def shift_labels_packed(
+    labels: torch.Tensor, spec: PackSpec, ignore_index: int = -100
+) -> torch.Tensor:
+    """Shift labels (or input ids) left by one inside each document, on the global batch.
+
+    ``out[b, s] = labels[b, s + 1]`` when tokens ``s`` and ``s + 1`` belong to the same
+    document; the last token of every document and every pad get ``ignore_index``. Call it before
+    sharding: after sharding, neighbours may live on other ranks.
+
+    Args:
+        labels: Tensor ``[B, S]`` (e.g. ``input_ids``), caller coordinates.
+        spec: Document structure of the batch, ``spec.num_rows == B``, ``spec.row_len == S``.
+        ignore_index: Target value that the loss ignores.
+
+    Returns:
+        Tensor ``[B, S]`` of ``labels``' dtype and device; the input is not modified.
+    """
+    if labels.dim() != 2 or tuple(labels.shape) != (spec.num_rows, spec.row_len):
+        raise ValueError(
+            f"labels: must be [B, S] = [{spec.num_rows}, {spec.row_len}] to match the pack spec; "
+            f"got shape {tuple(labels.shape)}. Fix: pass the unsharded [B, S] tensor"
+        )
+    doc = spec.document_ids().to(labels.device)
+    same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = torch.where(same, labels[:, 1:], out[:, :-1])
     return out

@@ -32,9 +32,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.layouts import ClosedFormLayout
-from cpshard.meta import TokenMeta, pad_document_ids
-from cpshard.sharder import CPContext, ShardFacts
+from cpshard.layouts.closed_form import ClosedFormLayout
+from cpshard.sharding.meta import TokenMeta, pad_document_ids
+from cpshard.sharding.sharder import CPContext, ShardFacts
 
 __all__ = [
     "KNOWN_TOKEN_KEYS",

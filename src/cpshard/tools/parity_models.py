@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from cpshard.corpus import PAD_ID, VOCAB_SIZE, dense_batch, packed_batch
+from cpshard.layouts.documents import PackSpec
 from cpshard.loss import count_tokens, cp_cross_entropy
 from cpshard.models import (
     GlobalPrefixConfig,
@@ -34,7 +34,8 @@ from cpshard.models import (
     TinyVLM,
     TinyVLMConfig,
 )
-from cpshard.packing import PackSpec, shift_labels_packed
+from cpshard.sharding.labels import shift_labels_packed
+from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch, packed_batch
 
 __all__ = ["HEADS", "KV_HEADS", "MODELS", "BatchSpec", "ModelSpec"]
 

@@ -7,7 +7,7 @@ on the CP size, so one rank gives the reference and N ranks give the CP result;
 :func:`compare` measures, at every step, how far apart the losses and the gradients are, and
 :data:`TOLERANCES` says how far is too far.
 
-The models a parity run can use are one table, :data:`cpshard.parity_models.MODELS`.
+The models a parity run can use are one table, :data:`cpshard.tools.parity_models.MODELS`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.corpus import PAD_ID
 from cpshard.dispatch import LayoutName, prepare_cp_forward
 from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging, sync_grads
-from cpshard.parity_models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
+from cpshard.tools.corpus import PAD_ID
+from cpshard.tools.parity_models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
 
 __all__ = [
     "DTYPES",

@@ -19,9 +19,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.consistency import check_verb_consistency
-from cpshard.layouts import consecutive_runs, inverse_permutation
-from cpshard.meta import TokenMeta
+from cpshard.guards.consistency import check_verb_consistency
+from cpshard.layouts.index import consecutive_runs, inverse_permutation
+from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PackSpec", "shift_labels_packed"]
+__all__ = ["PackSpec"]
 
 
 def _fix(what: str, rule: str, value: object, fix: str) -> ValueError:
@@ -311,34 +311,3 @@ class PackSpec:
         """Tensor ``[D + 1]``: offsets of the documents in the pad-free stream."""
         lens = self.lengths()
         return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)]).to(dtype)
-
-
-def shift_labels_packed(
-    labels: torch.Tensor, spec: PackSpec, ignore_index: int = -100
-) -> torch.Tensor:
-    """Shift labels (or input ids) left by one inside each document, on the global batch.
-
-    ``out[b, s] = labels[b, s + 1]`` when tokens ``s`` and ``s + 1`` belong to the same
-    document; the last token of every document and every pad get ``ignore_index``. Call it before
-    sharding: after sharding, neighbours may live on other ranks.
-
-    Args:
-        labels: Tensor ``[B, S]`` (e.g. ``input_ids``), caller coordinates.
-        spec: Document structure of the batch, ``spec.num_rows == B``, ``spec.row_len == S``.
-        ignore_index: Target value that the loss ignores.
-
-    Returns:
-        Tensor ``[B, S]`` of ``labels``' dtype and device; the input is not modified.
-    """
-    if labels.dim() != 2 or tuple(labels.shape) != (spec.num_rows, spec.row_len):
-        raise _fix(
-            "labels",
-            f"must be [B, S] = [{spec.num_rows}, {spec.row_len}] to match the pack spec",
-            f"shape {tuple(labels.shape)}",
-            "pass the unsharded [B, S] tensor",
-        )
-    doc = spec.document_ids().to(labels.device)
-    same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)
-    out = torch.full_like(labels, ignore_index)
-    out[:, :-1] = torch.where(same, labels[:, 1:], out[:, :-1])
-    return out

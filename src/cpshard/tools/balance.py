@@ -1,6 +1,6 @@
 """Balance metrics of packed layouts, and torch's own load balancers measured the same way.
 
-For a :class:`~cpshard.packed_layouts.PackedPlan`:
+For a :class:`~cpshard.layouts.packed.PackedPlan`:
 
 * **causal work** of a rank: the number of (query, key) pairs it computes under the
   document-causal mask, i.e. ``sum(position + 1)`` over its real query tokens (pads cost 0);
@@ -27,15 +27,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from cpshard.layouts import ContiguousLayout, RoundRobinLayout, check_rank_map, padded_length
-from cpshard.packed_layouts import (
-    PackedPlan,
-    plan_balanced,
-    plan_closed_form,
-    plan_from_stream,
-    plan_packed,
-)
-from cpshard.packing import PackSpec
+from cpshard.layouts.balanced import plan_balanced
+from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.index import check_rank_map, padded_length
+from cpshard.layouts.packed import PackedPlan, plan_closed_form, plan_from_stream, plan_packed
 
 __all__ = [
     "COLUMNS",
@@ -223,8 +219,8 @@ def all_plans(spec: PackSpec, world_size: int, include_torch: bool = True) -> li
 
 def corpus_doc_lengths() -> tuple[int, ...]:
     """Byte lengths of the 79 documents of CPython's ``pydoc_data.topics`` (real English),
-    in :func:`cpshard.corpus.document_lengths` order."""
-    from cpshard.corpus import document_lengths
+    in :func:`cpshard.tools.corpus.document_lengths` order."""
+    from cpshard.tools.corpus import document_lengths
 
     return tuple(document_lengths())
 

@@ -1,0 +1,42 @@
+"""Layouts: which tokens of the padded global stream each CP rank owns, as exact index maps.
+
+Owns the closed-form layouts (``none``, ``contiguous``, ``round_robin``; :mod:`.closed_form`),
+the document structure of packed batches (:class:`~cpshard.layouts.documents.PackSpec`), the
+layouts of packed streams (``packed``; :mod:`.packed`) and our ``balanced`` solver
+(:mod:`.balanced`), plus the index helpers they share (:mod:`.index`: padded lengths, rank-map
+checks, inverse permutations, runs).
+
+Import rule: pure index math on torch / numpy tensors. Nothing here imports
+``torch.distributed``, :mod:`cpshard._comm` or any other cpshard package; every other part of
+cpshard may import this one.
+"""
+
+from cpshard.layouts.closed_form import (
+    ClosedFormLayout,
+    ContiguousLayout,
+    NoneLayout,
+    RoundRobinLayout,
+    contiguous_local_indices,
+    round_robin_local_indices,
+)
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.index import (
+    check_rank_map,
+    consecutive_runs,
+    inverse_permutation,
+    padded_length,
+)
+
+__all__ = [
+    "ClosedFormLayout",
+    "ContiguousLayout",
+    "NoneLayout",
+    "PackSpec",
+    "RoundRobinLayout",
+    "check_rank_map",
+    "consecutive_runs",
+    "contiguous_local_indices",
+    "inverse_permutation",
+    "padded_length",
+    "round_robin_local_indices",
+]

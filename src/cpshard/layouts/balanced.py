@@ -1,0 +1,160 @@
+"""The ``balanced`` layout: our solver for packed batches (equal tokens per rank, causal work
+balanced to the limit, at most ``C - 1`` pad tokens). Pure index math, never ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.index import padded_length
+from cpshard.layouts.packed import (
+    _I64,
+    PackedPlan,
+    _check_world,
+    _doc_lengths,
+    _runs,
+    plan_from_stream,
+)
+
+__all__ = ["plan_balanced"]
+
+
+def _pool_work_prefix(seg: _I64, real: int, padded: int) -> _I64:
+    """``cum[p]``: causal work of the first ``p`` pool tokens (documents of lengths ``seg``,
+    each outside-in, then pads). Closed form: the first ``m`` outside-in tokens of a document
+    of length ``n`` are ``m // 2`` head-tail pairs of work ``n + 1`` each, plus position
+    ``m // 2`` (work ``m // 2 + 1``) when ``m`` is odd."""
+    seg_start = np.cumsum(seg) - seg
+    doc_work = seg * (seg + 1) // 2
+    cum = np.empty(padded + 1, dtype=np.int64)
+    cum[0] = 0
+    body = cum[1 : real + 1]
+    m = np.arange(1, real + 1, dtype=np.int64)  # tokens taken of the current document
+    m -= np.repeat(seg_start, seg)
+    np.right_shift(m, 1, out=body)
+    np.bitwise_and(m, 1, out=m)
+    m *= body + 1  # odd m: the middle token, position m // 2
+    body *= np.repeat(seg + 1, seg)
+    body += m
+    body += np.repeat(np.cumsum(doc_work) - doc_work, seg)
+    cum[real + 1 :] = cum[real]
+    return cum
+
+
+def _balanced_rank_map(lens: _I64, world_size: int, work_tolerance: float) -> _I64:
+    real = int(lens.sum())
+    padded = padded_length(real, world_size)
+    local = padded // world_size
+    order = np.argsort(-lens, kind="stable")
+    seg = lens[order]
+    seg_end = np.cumsum(seg)
+    cum = _pool_work_prefix(seg, real, padded)
+    boundary = np.zeros(padded + 1, dtype=np.int8)
+    boundary[seg_end] = 1
+    boundary[0] = 1
+    boundary[real:] = 1
+    # pool ranges [lo, hi) and their ranks; rank r takes k heavy tokens [lo, lo + k) and
+    # local - k light ones [hi - local + k, hi)
+    range_lo = np.empty(2 * world_size - 1, dtype=np.int64)
+    range_len = np.empty(2 * world_size - 1, dtype=np.int64)
+    range_rank = np.empty(2 * world_size - 1, dtype=np.int64)
+    work = np.empty(local + 1, dtype=np.int64)
+    err = np.empty(local + 1, dtype=np.float64)
+    lo, hi = 0, padded
+    for r in range(world_size - 1):
+        total = cum[hi] - cum[lo]
+        target = total / (world_size - r)
+        # heavy + light work of each k, exactly as integers
+        np.subtract(cum[lo : lo + local + 1], cum[hi - local : hi + 1], out=work)
+        work += total
+        np.subtract(work, target, out=err)
+        np.abs(err, out=err)
+        ok = np.flatnonzero(err <= err.min() + work_tolerance * target)
+        cuts = boundary[lo + ok] + boundary[hi - local + ok]
+        cand = ok[cuts == cuts.max()]  # prefer cuts at document boundaries
+        k = int(cand[np.argmin(err[cand])])
+        range_lo[2 * r], range_len[2 * r], range_rank[2 * r] = lo, k, r
+        range_lo[2 * r + 1], range_len[2 * r + 1] = hi - local + k, local - k
+        range_rank[2 * r + 1] = r
+        lo, hi = lo + k, hi - local + k
+    range_lo[-1], range_len[-1], range_rank[-1] = lo, hi - lo, world_size - 1
+    used = range_len > 0
+    return _pool_to_rank_map(
+        lens,
+        order,
+        seg,
+        seg_end,
+        range_lo[used],
+        range_rank[used],
+        real,
+        padded,
+        world_size,
+        cum[:padded],  # the work prefix is done with: its memory holds the map
+    )
+
+
+def _pool_to_rank_map(
+    lens: _I64,
+    order: _I64,
+    seg: _I64,
+    seg_end: _I64,
+    range_lo: _I64,
+    range_rank: _I64,
+    real: int,
+    padded: int,
+    world_size: int,
+    out: _I64,
+) -> _I64:
+    """``[C, L]`` rank map, written into ``out`` (``[P]``), from the ranks' non-empty pool
+    ranges (``range_lo`` their starts; they tile ``[0, padded)``): each range is split at
+    document boundaries; a piece ``[m0, m1)`` of a document's outside-in order (length ``n``,
+    stream start ``s``) is the stream head ``[s + ceil(m0/2), s + ceil(m1/2))`` and tail
+    ``[s + n - m1 // 2, s + n - m0 // 2)``; pads map to themselves. Each rank's intervals, in
+    stream order, are its local tokens."""
+    by_lo = np.argsort(range_lo, kind="stable")
+    range_lo, range_rank = range_lo[by_lo], range_rank[by_lo]
+    cuts = np.union1d(np.concatenate([range_lo, seg_end]), [0, real, padded])
+    a, b = cuts[:-1], cuts[1:]
+    rank = range_rank[np.searchsorted(range_lo, a, side="right") - 1]
+    is_doc = a < real
+    q = np.searchsorted(seg_end, a[is_doc], side="right")  # sorted document of each piece
+    n = seg[q]
+    s = (np.cumsum(lens) - lens)[order[q]]
+    m0 = a[is_doc] - (seg_end[q] - n)
+    m1 = b[is_doc] - (seg_end[q] - n)
+    starts = np.concatenate([s + (m0 + 1) // 2, s + n - m1 // 2, a[~is_doc]])
+    ends = np.concatenate([s + (m1 + 1) // 2, s + n - m0 // 2, b[~is_doc]])
+    owner = np.concatenate([rank[is_doc], rank[is_doc], rank[~is_doc]])
+    keyed = np.argsort(owner * (padded + 1) + starts)
+    flat = _runs(starts[keyed], ends[keyed] - starts[keyed], 1, out=out)
+    return flat.reshape(world_size, padded // world_size)
+
+
+def plan_balanced(spec: PackSpec, world_size: int, work_tolerance: float = 1e-3) -> PackedPlan:
+    """Our balanced layout: equal token counts, causal work balanced, minimal padding.
+
+    ``P`` is the smallest multiple of ``C`` holding the real tokens (at most ``C - 1`` pads, at
+    the stream end). Deterministic: depends only on the document lengths and ``C``. Each rank's
+    local tokens are in stream order, so documents stay contiguous and causal locally.
+
+    Args:
+        spec: The batch's document structure.
+        world_size: CP size ``C``.
+        work_tolerance: Relative work slack (of the per-rank target) a rank may accept to cut
+            at a document boundary instead of splitting a document; ``0`` = best work only.
+
+    Returns:
+        The plan; ``plan.rank_map`` is ``[C, P / C]``.
+    """
+    _check_world(spec, world_size)
+    if work_tolerance < 0:
+        raise ValueError(f"work_tolerance must be >= 0, got work_tolerance={work_tolerance}")
+    t0 = time.perf_counter()
+    rank_map = torch.from_numpy(_balanced_rank_map(_doc_lengths(spec), world_size, work_tolerance))
+    plan = plan_from_stream(spec, "balanced", rank_map, None)
+    return replace(plan, solver_seconds=time.perf_counter() - t0)
