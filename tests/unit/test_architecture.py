@@ -86,7 +86,7 @@ RULES: tuple[Rule, ...] = (
         "tools serve the cli (cpshard.launch re-exports the launcher)",
         exempt=("cpshard.tools", "cpshard.cli", "cpshard.launch"),
     ),
-    Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models use the public contract only"),
+    Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models sit on the core, below tools"),
     Rule("cpshard.tools", ("cpshard.cli",), "the cli is built on tools, not the reverse"),
     Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
     Rule(
@@ -104,6 +104,15 @@ RULES: tuple[Rule, ...] = (
         "cpshard.attention",
         ("cpshard.dispatch", "cpshard.guards"),
         "the dispatcher and the model guard sit above attention",
+    ),
+    *(
+        Rule(
+            f"cpshard.attention.{m}",
+            ("cpshard",),
+            "the kernels and their merge are attention math: nothing of cpshard outside attention",
+            allow=("cpshard.attention",),
+        )
+        for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
     ),
     # Once sharding/batch.py no longer imports attention (issue 9, sharder change), add:
     # Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),

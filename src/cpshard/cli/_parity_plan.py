@@ -1,12 +1,14 @@
 """The rows of a ``cpshard parity`` run: which (model, dtype, batch, layout, method) to check.
 
-Rows come from one table, :data:`cpshard.tools.parity.MODELS`: a model with ``layouts`` gets one
-row per (layout, method) with the batch kind its layout needs (dense rows for ``round_robin`` and
-``contiguous``, packed rows for ``balanced`` and ``packed``); a model that owns its CP layout
-(``layouts=None``) gets one row per method on each of its batch kinds, or a single row when its
-attention is its own (``attention="own"``: no CP attention method applies). Before the CP rows of a
-(model, dtype, batch kind), one ``reference`` row checks the cp=1 reference against the model's
-own attention, when the model has such a check.
+Rows come from one table, :data:`cpshard.tools.parity_models.MODELS`: a model with ``layouts``
+gets one row per (layout, method) with the batch kind its layout needs (dense rows for
+``round_robin`` and ``contiguous``, packed rows for ``balanced`` and ``packed``); a model that
+owns its CP layout (``layouts=None``) gets one row per method on each of its batch kinds, or a
+single row when its attention is its own (``attention="own"``: no CP attention method applies).
+Before the CP rows of a (model, dtype, batch kind), one ``reference`` row checks the cp=1
+reference against the model's own attention, when the model has such a check.
+
+Imports only the names (:mod:`cpshard.names`) and the parity tool; no collective.
 """
 
 from __future__ import annotations

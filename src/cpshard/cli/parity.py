@@ -22,6 +22,10 @@ work starts). Examples:
     cpshard parity                                    # the demo: 14 rows, 3 steps, 4 ranks
     cpshard parity --models all --steps 50 --json parity.json --plot parity.png  # thorough
     cpshard parity --models llama,tiny --dtypes float32,bfloat16 --ranks 2
+
+This module owns the arguments and the driver loop; the rows are :mod:`._parity_plan`, the
+runners :mod:`._parity_run`, the report :mod:`._parity_report`, the training and the comparison
+:mod:`cpshard.tools.parity`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ on the CP size, so one rank gives the reference and N ranks give the CP result;
 :data:`TOLERANCES` says how far is too far.
 
 The models a parity run can use are one table, :data:`cpshard.tools.parity_models.MODELS`.
+
+A tool: imports the public contract (:mod:`cpshard.dispatch`, :mod:`cpshard.loss`),
+:mod:`cpshard._comm` and the other tools; never :mod:`cpshard.cli`, which drives it.
 """
 
 from __future__ import annotations

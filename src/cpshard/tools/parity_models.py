@@ -12,6 +12,9 @@ attention without cpshard (the independent check of the cp=1 reference).
   ``pixel_values`` and hands trainable ``inputs_embeds`` to the dispatcher, which picks the layout.
 * ``prefix``: :class:`cpshard.models.GlobalPrefixDecoder`, model-owned: its hook returns its own
   sharder, which repositions tokens (a copy of the global prefix on every rank, whole blocks).
+
+A tool: imports :mod:`cpshard.models`, the loss, label shifting and the corpus; never
+:mod:`cpshard.cli`.
 """
 
 from __future__ import annotations
