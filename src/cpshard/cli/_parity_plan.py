@@ -16,12 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
+from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 from cpshard.tools.parity import HEADS, KV_HEADS, MODELS, ParityCase
 
-__all__ = ["DENSE_LAYOUTS", "LAYOUT_BATCH", "METHODS", "PACKED_LAYOUTS", "Row", "plan_rows"]
+__all__ = ["LAYOUT_BATCH", "Row", "plan_rows"]
 
-METHODS: tuple[str, ...] = METHOD_NAMES
 LAYOUT_BATCH: dict[str, str] = {
     **dict.fromkeys(DENSE_LAYOUTS, "dense"),
     **dict.fromkeys(PACKED_LAYOUTS, "packed"),

@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.dispatch import LayoutName, prepare_cp_forward
+from cpshard.dispatch import prepare_cp_forward
 from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging, sync_grads
+from cpshard.names import LayoutName
 from cpshard.tools.corpus import PAD_ID
 from cpshard.tools.parity_models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
 
