@@ -7,7 +7,8 @@ gradients against the whole stream, accumulated in place into one fp32 buffer of
 layout, then one reduce-scatter (sum) of it back to the owning ranks.
 Bytes sent per rank and layer: ``(C-1)/C * S * 2 * Hkv * D * itemsize`` forward.
 
-Imports the plan, the kernels and :mod:`cpshard._comm` (its collectives); nothing else of cpshard.
+Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its collectives);
+nothing else of cpshard.
 """
 
 from __future__ import annotations

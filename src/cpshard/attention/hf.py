@@ -15,7 +15,7 @@ mask builder) and selects it on a model.
 
 transformers is imported lazily.
 
-Imports only the routing context of this package (and transformers, lazily); never
+Imports only this package's routing context and HF options (and transformers, lazily); never
 :mod:`cpshard.dispatch` (which calls :func:`cp_attention_scope`) or :mod:`cpshard.guards`.
 """
 
