@@ -32,7 +32,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-METHODS = ("all_gather", "ring", "ulysses")
 ACC_BYTES = 4  # gradients travel in fp32 accumulators
 
 
@@ -224,10 +223,12 @@ def comm_bytes(method: str, c: int, cfg: dict[str, int], itemsize: int) -> tuple
 
 
 def main() -> None:
+    from cpshard.names import METHOD_NAMES  # here, like torch: workers import what they need
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="also S=16384 (several minutes)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    parser.add_argument("--methods", default=",".join(METHOD_NAMES), help="comma-separated subset")
     parser.add_argument(
         "--out", default="attention.md", help="markdown file; its tables go into BENCHMARKS.md"
     )

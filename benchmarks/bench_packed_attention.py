@@ -41,8 +41,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import _alloc_profile, _peak_mb, _rss_mb
 
-METHODS = ("all_gather", "ring", "ulysses")
-
 
 def doc_lengths(s: int, seed: int = 0) -> list[int]:
     """Log-normal document lengths incl. three 1-token and >= 5k-token documents, sum ``s``."""
@@ -198,13 +196,15 @@ def _balance(s: int, hq: int, hkv: int, layout: str, world: int, reps: int, out:
 
 
 def main() -> None:
+    from cpshard.names import METHOD_NAMES, PACKED_LAYOUTS  # here, like torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("single", "cp", "all"), default="all")
     parser.add_argument("--seqs", default="16384,65536", help="S values of the single part")
     parser.add_argument("--cp-seq", type=int, default=16384, help="S of the cp part")
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--layouts", default="balanced,packed")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--layouts", default=",".join(PACKED_LAYOUTS))
+    parser.add_argument("--methods", default=",".join(METHOD_NAMES))
     parser.add_argument("--heads", default="8/8,8/2")
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()

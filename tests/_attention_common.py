@@ -8,9 +8,12 @@ import torch
 
 from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
 from cpshard.layouts.index import padded_length
+from cpshard.names import DENSE_LAYOUTS
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
 
-LAYOUTS = ("contiguous", "round_robin", "random")
+# The dense layouts plus "random": a test-only rank map that stands in for the data-dependent
+# packed / balanced layouts (any permutation of the padded stream must work).
+LAYOUTS = (*DENSE_LAYOUTS, "random")
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 

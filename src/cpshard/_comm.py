@@ -1,5 +1,13 @@
 """The only module of cpshard that calls ``torch.distributed``.
 
+Owns every collective, the group/rank lookups of a mesh and process-group creation; imports
+nothing of cpshard (a leaf). Precise rule, enforced by ``tests/unit/test_architecture.py``: outside
+this module, cpshard imports from ``torch.distributed`` only the type names ``DeviceMesh``,
+``ProcessGroup`` and ``DTensor`` (annotations and ``isinstance`` checks, which communicate
+nothing), plus, in :mod:`cpshard.tools`, torch's private CP load balancers (index generators that
+:mod:`cpshard.tools.balance` measures). Every function of ``torch.distributed`` is called from
+here.
+
 Every collective here takes its process group explicitly and makes its tensors contiguous at the
 boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contiguous tensor handed to
 a collective can silently produce wrong values (``dist.scatter``) or wrong gradients (the autograd

@@ -13,6 +13,9 @@ Example:
     >>> n = count_tokens(batch["labels"])                    # doctest: +SKIP
     >>> loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)  # doctest: +SKIP
     >>> loss.backward(); sync_grads(model, cp_mesh)          # doctest: +SKIP
+
+Imports only torch and :mod:`cpshard._comm` (its collectives; ``DeviceMesh`` and ``DTensor`` as
+type names); nothing else of cpshard, so a training loop can use it with any sharder.
 """
 
 from __future__ import annotations

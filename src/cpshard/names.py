@@ -5,10 +5,12 @@ accepts), :data:`DENSE_LAYOUTS` / :data:`PACKED_LAYOUTS` (the concrete layouts p
 in display order) and :data:`AttentionMethod` / :data:`METHOD_NAMES`. The dispatcher, the
 attention entry point and the CLI import them from here.
 
-Must not import anything: it is a leaf every other module may depend on.
+Imports nothing but ``typing``: it is a leaf every other module (and the tests and benchmarks,
+which take their method and layout tuples from here) may depend on.
 
-Note: ``round_robin`` is the head-tail (zigzag) layout -- rank ``r`` holds chunks ``r`` and
-``2 * cp - 1 - r`` -- not a striped one.
+Note: ``round_robin`` is torch's head-tail layout (Megatron's DualChunkSwap, zigzag) -- rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp`` -- not the striped layout the name
+suggests (token ``t`` on rank ``t % cp``); no striped layout exists here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "LayoutName",
 ]
 
+# "round_robin" is head-tail (chunks r and 2C-1-r), not striped: see the module docstring.
 LayoutName = Literal["auto", "none", "contiguous", "round_robin", "packed", "balanced"]
 LAYOUT_NAMES: tuple[LayoutName, ...] = get_args(LayoutName)
 DENSE_LAYOUTS: tuple[LayoutName, ...] = ("round_robin", "contiguous")

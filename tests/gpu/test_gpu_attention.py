@@ -12,11 +12,12 @@ import torch
 import torch.multiprocessing as mp
 from _gpu_fns import cp_case, gloo_one_gpu_worker, nccl_worker
 
+from cpshard.names import METHOD_NAMES as METHODS
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-METHODS = ["all_gather", "ring", "ulysses"]
 
 
 def _port() -> int:

@@ -9,6 +9,7 @@ import cpshard
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.packed import plan_packed
+from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES
 from cpshard.sharding.labels import shift_labels_packed
 
 SEQ_LENS = [[5, 1, 4], [7, 2], [1, 1, 1, 1, 9]]  # B=3, S=13: rows 0 and 1 end in padding
@@ -253,7 +254,7 @@ def _attention_case(
     real = ~spec.padding_mask()
     ids = torch.arange(1, bsz * seq + 1).reshape(bsz, seq)
     checked = 0
-    for method in ("all_gather", "ring", "ulysses"):
+    for method in METHOD_NAMES:
         for path in ("cp_attention", "ctx"):
             ctx, out, sharder = cpshard.make_cp_batch_and_ctx(
                 cp_mesh,
@@ -366,7 +367,7 @@ def _bad_packed_batches() -> dict[str, tuple[dict[str, object], str, str]]:
         **{
             f"{key}_to_{lay}": (batch, lay, rf"which layout='{lay}' cannot express")
             for key, batch in (("seq_lens", ok_lens), ("cu_seqlens", ok_cu))
-            for lay in ("none", "contiguous", "round_robin")
+            for lay in ("none", *DENSE_LAYOUTS)
         },
     }
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 from _attention_fns import cp_attention_case, cp_attention_error
 
-from _attention_common import inputs, make_case, reference_with_grads
+from _attention_common import LAYOUTS, inputs, make_case, reference_with_grads
 from _ranks import Ranks
+from cpshard.names import METHOD_NAMES as METHODS
 
 pytestmark = pytest.mark.multirank
 
-METHODS = ("all_gather", "ring", "ulysses")
 TOL = {"fp64": {}, "fp32": {"atol": 2e-5, "rtol": 2e-5}, "bf16": {"atol": 3e-2, "rtol": 3e-2}}
 
 
@@ -55,14 +55,16 @@ def _check(
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "round_robin", "random"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_causal_documents_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:
     _check(ranks, world, method, layout)
 
 
-@pytest.mark.parametrize("layout", ["round_robin", "random"])
+# windows across rank boundaries: round_robin cuts like contiguous and more, random cuts anywhere
+# (contiguous would only add run time)
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay != "contiguous"])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sliding_window_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:

@@ -18,6 +18,7 @@ from _guard_fns import (
 )
 
 from _ranks import Ranks
+from cpshard.names import DENSE_LAYOUTS
 
 pytestmark = pytest.mark.multirank
 
@@ -113,7 +114,7 @@ def test_routing_and_suspend(ranks: Ranks) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("layout", ["contiguous", "round_robin"])
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
 def test_no_aliasing(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, no_aliasing, layout)
 

@@ -6,6 +6,7 @@ import pytest
 from _staging_fns import staged_cp_sdpa_matches_direct, staged_matches_direct
 
 from _ranks import Ranks
+from cpshard.names import METHOD_NAMES
 
 pytestmark = pytest.mark.multirank
 
@@ -17,6 +18,6 @@ def test_forced_host_staging_matches_direct(ranks: Ranks, world: int) -> None:
         assert all(same.values()), f"rank {r}: staged != direct for {same}"
 
 
-@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+@pytest.mark.parametrize("method", METHOD_NAMES)
 def test_forced_host_staging_cp_sdpa(ranks: Ranks, method: str) -> None:
     assert all(ranks(2, staged_cp_sdpa_matches_direct, method))

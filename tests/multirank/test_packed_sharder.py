@@ -17,12 +17,13 @@ from _packed_fns import (
 )
 
 from _ranks import Ranks
+from cpshard.names import PACKED_LAYOUTS
 
 pytestmark = pytest.mark.multirank
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 @pytest.mark.parametrize("use_cu", [False, True])
 def test_packed_round_trip(ranks: Ranks, world: int, layout: str, use_cu: bool) -> None:
     maps = ranks(world, packed_round_trip, layout, use_cu)
@@ -31,7 +32,7 @@ def test_packed_round_trip(ranks: Ranks, world: int, layout: str, use_cu: bool) 
 
 
 @pytest.mark.parametrize("world", [1, 3])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 def test_packed_embeds_grad(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, packed_embeds_grad, layout)
 
@@ -46,13 +47,13 @@ def test_packed_corpus_batch(ranks: Ranks, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 def test_packed_from_restarting_positions(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, packed_from_positions, layout)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 @pytest.mark.parametrize("pack", ["seq_lens", "cu_seqlens"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_packed_attention_matches_one_process(
@@ -64,7 +65,7 @@ def test_packed_attention_matches_one_process(
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 def test_packed_attention_sliding_window(ranks: Ranks, world: int, layout: str) -> None:
     """Windows of 1, 3 and 8 over packed documents, every method, both paths."""
     for window in (1, 3, 8):
@@ -81,7 +82,7 @@ EDGE_PACKS = {
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 @pytest.mark.parametrize("case", list(EDGE_PACKS))
 def test_packed_attention_edge_packs(ranks: Ranks, world: int, layout: str, case: str) -> None:
     """All-padding rows, one document longer than all others, C > documents, C == tokens."""
@@ -92,7 +93,7 @@ def test_packed_attention_edge_packs(ranks: Ranks, world: int, layout: str, case
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 def test_bad_packed_inputs_raise_on_every_rank(ranks: Ranks, world: int, layout: str) -> None:
     """cu_seqlens not from 0 / not increasing / not ending at T, seq_lens not fitting or
     negative, more ranks than tokens, packed batches for layouts without documents (by name,
@@ -104,6 +105,6 @@ def test_bad_packed_inputs_raise_on_every_rank(ranks: Ranks, world: int, layout:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 def test_packed_keys_verbs_and_grads(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, packed_keys_verbs_grads, layout)

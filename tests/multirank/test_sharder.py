@@ -14,6 +14,7 @@ from _sharder_fns import (
 )
 
 from _ranks import Ranks
+from cpshard.names import DENSE_LAYOUTS
 
 pytestmark = pytest.mark.multirank
 WORLDS = [1, 2, 3, 4]
@@ -41,7 +42,7 @@ def test_round_trip_seq_dims_and_dtypes(
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("layout", ["round_robin", "contiguous"])
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
 def test_pad_table_and_no_mutation(ranks: Ranks, world: int, layout: str) -> None:
     ranks(world, pad_table, layout)
 

@@ -14,6 +14,7 @@ from _training_fns import (
 )
 
 from _ranks import Ranks
+from cpshard.names import PACKED_LAYOUTS
 
 pytestmark = pytest.mark.multirank
 
@@ -47,7 +48,7 @@ def test_accumulation_adamw_five_steps_matches_cp1(ranks: Ranks, world: int) -> 
     ranks(world, accumulation_adamw, timeout=120)
 
 
-@pytest.mark.parametrize("layout", ["balanced", "packed", "dense"])
+@pytest.mark.parametrize("layout", [*PACKED_LAYOUTS, "dense"])  # dense: auto layout
 def test_pads_visible_to_token_counting_consumers(ranks: Ranks, layout: str) -> None:
     ranks(3, pads_visible_to_consumers, layout)
 

@@ -12,6 +12,7 @@ import cpshard
 from _attention_common import inputs, make_case, make_meta, reference
 from cpshard.attention import cp_attention, cp_attention_context, cp_sdpa, use_cp_attention
 from cpshard.attention.hf import cpshard_attention_forward
+from cpshard.names import METHOD_NAMES
 from cpshard.sharding.meta import TokenMeta
 
 
@@ -34,7 +35,7 @@ class _Sharder:
 def test_local_path_applies_document_mask_and_scale() -> None:
     meta = _meta()
     q, k, v = _qkv()
-    for method in ("all_gather", "ring", "ulysses"):
+    for method in METHOD_NAMES:
         out = cp_sdpa(q, k, v, group=None, meta=meta, method=method, scale=0.2)
         torch.testing.assert_close(out, reference(q, k, v, meta.document_ids, True, 0.2))
     out = cp_attention(q, k, v, sharder=_Sharder(None, meta), causal=False)
@@ -245,7 +246,7 @@ def test_hf_model_outside_the_context_honours_attention_mask() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+@pytest.mark.parametrize("method", METHOD_NAMES)
 def test_low_precision_matches_fp32_reference(dtype: torch.dtype, method: str) -> None:
     meta = _meta(seq_len=12, n_docs=2)
     q, k, v = (t.float() for t in _qkv(n=12, hq=4, hkv=2))

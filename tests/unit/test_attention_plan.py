@@ -10,6 +10,7 @@ from _attention_common import reference_with_grads
 from cpshard.attention import cp_sdpa
 from cpshard.attention.plan import TILE, AttentionPlan, attention_plan
 from cpshard.layouts.closed_form import RoundRobinLayout
+from cpshard.names import METHOD_NAMES
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
 
 CPU = torch.device("cpu")
@@ -65,7 +66,7 @@ def test_round_robin_plan_is_mask_free_rectangles() -> None:
 
 
 @pytest.mark.parametrize("window", [None, 1, 7, 100])
-@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+@pytest.mark.parametrize("method", METHOD_NAMES)
 def test_needed_pairs_are_exact_and_tiles_bounded(method: str, window: int | None) -> None:
     world, n = 3, 600
     docs = _lognormal_docs(n, 0, pad=6)

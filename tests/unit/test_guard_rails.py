@@ -145,6 +145,7 @@ def test_verbs_reject_non_tensors_and_meta() -> None:
         sharder.gather_token_tensor(torch.zeros(3, 16, device="meta"))
 
 
+# one layout of each kind: the identity, a closed-form map, a packed plan
 @pytest.mark.parametrize("layout", ["none", "contiguous", "balanced"])
 def test_no_aliasing_at_cp1(layout: str) -> None:
     batch = _batch()

@@ -14,6 +14,7 @@ import cpshard.cli.parity as parity_cli
 from cpshard.cli._parity_plan import plan_rows
 from cpshard.cli._parity_report import Record, format_row, write_json, write_plot
 from cpshard.cli.main import main
+from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
 from cpshard.tools.parity import (
     TOLERANCES,
     ParityCase,
@@ -114,14 +115,14 @@ def test_default_plan_is_the_14_demo_rows() -> None:
         ParityCase(),
         models=["llama"],
         dtypes=["float32"],
-        layouts=["round_robin", "contiguous", "balanced", "packed"],
-        methods=["all_gather", "ring", "ulysses"],
+        layouts=[*DENSE_LAYOUTS, *PACKED_LAYOUTS],
+        methods=list(METHOD_NAMES),
         world=4,
     )
     assert len(rows) == 14
     assert [r.kind for r in rows].count("reference") == 2
     assert all(r.skip is None for r in rows)
-    assert {r.case.batch for r in rows if r.layout in ("balanced", "packed")} == {"packed"}
+    assert {r.case.batch for r in rows if r.layout in PACKED_LAYOUTS} == {"packed"}
     # every cp row of one batch kind shares one cp=1 reference
     assert len({r.ref_key for r in rows}) == 2
 
@@ -234,8 +235,8 @@ def test_all_models_plan_has_model_owned_rows_next_to_hf_rows() -> None:
         ParityCase(),
         models=["llama", "vlm", "prefix"],
         dtypes=["float32"],
-        layouts=["round_robin", "contiguous", "balanced", "packed"],
-        methods=["all_gather", "ring", "ulysses"],
+        layouts=[*DENSE_LAYOUTS, *PACKED_LAYOUTS],
+        methods=list(METHOD_NAMES),
         world=4,
     )
     vlm = [r for r in rows if r.case.model == "vlm" and r.kind == "cp"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import cpshard
+from cpshard.names import METHOD_NAMES, PACKED_LAYOUTS
 
 
 def _batch(s: int = 7) -> dict[str, torch.Tensor]:
@@ -70,8 +71,8 @@ def test_bad_mesh_and_names() -> None:
         cpshard.make_cp_batch_and_ctx(None, _batch(), attention="flash")
 
 
-@pytest.mark.parametrize("layout", ["packed", "balanced"])
-@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
+@pytest.mark.parametrize("method", METHOD_NAMES)
 def test_packed_attention_without_mesh(layout: str, method: str) -> None:
     """cp_mesh=None: packed batches still get per-document causal attention (ctx() + SDPA and
     cp_attention), matching fp64 one-process attention forward and backward."""

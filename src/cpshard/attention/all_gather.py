@@ -6,6 +6,9 @@ the local queries attend to the whole stream with the mask from the token meta. 
 gradients against the whole stream, accumulated in place into one fp32 buffer of the gathered
 layout, then one reduce-scatter (sum) of it back to the owning ranks.
 Bytes sent per rank and layer: ``(C-1)/C * S * 2 * Hkv * D * itemsize`` forward.
+
+Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its collectives);
+nothing else of cpshard.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Every task of the plan is one call of :func:`~cpshard.attention.kernels.block_at
 slices of ``q`` and ``k``/``v`` (no mask, the kernel's ``is_causal``, or a prepared bounded tile
 mask); partial results are merged with the online-softmax rule. Nothing here reads tensor values
 on the host, so the per-layer work has no host-device sync and no data-dependent branching.
+
+Imports only the kernels, the merge and the plan of this package: nothing else of cpshard.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Every check runs on facts all ranks share (shapes, dtypes, the token meta, the group size) before
 any collective, so a bad call raises the same ``ValueError`` on every rank and none is left
 waiting in a collective.
+
+Owns the argument checks and the method switch (names from :mod:`cpshard.names`). Imports the
+three methods, the plan and :mod:`cpshard._comm`; never :mod:`cpshard.dispatch` or
+:mod:`cpshard.guards`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torch's fused CUDA attention ops that return the log-sum-exp, and which one a call may use.
 
 :mod:`cpshard.attention.kernels` calls these behind its ``block_attention`` and
-``varlen_attention``; nothing else should. Every function here
+``varlen_attention``; nothing else should. It imports only torch. Every function here
 only calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch registers meta kernels
 for the CUDA ops), which is how the CPU test suite checks argument order and result shapes.
 

@@ -14,6 +14,9 @@ mask builder) and selects it on a model.
   without CP (evaluation, generation).
 
 transformers is imported lazily.
+
+Imports only this package's routing context and HF options (and transformers, lazily); never
+:mod:`cpshard.dispatch` (which calls :func:`cp_attention_scope`) or :mod:`cpshard.guards`.
 """
 
 from __future__ import annotations

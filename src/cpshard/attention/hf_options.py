@@ -7,6 +7,8 @@ bookkeeping that does not change the result (``position_ids``, ``cu_seq_lens_*``
 ``output_attentions``...). Under CP every argument that changes the result is honoured
 (window, soft-cap) or rejected with a ``ValueError`` naming it; never silently dropped. (Outside
 a CP context the "cpshard" name runs transformers' own sdpa function, which rejects ``softcap``.)
+
+Imports only the window and soft-cap checks and the routing context of this package.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One local attention block with its log-sum-exp, and its backward given the global result.
 
-This is the only place that runs attention math. Every CP method reduces to calls of
+This is the only place that runs attention math; it imports nothing of cpshard outside
+:mod:`cpshard.attention` (:mod:`.cuda_kernels`, :mod:`.merge`). Every CP method reduces to calls of
 :func:`block_attention` (forward: partial output and natural-log LSE of one query block against
 one key block) and :func:`block_attention_backward` (gradients of one block, given the *merged*
 output and LSE of the whole key set), merged by :mod:`cpshard.attention.merge`.

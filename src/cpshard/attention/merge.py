@@ -13,6 +13,8 @@ the naive form computes ``exp(-inf - -inf) = nan``. :func:`merge` handles that c
 
 All math here runs in the accumulation dtype (fp32, or fp64 for fp64 inputs): callers pass
 accumulators in that dtype and partial results in any floating dtype.
+
+Imports only torch.
 """
 
 from __future__ import annotations

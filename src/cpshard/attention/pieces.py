@@ -6,6 +6,8 @@ all visible (``FULL``: every key at or before every query and inside the window;
 same positions on both sides, the kernel's ``is_causal``; ``EDGE``: a bounded piece on a sliding
 window's border). Pieces with few pairs and window borders are grouped into masked tiles of at
 most :data:`TILE` x :data:`TILE` slots whose mask is the union of their pieces' patterns.
+
+Imports only torch and numpy; :mod:`cpshard.attention.plan` is its one user.
 """
 
 from __future__ import annotations

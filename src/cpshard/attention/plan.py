@@ -1,5 +1,9 @@
 """One attention plan per batch: which query rows meet which key rows, cut into kernel calls.
 
+Not to be confused with :class:`~cpshard.layouts.packed.PackedPlan` (where tokens live): an
+:class:`AttentionPlan` says which blocks attention computes. Imports :mod:`.pieces` and the token
+meta (:mod:`cpshard.sharding.meta`); never a collective.
+
 The plan is built on the host from the token meta (global position and document id of every
 token of every rank) once per batch and reused by every layer and by the backward; the per-layer
 code only runs kernels and collectives over the plan's static slices (no host-device sync, no

@@ -9,6 +9,9 @@ Backward: the same rotation; with every K/V block travels an fp32 accumulator of
 Each rank adds its contribution for the block it holds and passes the accumulator on; after ``C``
 hops each accumulator is back at its owner. ``dq`` stays local.
 Bytes sent per rank and layer (forward): ``(C-1)/C * S * 2 * Hkv * D * itemsize``.
+
+Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its point-to-point
+transfer); nothing else of cpshard.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ No fused CPU kernel caps the scores, so one block runs as explicit math in the a
 ``ROWS x Lk`` scores per head whatever the block size. The interface matches
 :func:`cpshard.attention.kernels.block_attention` / ``block_attention_backward`` (partial output
 and natural-log LSE; gradients given the merged output and LSE), so the blockwise merge is the same.
+
+Imports only :mod:`cpshard.attention.merge`.
 """
 
 from __future__ import annotations

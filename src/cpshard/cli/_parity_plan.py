@@ -1,12 +1,14 @@
 """The rows of a ``cpshard parity`` run: which (model, dtype, batch, layout, method) to check.
 
-Rows come from one table, :data:`cpshard.tools.parity.MODELS`: a model with ``layouts`` gets one
-row per (layout, method) with the batch kind its layout needs (dense rows for ``round_robin`` and
-``contiguous``, packed rows for ``balanced`` and ``packed``); a model that owns its CP layout
-(``layouts=None``) gets one row per method on each of its batch kinds, or a single row when its
-attention is its own (``attention="own"``: no CP attention method applies). Before the CP rows of a
-(model, dtype, batch kind), one ``reference`` row checks the cp=1 reference against the model's
-own attention, when the model has such a check.
+Rows come from one table, :data:`cpshard.tools.parity_models.MODELS`: a model with ``layouts``
+gets one row per (layout, method) with the batch kind its layout needs (dense rows for
+``round_robin`` and ``contiguous``, packed rows for ``balanced`` and ``packed``); a model that
+owns its CP layout (``layouts=None``) gets one row per method on each of its batch kinds, or a
+single row when its attention is its own (``attention="own"``: no CP attention method applies).
+Before the CP rows of a (model, dtype, batch kind), one ``reference`` row checks the cp=1
+reference against the model's own attention, when the model has such a check.
+
+Imports only the names (:mod:`cpshard.names`) and the parity tool; no collective.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
+from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 from cpshard.tools.parity import HEADS, KV_HEADS, MODELS, ParityCase
 
-__all__ = ["DENSE_LAYOUTS", "LAYOUT_BATCH", "METHODS", "PACKED_LAYOUTS", "Row", "plan_rows"]
+__all__ = ["LAYOUT_BATCH", "Row", "plan_rows"]
 
-METHODS: tuple[str, ...] = METHOD_NAMES
 LAYOUT_BATCH: dict[str, str] = {
     **dict.fromkeys(DENSE_LAYOUTS, "dense"),
     **dict.fromkeys(PACKED_LAYOUTS, "packed"),

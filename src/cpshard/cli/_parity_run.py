@@ -12,6 +12,8 @@ Both runners offer the same three calls, so ``cpshard parity`` has one driver lo
 :class:`LocalRunner` forks its ranks once (:class:`~cpshard.cli._pool.LocalRankPool`) and reuses
 them for every row. :class:`LaunchedRunner` joins the process group described by the launcher's
 environment: NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise.
+
+Imports the parity tool, the rank pool and :mod:`cpshard._comm` (process-group creation).
 """
 
 from __future__ import annotations

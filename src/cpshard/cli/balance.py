@@ -8,6 +8,8 @@ Examples::
 
 Per layout it prints one table row (columns defined below, and again under the table);
 ``--plot`` draws per-rank work, normalised by the mean, for every layout (matplotlib).
+
+Owns the arguments and the table; the metrics are :mod:`cpshard.tools.balance`.
 """
 
 from __future__ import annotations

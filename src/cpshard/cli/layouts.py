@@ -11,6 +11,9 @@ document 1, and its pad slots.
 On every rank it checks that ``gather_token_tensor(shard_token_tensor(x), trim=True)`` gives
 ``x`` back in the caller's coordinates (for packed rows: every real token; the caller's trailing
 pad slots, which the packed layouts drop, come back as the ``fill`` value).
+
+Owns the arguments and the printout; the sharding is the public
+:func:`cpshard.make_cp_batch_and_ctx` on the rank pool, the names come from :mod:`cpshard.names`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Entry point of the ``cpshard`` command: one sub-command per module."""
+"""Entry point of the ``cpshard`` command: one sub-command per module.
+
+Owns the sub-command table; each sub-command module is imported only when it runs.
+"""
 
 from __future__ import annotations
 

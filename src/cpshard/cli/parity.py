@@ -22,6 +22,10 @@ work starts). Examples:
     cpshard parity                                    # the demo: 14 rows, 3 steps, 4 ranks
     cpshard parity --models all --steps 50 --json parity.json --plot parity.png  # thorough
     cpshard parity --models llama,tiny --dtypes float32,bfloat16 --ranks 2
+
+This module owns the arguments and the driver loop; the rows are :mod:`._parity_plan`, the
+runners :mod:`._parity_run`, the report :mod:`._parity_report`, the training and the comparison
+:mod:`cpshard.tools.parity`.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cpshard.cli._parity_plan import DENSE_LAYOUTS, METHODS, PACKED_LAYOUTS, Row, plan_rows
+from cpshard.cli._parity_plan import Row, plan_rows
 from cpshard.cli._parity_report import Record, format_row, table_header, write_json, write_plot
 from cpshard.cli._parity_run import CpSide, LaunchedRunner, LocalRunner, launched_world_size
 from cpshard.cli._pool import DEFAULT_TIMEOUT_S, RankFailure
+from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
 from cpshard.tools.parity import (
     GRAD_SYNCS,
     HEADS,
@@ -79,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list of {', '.join(MODELS)}, or all (vlm: pre-embedding, layout chosen by "
         "the dispatcher; prefix: model-owned sharder)",
     )
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of attention methods")
+    p.add_argument(
+        "--methods", default=",".join(METHOD_NAMES), help="comma list of attention methods"
+    )
     p.add_argument(
         "--layouts",
         default=",".join(DENSE_LAYOUTS + PACKED_LAYOUTS),
@@ -149,7 +156,7 @@ def _validate(args: argparse.Namespace) -> dict[str, list[str]]:
         "models": list(MODELS)
         if args.models.strip() == "all"
         else _csv(args.models, MODELS, "--models"),
-        "methods": _csv(args.methods, METHODS, "--methods"),
+        "methods": _csv(args.methods, METHOD_NAMES, "--methods"),
         "layouts": _csv(args.layouts, DENSE_LAYOUTS + PACKED_LAYOUTS, "--layouts"),
         "dtypes": _csv(args.dtypes, TOLERANCES, "--dtypes"),
     }

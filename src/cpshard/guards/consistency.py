@@ -16,6 +16,11 @@ a strided sample of at most :data:`FLOAT_SAMPLE` values plus their shape and dty
 The fingerprint is computed defensively: it never raises on a malformed batch (a bad value only
 changes a hash), so a batch that is invalid on one rank only is reported here, on every rank,
 instead of raising on that rank alone before a collective the others then wait in.
+
+Owns the fingerprint and its one all-gather (:func:`check_dispatch_consistency` for the
+dispatcher, :func:`check_verb_consistency` for the sharder's token verbs). Imports only torch and
+:mod:`cpshard._comm`: :mod:`cpshard.sharding` calls it, so it never imports sharding, attention
+or dispatch.
 """
 
 from __future__ import annotations

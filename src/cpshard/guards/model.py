@@ -27,6 +27,10 @@ raised and the loop caught the exception, this rank is out of step with its peer
 that forward's collectives): the next :func:`prepare_cp_forward` then raises on this rank before
 any collective, so the run ends (the peers fail within the process-group timeout) instead of
 pairing unrelated collectives.
+
+Imports the shard identity (:mod:`cpshard.sharding.sharder`) and the active attention mode
+(:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),
+tools, cli or models.
 """
 
 from __future__ import annotations

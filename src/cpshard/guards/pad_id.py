@@ -4,6 +4,9 @@ CP pads every sequence to a length the layout can split, and the pad slots of ``
 a token id. Any valid id works (pad slots are masked out of attention and get label ``-100``), but
 ``None`` (what Llama tokenizers give as ``pad_token_id``), a negative or an out-of-vocabulary id
 would fail only on the ranks that hold pad slots, leaving the others in a collective.
+
+Imports only ``torch.nn`` (no collective: the dispatcher runs it before any); never
+:mod:`cpshard.sharding`, :mod:`cpshard.attention` or :mod:`cpshard.dispatch`.
 """
 
 from __future__ import annotations

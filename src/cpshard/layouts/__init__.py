@@ -7,8 +7,9 @@ layouts of packed streams (``packed``; :mod:`.packed`) and our ``balanced`` solv
 checks, inverse permutations, runs).
 
 Import rule: pure index math on torch / numpy tensors. Nothing here imports
-``torch.distributed``, :mod:`cpshard._comm` or any other cpshard package; every other part of
-cpshard may import this one.
+``torch.distributed``, :mod:`cpshard._comm` or any other cpshard package (only
+:mod:`cpshard.names`, a leaf, is allowed); every other part of cpshard may import this one.
+``tests/unit/test_architecture.py`` enforces it.
 """
 
 from cpshard.layouts.closed_form import (

@@ -1,5 +1,16 @@
 """The ``balanced`` layout: our solver for packed batches (equal tokens per rank, causal work
-balanced to the limit, at most ``C - 1`` pad tokens). Pure index math, never ``torch.distributed``.
+balanced to the limit, at most ``C - 1`` pad tokens). Pure index math, never ``torch.distributed``;
+imports only torch, numpy and :mod:`cpshard.layouts`.
+
+``balanced`` sorts documents longest first and lays their tokens out *outside-in*
+(positions ``0, n-1, 1, n-2, ...``; any even run of that order is a head-tail pair, whose
+causal work is exactly ``(n + 1) / 2`` per token). Rank ``r`` takes ``x`` tokens from the
+heavy end of the remaining pool and ``L - x`` from the light end (short documents, then pads),
+``x`` chosen so its work is closest to the remaining work divided by the remaining ranks;
+among ``x`` within ``work_tolerance`` of it, cuts at document boundaries are preferred, so
+short documents stay whole on one rank (less remote K/V). Token counts are exactly equal and
+the work error is one token's work per rank (plus ``work_tolerance``). The plan it returns is a
+:class:`~cpshard.layouts.packed.PackedPlan`, like every packed layout.
 """
 
 from __future__ import annotations

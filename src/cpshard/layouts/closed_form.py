@@ -1,5 +1,8 @@
 """Index math for the closed-form CP layouts. No process group is touched here.
 
+Owns ``none``, ``contiguous`` and ``round_robin`` (:class:`ClosedFormLayout` and its local index
+functions); imports only torch and :mod:`cpshard.layouts.index`.
+
 A *layout* says which tokens of the padded global stream each CP rank owns, in which local
 order. Everything else (sharding, gathering, attention masks) derives from that map:
 
@@ -9,7 +12,8 @@ order. Everything else (sharding, gathering, attention masks) derives from that 
 
 Closed-form layouts (``none``, ``contiguous``, ``round_robin``) are defined here. Data-dependent
 layouts (``packed``, ``balanced``) capture an explicit ``[C, L]`` map at shard time and reuse the
-same helpers (:func:`inverse_permutation`, :func:`check_rank_map`).
+same helpers (:func:`~cpshard.layouts.index.inverse_permutation`,
+:func:`~cpshard.layouts.index.check_rank_map`).
 
 Diagrams for C=2 ranks, padded length P=8 (``a`` = rank 0, ``b`` = rank 1)::
 
@@ -18,7 +22,8 @@ Diagrams for C=2 ranks, padded length P=8 (``a`` = rank 0, ``b`` = rank 1)::
 
 ``round_robin`` is torch's head-tail load balancer, Megatron's "DualChunkSwap" and
 ring-flash-attention's "zigzag": rank ``r`` of ``C`` owns chunks ``r`` and ``2C-1-r`` of ``2C``,
-which makes causal attention work equal on every rank.
+which makes causal attention work equal on every rank. It is NOT striped (token ``t`` on rank
+``t % C``), whatever the name suggests: no striped layout exists here.
 """
 
 from __future__ import annotations
@@ -203,7 +208,7 @@ class ContiguousLayout(ClosedFormLayout):
 
 @dataclass(frozen=True)
 class RoundRobinLayout(ClosedFormLayout):
-    """Head-tail pairing: rank ``r`` owns chunks ``r`` and ``2C-1-r`` of ``2C``.
+    """Head-tail pairing: rank ``r`` owns chunks ``r`` and ``2C-1-r`` of ``2C`` (not striped).
 
     Aliases: *head-tail* (torch CP), *DualChunkSwap* (Megatron), *zigzag* (ring-flash-attention).
     """

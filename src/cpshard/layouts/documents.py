@@ -17,6 +17,9 @@ document ids* used by CP attention masks. Three spellings parse into a spec:
   ``padding_mask`` (``True`` = pad), which must mark a suffix of each row.
 
 Documents have length ``>= 1``; a row may hold no document at all (all padding).
+
+Owns :class:`PackSpec` (parsing and validating the document structure); imports nothing of
+cpshard and never ``torch.distributed``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Index helpers shared by every layout: padded lengths, rank-map checks, inverse permutations and
-runs of consecutive indices. Pure index math (torch and numpy only, never ``torch.distributed``).
+runs of consecutive indices. Pure index math (torch and numpy only, never ``torch.distributed``);
+imports nothing of cpshard.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Layouts of packed batches over CP ranks: ``packed`` (TE THD), ``balanced`` (our solver), and
-the closed-form layouts applied to a packed stream. Pure index math, no process group.
+"""Layouts of packed batches over CP ranks: the :class:`PackedPlan` every packed layout returns,
+``packed`` (TE THD) and the closed-form layouts applied to a packed stream (``balanced``, our
+solver, is :mod:`cpshard.layouts.balanced`). Pure index math, no process group: imports only
+torch, numpy and :mod:`cpshard.layouts`.
 
 Every layout flattens the caller's ``[B, S]`` batch into one *padded stream* of length ``P``:
 
@@ -15,14 +17,6 @@ order. ``packed`` C=2, ``cu=[0,8,16]``::
     stream  a a b b b b a a | a a b b b b a a      r0 [0,1,6,7,8,9,14,15]
                                                    r1 [2,3,4,5,10,11,12,13]
 
-``balanced`` sorts documents longest first and lays their tokens out *outside-in*
-(positions ``0, n-1, 1, n-2, ...``; any even run of that order is a head-tail pair, whose
-causal work is exactly ``(n + 1) / 2`` per token). Rank ``r`` takes ``x`` tokens from the
-heavy end of the remaining pool and ``L - x`` from the light end (short documents, then pads),
-``x`` chosen so its work is closest to the remaining work divided by the remaining ranks;
-among ``x`` within ``work_tolerance`` of it, cuts at document boundaries are preferred, so
-short documents stay whole on one rank (less remote K/V). Token counts are exactly equal and
-the work error is one token's work per rank (plus ``work_tolerance``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 attention is a plain ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``: it knows nothing
 about CP. Inside a cpshard context the call sees the global sequence; RoPE uses the global
 ``position_ids`` that the sharder hands back with the batch.
+
+Imports only torch.
 """
 
 from __future__ import annotations

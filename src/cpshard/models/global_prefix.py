@@ -19,6 +19,9 @@ pad table's values. The model builds its mask from ``position_ids`` alone (rows 
 the same forward serves the plain ``[B, S]`` call, the ``cp=1`` stream and every ``cp=N`` shard.
 Its attention is explicit masked math (never routed to CP attention); the sharder's ``ctx()`` is
 still a cpshard attention context, so "this shard runs under CP" holds for it as for any layout.
+
+Imports the sharder contract (:mod:`cpshard.sharding`), the attention context and
+:mod:`cpshard._comm`; never :mod:`cpshard.tools` or :mod:`cpshard.cli`.
 """
 
 from __future__ import annotations

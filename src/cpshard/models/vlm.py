@@ -15,6 +15,8 @@ inputs are consumed) and no sharder, so the dispatcher picks the layout (round_r
 rows, balanced for packed documents). ``inputs_embeds`` carry the graph of the vision encoder and
 the embedding: they are sharded out of place, so their gradients reach both. The hook runs at every
 CP size, so the ``cp=1`` reference runs exactly this path.
+
+Imports only torch and :class:`~cpshard.models.decoder.TinyDecoder`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``pydoc_data.topics`` ships with CPython: 79 documents, about 466 KB of English, 202 B to 62 KB
 each. Tokens are bytes (0-255) plus three specials, so any tiny model with ``vocab_size >= 259``
 can train on it.
+
+A tool: imports nothing of cpshard.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ on the CP size, so one rank gives the reference and N ranks give the CP result;
 :data:`TOLERANCES` says how far is too far.
 
 The models a parity run can use are one table, :data:`cpshard.tools.parity_models.MODELS`.
+
+A tool: imports the public contract (:mod:`cpshard.dispatch`, :mod:`cpshard.loss`),
+:mod:`cpshard._comm` and the other tools; never :mod:`cpshard.cli`, which drives it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.dispatch import LayoutName, prepare_cp_forward
+from cpshard.dispatch import prepare_cp_forward
 from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging, sync_grads
+from cpshard.names import LayoutName
 from cpshard.tools.corpus import PAD_ID
 from cpshard.tools.parity_models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
 

@@ -12,6 +12,9 @@ attention without cpshard (the independent check of the cp=1 reference).
   ``pixel_values`` and hands trainable ``inputs_embeds`` to the dispatcher, which picks the layout.
 * ``prefix``: :class:`cpshard.models.GlobalPrefixDecoder`, model-owned: its hook returns its own
   sharder, which repositions tokens (a copy of the global prefix on every rank, whole blocks).
+
+A tool: imports :mod:`cpshard.models`, the loss, label shifting and the corpus; never
+:mod:`cpshard.cli`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from cpshard.models import (
     TinyVLM,
     TinyVLMConfig,
 )
+from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 from cpshard.sharding.labels import shift_labels_packed
 from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch, packed_batch
 
@@ -246,7 +250,7 @@ class ModelSpec:
     description: str
     build: Callable[[torch.dtype, int], nn.Module]
     batches: tuple[str, ...] = ("dense", "packed")
-    layouts: tuple[str, ...] | None = ("round_robin", "contiguous", "balanced", "packed")
+    layouts: tuple[str, ...] | None = (*DENSE_LAYOUTS, *PACKED_LAYOUTS)
     attention: Literal["cpshard", "own"] = "cpshard"
     make_batch: Callable[[BatchSpec], dict[str, Any]] = corpus_batch
     forward: Callable[[nn.Module, dict[str, Any]], torch.Tensor] = _decoder_forward

@@ -1,0 +1,334 @@
+"""The import rules of the package (ARCHITECTURE.md), checked on the source with ``ast``.
+
+:data:`RULES` is one table: each row names the modules it applies to (a module or a package and
+everything under it), the dotted import prefixes they must not use, the prefixes allowed anyway,
+the modules it exempts and why. A new rule is one more row. Every import counts: top-level,
+lazy (inside a function), relative, and attribute chains through an imported name
+(``import torch`` then ``torch.distributed.barrier()``).
+
+:data:`PENDING` lists the violations another change of issue 9 is removing right now; each entry
+must still be a violation, so a stale entry fails too and gets deleted.
+
+Two more checks of the package's shape: every module says what it is (a module docstring), and
+the layout and method names are spelled as a collection only in :mod:`cpshard.names`.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cpshard.names import LAYOUT_NAMES, METHOD_NAMES
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules under ``scope`` (minus ``exempt``) never import anything under ``forbid``.
+
+    An import under one of ``allow`` is fine even though a ``forbid`` prefix matches it.
+    """
+
+    scope: str
+    forbid: tuple[str, ...]
+    why: str
+    allow: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+
+
+# torch.distributed names that only name a type (annotations, isinstance checks): importing them
+# communicates nothing, so any module may. Every function, submodule or ``import
+# torch.distributed`` (collectives, process-group and mesh creation) lives in cpshard._comm.
+TYPE_NAMES = (
+    "torch.distributed.ProcessGroup",
+    "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed.tensor.DTensor",
+)
+# torch's private CP load balancers: index generators that tools/balance.py measures.
+TORCH_BALANCERS = ("torch.distributed.tensor.experimental._context_parallel._load_balancer",)
+
+RULES: tuple[Rule, ...] = (
+    Rule("cpshard.names", ("cpshard", "torch", "numpy"), "names.py is a leaf (typing only)"),
+    Rule(
+        "cpshard.layouts",
+        ("cpshard", "torch.distributed"),
+        "layouts are pure index math: they import only layouts and names",
+        allow=("cpshard.layouts", "cpshard.names"),
+    ),
+    Rule("cpshard._comm", ("cpshard",), "_comm is a leaf", allow=("cpshard._comm",)),
+    Rule(
+        "cpshard",
+        ("torch.distributed",),
+        "only cpshard._comm uses torch.distributed; other modules import only its type names",
+        allow=TYPE_NAMES,
+        exempt=("cpshard._comm", "cpshard.tools"),
+    ),
+    Rule(
+        "cpshard.tools",
+        ("torch.distributed",),
+        "tools use torch.distributed through _comm, plus torch's private load balancers",
+        allow=TYPE_NAMES + TORCH_BALANCERS,
+    ),
+    Rule(
+        "cpshard",
+        ("cpshard.tools", "cpshard.cli", "cpshard.models"),
+        "the core (and `import cpshard`) never imports tools, cli or models",
+        exempt=(
+            "cpshard.tools",
+            "cpshard.cli",
+            "cpshard.models",
+            "cpshard.__main__",
+            "cpshard.launch",
+        ),
+    ),
+    Rule(
+        "cpshard",
+        ("cpshard.tools",),
+        "tools serve the cli (cpshard.launch re-exports the launcher)",
+        exempt=("cpshard.tools", "cpshard.cli", "cpshard.launch"),
+    ),
+    Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models sit on the core, below tools"),
+    Rule("cpshard.tools", ("cpshard.cli",), "the cli is built on tools, not the reverse"),
+    Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
+    Rule(
+        "cpshard.guards.consistency",
+        ("cpshard.sharding", "cpshard.attention", "cpshard.dispatch"),
+        "sharding calls the batch fingerprint, so it sits below sharding",
+    ),
+    Rule(
+        "cpshard.guards.pad_id",
+        ("cpshard.sharding", "cpshard.attention", "cpshard.dispatch"),
+        "the pad-id rule is a leaf the dispatcher calls",
+    ),
+    Rule("cpshard.sharding", ("cpshard.dispatch",), "the dispatcher calls the sharders"),
+    Rule(
+        "cpshard.attention",
+        ("cpshard.dispatch", "cpshard.guards"),
+        "the dispatcher and the model guard sit above attention",
+    ),
+    *(
+        Rule(
+            f"cpshard.attention.{m}",
+            ("cpshard",),
+            "the kernels and their merge are attention math: nothing of cpshard outside attention",
+            allow=("cpshard.attention",),
+        )
+        for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
+    ),
+    # Once sharding/batch.py no longer imports attention (issue 9, sharder change), add:
+    # Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),
+)
+
+# (module, import) pairs being removed now by the launch change of issue 9: the launcher moves to
+# cpshard.tools.launch and process-group / mesh creation into cpshard._comm.
+PENDING: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("cpshard.launch", "cpshard.cli._spawn.run_local_ranks"),
+        ("cpshard.cli._spawn", "torch.distributed.device_mesh.init_device_mesh"),
+        ("cpshard.cli._pool", "torch.distributed.device_mesh.init_device_mesh"),
+        ("cpshard.cli._parity_run", "torch.distributed.device_mesh.init_device_mesh"),
+    }
+)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _chain(node: ast.Attribute) -> tuple[str, list[str]] | None:
+    parts: list[str] = []
+    cur: ast.expr = node
+    while isinstance(cur, ast.Attribute):
+        parts.append(cur.attr)
+        cur = cur.value
+    return (cur.id, parts[::-1]) if isinstance(cur, ast.Name) else None
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """Every dotted name ``module`` imports or reaches through an imported name, with its line.
+
+    ``from a.b import c`` gives ``a.b.c``; relative imports are resolved against ``module``;
+    ``import torch`` then ``torch.distributed.barrier`` gives ``torch.distributed.barrier``.
+    """
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    bound: dict[str, str] = {}  # local name -> the dotted name it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found.append((node.lineno, a.name))
+                if a.asname:
+                    bound[a.asname] = a.name
+                else:
+                    root = a.name.partition(".")[0]
+                    bound[root] = root
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[: len(parts) - (node.level - 1)])
+                base = f"{anchor}.{base}" if base else anchor
+            for a in node.names:
+                full = base if a.name == "*" else f"{base}.{a.name}"
+                found.append((node.lineno, full))
+                if a.name != "*":
+                    bound[a.asname or a.name] = full
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (chain := _chain(node)) and chain[0] in bound:
+            found.append((node.lineno, ".".join([bound[chain[0]], *chain[1]])))
+    return found
+
+
+def violations(
+    source: str, module: str, is_package: bool = False, rules: tuple[Rule, ...] = RULES
+) -> list[tuple[str, int, str, str]]:
+    """``(module, line, import, why)`` for every import of ``module`` that a rule forbids."""
+    out = []
+    for line, name in imports_of(source, module, is_package):
+        for rule in rules:
+            if (
+                _under(module, rule.scope)
+                and not any(_under(module, e) for e in rule.exempt)
+                and any(_under(name, f) for f in rule.forbid)
+                and not any(_under(name, a) for a in rule.allow)
+            ):
+                out.append((module, line, name, rule.why))
+    return sorted(set(out))
+
+
+def _modules() -> list[tuple[str, Path, bool]]:
+    mods = []
+    for path in sorted((SRC / "cpshard").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        mods.append((".".join(parts[:-1] if is_package else parts), path, is_package))
+    return mods
+
+
+def _tree_violations() -> list[tuple[str, int, str, str]]:
+    return [v for m, p, pkg in _modules() for v in violations(p.read_text(), m, pkg)]
+
+
+def test_the_package_keeps_its_import_rules() -> None:
+    bad = [v for v in _tree_violations() if (v[0], v[2]) not in PENDING]
+    assert not bad, "import rules broken (see ARCHITECTURE.md):\n" + "\n".join(
+        f"  {m} line {line}: imports {name} -- rule: {why}" for m, line, name, why in bad
+    )
+
+
+def test_pending_exceptions_are_still_needed() -> None:
+    stale = PENDING - {(v[0], v[2]) for v in _tree_violations()}
+    assert not stale, f"these PENDING entries are fixed now; delete them: {sorted(stale)}"
+
+
+def test_the_checker_sees_the_whole_package() -> None:
+    names = {m for m, _, _ in _modules()}
+    assert {"cpshard", "cpshard._comm", "cpshard.layouts", "cpshard.sharding.sharder"} <= names
+    assert {"cpshard.tools", "cpshard.cli.main", "cpshard.attention.ring"} <= names
+    assert len(names) > 40
+
+
+def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[str]:
+    return sorted({v[2] for v in violations(source, module, rules=rules)})
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # layouts: nothing of torch.distributed, nothing of cpshard but layouts and names
+        ("cpshard.layouts.x", "import torch.distributed as dist\n", ["torch.distributed"]),
+        ("cpshard.layouts.x", "from .. import _comm\n", ["cpshard._comm"]),
+        ("cpshard.layouts.x", "from cpshard.sharding.meta import TokenMeta\n", None),
+        ("cpshard.layouts.x", "from .index import padded_length\nimport cpshard.names\n", []),
+        # torch.distributed: type names anywhere, the rest only in _comm
+        ("cpshard.sharding.x", "from torch.distributed.device_mesh import DeviceMesh\n", []),
+        ("cpshard.sharding.x", "import torch\ntorch.distributed.barrier()\n", None),
+        ("cpshard.dispatch", "from torch.distributed import all_reduce\n", None),
+        ("cpshard._comm", "import torch.distributed as dist\n", []),
+        ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
+        ("cpshard.attention.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
+        # core never imports tools / cli / models, even lazily
+        ("cpshard.dispatch", "def f():\n    from cpshard.tools.parity import MODELS\n", None),
+        ("cpshard", "from cpshard import models\n", ["cpshard.models"]),
+        ("cpshard.guards.model", "import cpshard.cli.main\n", ["cpshard.cli.main"]),
+        ("cpshard.cli.x", "from cpshard.tools.parity import MODELS\n", []),
+        ("cpshard.tools.x", "from cpshard.cli._pool import LocalRankPool\n", None),
+    ],
+)
+def test_the_checker_flags_what_the_rules_forbid(
+    module: str, source: str, expected: list[str] | None
+) -> None:
+    got = _names(source, module)
+    if expected is None:  # must flag something
+        assert got, f"{module}: {source!r} passed the rules"
+    else:
+        assert got == expected
+
+
+def test_a_new_rule_is_one_row() -> None:
+    src = "def shard():\n    from cpshard.attention.plan import attention_plan\n"
+    assert _names(src, "cpshard.sharding.batch") == []
+    row = Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts")
+    assert _names(src, "cpshard.sharding.batch", (*RULES, row)) == [
+        "cpshard.attention.plan.attention_plan"
+    ]
+
+
+def test_every_module_has_a_docstring() -> None:
+    bare = [m for m, p, _ in _modules() if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not bare, f"modules without a docstring (say what it owns and may import): {bare}"
+
+
+_NAMES = frozenset(LAYOUT_NAMES) | frozenset(METHOD_NAMES)
+
+# (module, names) spelled out while the sharder change of issue 9 rewrites these modules.
+PENDING_NAME_TUPLES: frozenset[tuple[str, tuple[str, ...]]] = frozenset(
+    {
+        ("cpshard.dispatch", ("packed", "balanced")),
+        ("cpshard.sharding.packed", ("packed", "balanced")),
+    }
+)
+
+
+def name_collections(source: str) -> list[tuple[int, tuple[str, ...]]]:
+    """Tuples, lists and sets of two or more layout / method names written out in ``source``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(node.elts) >= 2:
+            values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            if all(isinstance(v, str) and v in _NAMES for v in values):
+                out.append((node.lineno, tuple(str(v) for v in values)))
+    return out
+
+
+def _tree_name_collections() -> list[tuple[str, int, tuple[str, ...]]]:
+    return [
+        (m, line, names)
+        for m, p, _ in _modules()
+        if m != "cpshard.names"
+        for line, names in name_collections(p.read_text())
+    ]
+
+
+def test_layout_and_method_names_are_listed_only_in_names_py() -> None:
+    found = [f for f in _tree_name_collections() if (f[0], f[2]) not in PENDING_NAME_TUPLES]
+    assert not found, "import the tuples from cpshard.names instead:\n" + "\n".join(
+        f"  {m} line {line}: {names}" for m, line, names in found
+    )
+    stale = PENDING_NAME_TUPLES - {(m, names) for m, _, names in _tree_name_collections()}
+    assert not stale, f"these PENDING_NAME_TUPLES entries are fixed now; delete them: {stale}"
+
+
+def test_name_collections_finds_spelled_out_names() -> None:
+    src = (
+        'A = ("ring", "ulysses")\n'
+        'if x in ["packed", "balanced", "none"]: pass\n'
+        'B = ("none", "cp1")\n'  # not all names: another vocabulary
+        'C = ("ring",)\n'  # one name is a value, not a list
+    )
+    assert name_collections(src) == [(1, ("ring", "ulysses")), (2, ("packed", "balanced", "none"))]
