@@ -23,6 +23,12 @@ heavy end of the remaining pool and ``L - x`` from the light end (short document
 among ``x`` within ``work_tolerance`` of it, cuts at document boundaries are preferred, so
 short documents stay whole on one rank (less remote K/V). Token counts are exactly equal and
 the work error is one token's work per rank (plus ``work_tolerance``).
+
+Owns :class:`PackedPlan` (where every token of a packed batch lives); moving a caller tensor
+onto the stream and back is :mod:`cpshard.layouts.coordinates`, the one caller-coordinate map.
+
+Import rule: pure index math (torch, numpy and :mod:`cpshard.layouts`); no process group, no
+other cpshard package.
 """
 
 from __future__ import annotations

@@ -19,6 +19,13 @@ becomes ``padding_mask``. Non-token keys pass through untouched (the same object
 caller's is mutated, and no sharded tensor shares memory with the caller's (at ``cp=1`` too):
 every sharded tensor is a new tensor made by ``index_select`` or ``clone`` (both differentiable,
 so ``inputs_embeds`` that require grad pass gradients back).
+
+Owns the pad table and the dense ``shard_batch``; it returns the shard's facts and no context
+(the dispatcher adds CP attention).
+
+Import rule: :mod:`cpshard.layouts`, :mod:`cpshard._comm`, :mod:`.facts` and :mod:`.meta`;
+never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli`
+or :mod:`cpshard.models`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ auxiliary losses) sees the same real tokens at ``cp=1`` and ``cp=N``.
 token travel in ``ctx.facts.token_meta``, and the attention masks with them. Packed batches
 always need document masking, so the dispatcher's ``ctx()`` activates cpshard attention even at
 ``cp_size == 1``.
+
+Import rule: :mod:`cpshard.layouts`, :mod:`cpshard._comm` and the rest of
+:mod:`cpshard.sharding`; never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`,
+:mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`.
 """
 
 from __future__ import annotations
