@@ -44,7 +44,7 @@ from cpshard.names import LAYOUT_NAMES, METHOD_NAMES, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.sharding.facts import CPContext, ShardBatchFn
 from cpshard.sharding.packed import packed_sharder
-from cpshard.sharding.sharder import CPSharder
+from cpshard.sharding.sharder import CPSharder, gather_rank_map
 
 __all__ = [
     "LayoutName",
@@ -144,7 +144,7 @@ def make_cp_batch_and_ctx(
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
-) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model).
 
     Args:
@@ -319,13 +319,23 @@ def check_model_sharder(sharder: CPSharder) -> None:
             f"{name} captured padded_seq_len={padded}, which must be a multiple of the CP size "
             f"{world}; its shard_batch must return ctx.facts with the padded stream length"
         )
+    indices = sharder.local_token_global_indices
+    if sharder.rank_map is None and sharder.rank_map_fn is None and indices is None:
+        raise ValueError(
+            f"{name} has a data-dependent layout (local_token_global_indices=None) but captured "
+            "no rank map; its shard_batch must return ctx.facts with rank_map [C, P / C]"
+        )
     try:
+        cpu = torch.device("cpu")
         if sharder.rank_map is not None:
             rank_map = sharder.rank_map
         elif sharder.rank_map_fn is not None:
-            rank_map = sharder.rank_map_fn(world, padded, torch.device("cpu"))
+            rank_map = sharder.rank_map_fn(world, padded, cpu)
         else:
-            rank_map = _gathered_rank_map(sharder, padded, world)
+            assert indices is not None
+            rank_map = gather_rank_map(
+                indices(sharder.cp_mesh, padded, cpu), sharder.cp_mesh, padded
+            )
         check_rank_map(rank_map.cpu(), padded)
         positions = sharder.input_token_stream_positions
         if positions is not None:
@@ -340,26 +350,6 @@ def check_model_sharder(sharder: CPSharder) -> None:
             f"{name} installed an index map that is not a bijection onto its padded stream of "
             f"{padded} tokens over {world} ranks: {e}. Fix the model's shard_batch."
         ) from None
-
-
-def _gathered_rank_map(sharder: CPSharder, padded: int, world: int) -> torch.Tensor:
-    """Every rank's local map, learned by one all-gather (each rank sends exactly ``P / C``)."""
-    assert sharder.local_token_global_indices is not None
-    local = sharder.local_token_global_indices(sharder.cp_mesh, padded, torch.device("cpu"))
-    n = padded // world
-    fixed = torch.full((n + 1,), -1, dtype=torch.long)  # the map, then its true length
-    m = min(n, local.numel())
-    fixed[:m] = local.reshape(-1)[:m].long().cpu()
-    fixed[n] = local.numel()
-    group = _comm.cp_group(sharder.cp_mesh)
-    full = (fixed if group is None else _comm.all_gather_long(fixed, group)).view(world, n + 1)
-    for rank, length in enumerate(full[:, n].tolist()):
-        if length != n:
-            raise ValueError(
-                f"rank {rank}'s local_token_global_indices has {length} tokens, expected "
-                f"padded_seq_len / cp_size = {n}"
-            )
-    return full[:, :n]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -388,7 +378,7 @@ def prepare_cp_forward(
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
-) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """Prepare one forward under CP: model hook, sharder resolution, batch shard.
 
     A model may own its CP by defining ``prepare_model_inputs_for_cp(batch, *, num_chunks=1)``

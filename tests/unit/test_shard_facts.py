@@ -56,3 +56,26 @@ def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None
     ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)
     with ctx():
         assert cp_context_active()
+
+
+def test_gather_rank_map_without_process_group() -> None:
+    from cpshard.sharding.sharder import gather_rank_map
+
+    assert gather_rank_map(torch.tensor([2, 0, 1]), None, 3).tolist() == [[2, 0, 1]]
+    with pytest.raises(ValueError, match=r"rank 0's local_token_global_indices has 2 tokens"):
+        gather_rank_map(torch.tensor([0, 1]), None, 3)
+
+
+def test_model_sharder_without_any_map_raises() -> None:
+    from torch import nn
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        facts = cpshard.ShardFacts(None, 4)  # no rank map, and no way to compute one
+        return cpshard.CPContext(None, facts), {"input_ids": batch["input_ids"].clone()}
+
+    class Owns(nn.Module):
+        def prepare_model_inputs_for_cp(self, batch: object, *, num_chunks: int = 1) -> object:
+            return {"cp_sharder": cpshard.CPSharder(shard, local_token_global_indices=None)}
+
+    with pytest.raises(ValueError, match="data-dependent layout.*captured no rank map"):
+        cpshard.prepare_cp_forward(Owns(), None, _batch(4))

@@ -36,7 +36,7 @@ from cpshard.sharding.facts import (
 from cpshard.sharding.meta import TokenMeta
 from cpshard.sharding.token_index import TokenIndex
 
-__all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts"]
+__all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts", "gather_rank_map"]
 
 IndicesFn = Callable[[DeviceMesh | None, int, torch.device], torch.Tensor]
 RankMapFn = Callable[[int, int, torch.device], torch.Tensor]
@@ -63,6 +63,40 @@ def _norm_dim(t: torch.Tensor, seq_dim: int, name: str = "seq_dim") -> int:
             f"{tuple(t.shape)}; pass a dim in [{-t.dim()}, {t.dim() - 1}]"
         )
     return seq_dim % t.dim()
+
+
+def gather_rank_map(
+    local: torch.Tensor, cp_mesh: DeviceMesh | None, padded_seq_len: int
+) -> torch.Tensor:
+    """Every rank's local map, learned by one all-gather (for a sharder with no captured map).
+
+    Each rank sends exactly ``P / C + 1`` values (its map, then its true length), so a rank whose
+    map has the wrong length raises the same ``ValueError`` on every rank instead of breaking the
+    collective.
+
+    Args:
+        local: LongTensor ``[P / C]``: this rank's ``local_token_global_indices``.
+        cp_mesh: 1-D CP mesh or ``None``.
+        padded_seq_len: ``P``, a multiple of the CP size.
+
+    Returns:
+        LongTensor ``[C, P / C]`` on ``local``'s device.
+    """
+    world = _comm.cp_rank_and_size(cp_mesh)[1]
+    n = padded_seq_len // world
+    fixed = torch.full((n + 1,), -1, dtype=torch.long, device=local.device)
+    m = min(n, local.numel())
+    fixed[:m] = local.reshape(-1)[:m].long()
+    fixed[n] = local.numel()
+    group = _comm.cp_group(cp_mesh)
+    full = (fixed if group is None else _comm.all_gather_long(fixed, group)).view(world, n + 1)
+    for rank, length in enumerate(full[:, n].tolist()):
+        if length != n:
+            raise ValueError(
+                f"rank {rank}'s local_token_global_indices has {length} tokens, expected "
+                f"padded_seq_len / cp_size = {n}"
+            )
+    return full[:, :n]
 
 
 @dataclass
@@ -222,12 +256,11 @@ class CPSharder:
             return self.rank_map.reshape(-1).to(local.device)
         if self.rank_map_fn is not None:
             return self.rank_map_fn(world, padded_seq_len, local.device).reshape(-1)
-        group = _comm.cp_group(self.cp_mesh)
-        if group is None:
+        if world == 1:
             return local
         # A custom sharder that captures no rank map and has no closed-form one (no built-in
         # layout): learn the other ranks' maps (small ints), once per padded length.
-        return _comm.all_gather_long(local, group)
+        return gather_rank_map(local, self.cp_mesh, padded_seq_len).reshape(-1)
 
     def _token_index(self, padded_seq_len: int, device: torch.device) -> TokenIndex:
         """The gather/scatter index of ``padded_seq_len``, cached with the current facts."""
