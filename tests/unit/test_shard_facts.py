@@ -46,7 +46,7 @@ def test_facts_are_replaced_per_shard() -> None:
 
 
 def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None:
-    from cpshard.attention.context import cp_context_active
+    from cpshard.attention.context import active_mode, cp_context_active
 
     sharder = cpshard.closed_form_sharder(cpshard.NoneLayout())
     bare, _ = sharder.shard_batch(None, None, _batch(4))
@@ -56,6 +56,14 @@ def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None
     ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)
     with ctx():
         assert cp_context_active()
+    ring, _, _ = cpshard.make_cp_batch_and_ctx(
+        None, _batch(4), cp_sharder=sharder, attention="ring"
+    )
+    with ring():  # the dispatcher's method, also for a sharder given as is
+        mode = active_mode()
+        assert mode is not None and mode.method == "ring" and mode.meta is sharder.token_meta
+    with pytest.raises(ValueError, match="attention must be one of"):
+        cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder, attention="flash")
 
 
 def test_gather_rank_map_without_process_group() -> None:
