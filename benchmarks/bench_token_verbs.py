@@ -30,7 +30,7 @@ def _one_dtype(
     padded = sharder.padded_seq_len
     assert padded is not None
     world = sharder.cp_size
-    idx = sharder._plan(padded, torch.device("cpu")).local
+    idx = sharder._token_index(padded, torch.device("cpu")).local
     x = torch.randn(batch, padded).to(dtype)
     t_ours, t_bare = paired_median_times(
         [lambda: sharder.shard_token_tensor(x), lambda: x.index_select(1, idx)], repeat=repeat

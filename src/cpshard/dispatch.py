@@ -1,8 +1,17 @@
-"""The one dispatch: pick a sharder, bind the mesh, shard the batch.
+"""The one dispatch: pick a sharder, shard the batch on the CP mesh, compose the context.
 
 Resolution order: **model-owned > balanced > packed > round_robin > none**. The caller's code is
 the same at every CP size: at ``cp_size == 1`` the sharder is the identity (``layout == "none"``)
 and its verbs still work.
+
+Owns the composition of the sharding layer with attention: a shard that brings no context of its
+own (every built-in layout; :mod:`cpshard.sharding` knows nothing of attention) gets
+cpshard's CP attention context over its token meta, with the caller's ``attention`` method; a
+model-owned or custom ``shard_batch`` that returns its own context keeps it. An HF model's
+attention switch wraps the result (:func:`cpshard.attention.hf.cp_attention_scope`).
+
+Import rule: the top of the package: may import every cpshard package except
+:mod:`cpshard.tools`, :mod:`cpshard.cli` and :mod:`cpshard.models`.
 """
 
 from __future__ import annotations
@@ -18,6 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from cpshard import _comm
+from cpshard.attention.context import cp_attention_context
+from cpshard.attention.hf import cp_attention_scope
+from cpshard.attention.plan import attention_plan
 from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
 from cpshard.guards.model import install_model_guard
 from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
@@ -28,9 +40,11 @@ from cpshard.layouts.closed_form import (
     RoundRobinLayout,
 )
 from cpshard.layouts.index import check_rank_map
-from cpshard.names import LAYOUT_NAMES, METHOD_NAMES, LayoutName
+from cpshard.names import LAYOUT_NAMES, METHOD_NAMES, PACKED_LAYOUTS, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
-from cpshard.sharding.sharder import CPContext, CPSharder, ShardBatchFn, ShardFacts
+from cpshard.sharding.facts import CPContext, ShardBatchFn
+from cpshard.sharding.packed import packed_sharder
+from cpshard.sharding.sharder import CPSharder, gather_rank_map
 
 __all__ = [
     "LayoutName",
@@ -49,17 +63,16 @@ def closed_form_sharder(
     layout: ClosedFormLayout,
     *,
     extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "all_gather",
 ) -> CPSharder:
     """A sharder for a closed-form layout and dense ``[B, S]`` batches.
 
     Args:
         layout: ``NoneLayout()``, ``ContiguousLayout(pad_multiple)`` or ``RoundRobinLayout()``.
         extra_token_keys: Caller-declared per-token keys (seq dim and pad value).
-        attention: CP attention method the batch context activates.
 
     Returns:
-        An unbound :class:`CPSharder` (the dispatcher binds the mesh).
+        A :class:`CPSharder` with no shard yet (the dispatcher shards on the CP mesh and supplies
+        the attention method).
     """
 
     def indices(cp_mesh: DeviceMesh | None, padded_seq_len: int, device: torch.device) -> Any:
@@ -67,10 +80,7 @@ def closed_form_sharder(
         return layout.local_indices(rank, world, padded_seq_len, device)
 
     shard: ShardBatchFn = functools.partial(
-        shard_batch_dense,
-        layout=layout,
-        extra_token_keys=extra_token_keys,
-        attention=attention,
+        shard_batch_dense, layout=layout, extra_token_keys=extra_token_keys
     )
     return CPSharder(
         shard_batch=shard,
@@ -99,13 +109,8 @@ def _resolve(
     packed = _is_packed(batch)
     if layout == "auto":
         layout = "balanced" if packed else ("round_robin" if cp_size > 1 else "none")
-    if layout in ("packed", "balanced"):
-        from cpshard.sharding.packed import packed_sharder
-
-        sharder: CPSharder = packed_sharder(
-            layout, extra_token_keys=extra_token_keys, attention=attention
-        )
-        return sharder
+    if layout in PACKED_LAYOUTS:
+        return packed_sharder(layout, extra_token_keys=extra_token_keys)
     if packed:
         raise ValueError(
             f"the batch describes packed documents ({[k for k in _PACK_KEYS if k in batch]}), "
@@ -123,7 +128,7 @@ def _resolve(
                 "layout='auto' or 'round_robin'"
             )
         closed = NoneLayout()
-    return closed_form_sharder(closed, extra_token_keys=extra_token_keys, attention=attention)
+    return closed_form_sharder(closed, extra_token_keys=extra_token_keys)
 
 
 def make_cp_batch_and_ctx(
@@ -139,8 +144,8 @@ def make_cp_batch_and_ctx(
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
-) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
-    """Resolve a sharder, bind the CP mesh and shard ``batch`` (the dispatch without a model).
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
+    """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model).
 
     Args:
         cp_mesh: 1-D CP ``DeviceMesh`` or ``None``.
@@ -177,17 +182,66 @@ def make_cp_batch_and_ctx(
             {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
              "extra_token_keys": extra_token_keys},
         )  # fmt: skip
+    return _dispatch(
+        cp_mesh,
+        batch,
+        layout=layout,
+        padding_token_id=padding_token_id,
+        pad_multiple=pad_multiple,
+        cp_sharder=cp_sharder,
+        loss_mask=loss_mask,
+        extra_token_keys=extra_token_keys,
+        attention=attention,
+        tp_mesh=tp_mesh,
+        check_consistency=check_consistency,
+    )
+
+
+def _dispatch(
+    cp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    layout: LayoutName,
+    padding_token_id: int | None,
+    pad_multiple: int,
+    cp_sharder: CPSharder | None,
+    loss_mask: torch.Tensor | None,
+    extra_token_keys: Mapping[str, TokenKey] | None,
+    attention: str,
+    tp_mesh: DeviceMesh | None,
+    check_consistency: bool,
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
+    """:func:`make_cp_batch_and_ctx` after its cross-rank fingerprint (validated ``cp_mesh``)."""
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
     if cp_sharder is None:
         cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys, attention)
-    cp_sharder.cp_mesh = cp_mesh
-    cp_sharder.tp_mesh = tp_mesh
-    cp_sharder.check_consistency = check_consistency
+    elif attention not in METHOD_NAMES:
+        raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
     pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
-    ctx, out = cp_sharder.shard(batch, loss_mask=loss_mask, padding_token_id=pad_id)
-    return ctx, out, cp_sharder
+    ctx, out = cp_sharder.shard(
+        cp_mesh,
+        batch,
+        tp_mesh=tp_mesh,
+        loss_mask=loss_mask,
+        padding_token_id=pad_id,
+        check_consistency=check_consistency,
+    )
+    return _with_cp_attention(ctx, cp_mesh, attention), out, cp_sharder
+
+
+def _with_cp_attention(ctx: CPContext, cp_mesh: DeviceMesh | None, method: str) -> CPContext:
+    """The shard's own context, or CP attention over its token meta when it brings none.
+
+    The attention plan is built here, once per batch at shard time (host work), so the layers
+    and the backward only run kernels and collectives.
+    """
+    meta = ctx.facts.token_meta
+    if ctx.factory is not None or meta is None:
+        return ctx
+    attention_plan(meta).for_method(method, True, None, meta.positions.device)
+    return CPContext(functools.partial(cp_attention_context, cp_mesh, meta, method), ctx.facts)
 
 
 def _forward_accepts(model: nn.Module, *names: str) -> bool:
@@ -265,13 +319,23 @@ def check_model_sharder(sharder: CPSharder) -> None:
             f"{name} captured padded_seq_len={padded}, which must be a multiple of the CP size "
             f"{world}; its shard_batch must return ctx.facts with the padded stream length"
         )
+    indices = sharder.local_token_global_indices
+    if sharder.rank_map is None and sharder.rank_map_fn is None and indices is None:
+        raise ValueError(
+            f"{name} has a data-dependent layout (local_token_global_indices=None) but captured "
+            "no rank map; its shard_batch must return ctx.facts with rank_map [C, P / C]"
+        )
     try:
+        cpu = torch.device("cpu")
         if sharder.rank_map is not None:
             rank_map = sharder.rank_map
         elif sharder.rank_map_fn is not None:
-            rank_map = sharder.rank_map_fn(world, padded, torch.device("cpu"))
+            rank_map = sharder.rank_map_fn(world, padded, cpu)
         else:
-            rank_map = _gathered_rank_map(sharder, padded, world)
+            assert indices is not None
+            rank_map = gather_rank_map(
+                indices(sharder.cp_mesh, padded, cpu), sharder.cp_mesh, padded
+            )
         check_rank_map(rank_map.cpu(), padded)
         positions = sharder.input_token_stream_positions
         if positions is not None:
@@ -286,26 +350,6 @@ def check_model_sharder(sharder: CPSharder) -> None:
             f"{name} installed an index map that is not a bijection onto its padded stream of "
             f"{padded} tokens over {world} ranks: {e}. Fix the model's shard_batch."
         ) from None
-
-
-def _gathered_rank_map(sharder: CPSharder, padded: int, world: int) -> torch.Tensor:
-    """Every rank's local map, learned by one all-gather (each rank sends exactly ``P / C``)."""
-    assert sharder.local_token_global_indices is not None
-    local = sharder.local_token_global_indices(sharder.cp_mesh, padded, torch.device("cpu"))
-    n = padded // world
-    fixed = torch.full((n + 1,), -1, dtype=torch.long)  # the map, then its true length
-    m = min(n, local.numel())
-    fixed[:m] = local.reshape(-1)[:m].long().cpu()
-    fixed[n] = local.numel()
-    group = _comm.cp_group(sharder.cp_mesh)
-    full = (fixed if group is None else _comm.all_gather_long(fixed, group)).view(world, n + 1)
-    for rank, length in enumerate(full[:, n].tolist()):
-        if length != n:
-            raise ValueError(
-                f"rank {rank}'s local_token_global_indices has {length} tokens, expected "
-                f"padded_seq_len / cp_size = {n}"
-            )
-    return full[:, :n]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -334,7 +378,7 @@ def prepare_cp_forward(
     attention: str = "all_gather",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
-) -> tuple[Callable[[], Any], dict[str, Any], CPSharder]:
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """Prepare one forward under CP: model hook, sharder resolution, batch shard.
 
     A model may own its CP by defining ``prepare_model_inputs_for_cp(batch, *, num_chunks=1)``
@@ -394,7 +438,7 @@ def prepare_cp_forward(
     if hasattr(model, "prepare_model_inputs_for_cp"):
         # At every CP size (the seed skips cp=1): the cp=1 reference runs the same model path.
         sharder, work = apply_model_hook(model, work, num_chunks)
-    ctx, out, bound = make_cp_batch_and_ctx(
+    ctx, out, bound = _dispatch(  # the fingerprint above covers the caller's batch
         cp_mesh,
         work,
         layout=layout,
@@ -405,21 +449,12 @@ def prepare_cp_forward(
         extra_token_keys=extra_token_keys,
         attention=attention,
         tp_mesh=tp_mesh,
-        check_consistency=False,  # checked above, on the caller's batch
+        check_consistency=check_consistency,
     )
     if sharder is not None:
         check_model_sharder(bound)
     elif hasattr(model, "set_attn_implementation"):
         # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
         # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
-        ctx = _hf_scoped(model, ctx)
-    bound.check_consistency = check_consistency  # the verbs' cross-rank checks
+        ctx = CPContext(functools.partial(cp_attention_scope, model, ctx), ctx.facts)
     return ctx, out, bound
-
-
-def _hf_scoped(model: nn.Module, ctx: Callable[[], Any]) -> Callable[[], Any]:
-    from cpshard.attention.hf import cp_attention_scope
-
-    factory = functools.partial(cp_attention_scope, model, ctx)
-    facts = getattr(ctx, "facts", None)
-    return CPContext(factory, facts) if isinstance(facts, ShardFacts) else factory

@@ -119,8 +119,7 @@ RULES: tuple[Rule, ...] = (
         )
         for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
     ),
-    # Once sharding/batch.py no longer imports attention (issue 9, sharder change), add:
-    # Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),
+    Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),
 )
 
 # (module, import) pairs being removed now by the launch change of issue 9: the launcher moves to
@@ -271,12 +270,10 @@ def test_the_checker_flags_what_the_rules_forbid(
 
 
 def test_a_new_rule_is_one_row() -> None:
-    src = "def shard():\n    from cpshard.attention.plan import attention_plan\n"
+    src = "def shard():\n    from cpshard.loss import count_tokens\n"
     assert _names(src, "cpshard.sharding.batch") == []
-    row = Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts")
-    assert _names(src, "cpshard.sharding.batch", (*RULES, row)) == [
-        "cpshard.attention.plan.attention_plan"
-    ]
+    row = Rule("cpshard.sharding", ("cpshard.loss",), "a made-up rule for this test")
+    assert _names(src, "cpshard.sharding.batch", (*RULES, row)) == ["cpshard.loss.count_tokens"]
 
 
 def test_every_module_has_a_docstring() -> None:
@@ -285,14 +282,6 @@ def test_every_module_has_a_docstring() -> None:
 
 
 _NAMES = frozenset(LAYOUT_NAMES) | frozenset(METHOD_NAMES)
-
-# (module, names) spelled out while the sharder change of issue 9 rewrites these modules.
-PENDING_NAME_TUPLES: frozenset[tuple[str, tuple[str, ...]]] = frozenset(
-    {
-        ("cpshard.dispatch", ("packed", "balanced")),
-        ("cpshard.sharding.packed", ("packed", "balanced")),
-    }
-)
 
 
 def name_collections(source: str) -> list[tuple[int, tuple[str, ...]]]:
@@ -316,12 +305,10 @@ def _tree_name_collections() -> list[tuple[str, int, tuple[str, ...]]]:
 
 
 def test_layout_and_method_names_are_listed_only_in_names_py() -> None:
-    found = [f for f in _tree_name_collections() if (f[0], f[2]) not in PENDING_NAME_TUPLES]
+    found = _tree_name_collections()
     assert not found, "import the tuples from cpshard.names instead:\n" + "\n".join(
         f"  {m} line {line}: {names}" for m, line, names in found
     )
-    stale = PENDING_NAME_TUPLES - {(m, names) for m, _, names in _tree_name_collections()}
-    assert not stale, f"these PENDING_NAME_TUPLES entries are fixed now; delete them: {stale}"
 
 
 def test_name_collections_finds_spelled_out_names() -> None:

@@ -46,8 +46,8 @@ from torch.overrides import TorchFunctionMode
 
 from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
+from cpshard.sharding.facts import same_shard
 from cpshard.sharding.meta import TokenMeta
-from cpshard.sharding.sharder import same_shard
 
 __all__ = [
     "active_cp_attention",

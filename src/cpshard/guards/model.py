@@ -42,7 +42,7 @@ from typing import Any
 from torch import nn
 
 from cpshard.attention.context import active_mode, checkpoint_context_fn
-from cpshard.sharding.sharder import batch_tag, same_shard
+from cpshard.sharding.facts import batch_tag, same_shard
 
 __all__ = ["check_gradient_checkpointing", "install_model_guard"]
 

@@ -17,6 +17,8 @@ order. ``packed`` C=2, ``cu=[0,8,16]``::
     stream  a a b b b b a a | a a b b b b a a      r0 [0,1,6,7,8,9,14,15]
                                                    r1 [2,3,4,5,10,11,12,13]
 
+Moving a caller tensor onto the stream and back is :mod:`cpshard.layouts.coordinates`, the one
+caller-coordinate map.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy.typing as npt
 import torch
 
 from cpshard.layouts.closed_form import ClosedFormLayout
+from cpshard.layouts.coordinates import positions_to_stream, stream_to_positions
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.index import check_rank_map
 
@@ -88,30 +91,24 @@ class PackedPlan:
         return torch.where(self.stream_padding_mask, 0, self.stream_position_ids + 1)
 
     def to_stream(self, x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
-        """Caller ``[B, S, *F]`` -> stream ``[P, *F]``; stream pads get ``fill``."""
+        """Caller ``[B, S, *F]`` -> stream ``[P, *F]``; stream pads get ``fill``
+        (:func:`~cpshard.layouts.coordinates.positions_to_stream`)."""
         if tuple(x.shape[:2]) != self.input_row_shape:
             raise ValueError(
                 f"expected a tensor [B, S, ...] with (B, S) = {self.input_row_shape}, "
                 f"got shape {tuple(x.shape)}"
             )
-        pos = self.input_token_stream_positions.to(x.device).reshape(-1)
-        flat = x.reshape(-1, *x.shape[2:])
-        keep = pos >= 0
-        out = flat.new_full((self.padded_len, *x.shape[2:]), fill)
-        out[pos[keep]] = flat[keep]
-        return out
+        return positions_to_stream(x, self.input_token_stream_positions, self.padded_len, fill)
 
     def from_stream(self, stream: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
-        """Stream ``[P, *F]`` -> caller ``[B, S, *F]``; dropped slots get ``fill``."""
+        """Stream ``[P, *F]`` -> caller ``[B, S, *F]``; dropped slots get ``fill``
+        (:func:`~cpshard.layouts.coordinates.stream_to_positions`)."""
         if stream.shape[0] != self.padded_len:
             raise ValueError(
                 f"expected a stream [P, ...] with P={self.padded_len}, "
                 f"got shape {tuple(stream.shape)}"
             )
-        pos = self.input_token_stream_positions.to(stream.device)
-        picked = stream[pos.clamp(min=0)]
-        mask = (pos >= 0).reshape(*pos.shape, *([1] * (stream.dim() - 1)))
-        return torch.where(mask, picked, torch.full_like(picked, fill))
+        return stream_to_positions(stream, self.input_token_stream_positions, fill)
 
 
 def _check_world(spec: PackSpec, world_size: int) -> None:

@@ -17,11 +17,12 @@ of the local ones (``rank_map = arange(P).view(C, L)``), and
 token count sees each real token once; the token verbs fill them with ``fill``. CP pads get the
 pad table's values. The model builds its mask from ``position_ids`` alone (rows restart at 0), so
 the same forward serves the plain ``[B, S]`` call, the ``cp=1`` stream and every ``cp=N`` shard.
-Its attention is explicit masked math (never routed to CP attention); the sharder's ``ctx()`` is
-still a cpshard attention context, so "this shard runs under CP" holds for it as for any layout.
+Its attention is explicit masked math (never routed to CP attention); its ``shard_batch`` brings
+no context of its own, so the dispatcher's ``ctx()`` is the cpshard attention context over the
+token meta, as for every built-in layout: "this shard runs under CP" holds for it too.
 
-Imports the sharder contract (:mod:`cpshard.sharding`), the attention context and
-:mod:`cpshard._comm`; never :mod:`cpshard.tools` or :mod:`cpshard.cli`.
+Import rule: an example model; may import :mod:`cpshard.sharding`, :mod:`cpshard._comm` and the
+other example models, never :mod:`cpshard.dispatch`, :mod:`cpshard.tools` or :mod:`cpshard.cli`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.attention.context import cp_attention_context
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
 from cpshard.sharding.batch import normalize_batch
+from cpshard.sharding.facts import CPContext, ShardFacts
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
-from cpshard.sharding.sharder import CPContext, CPSharder, ShardFacts
+from cpshard.sharding.sharder import CPSharder
 
 __all__ = [
     "GlobalPrefixConfig",
@@ -182,10 +183,9 @@ def _shard_global_prefix(
         token_meta=meta,
     )
     # The model's attention needs no communication (explicit masked math, never routed to CP
-    # attention), but its forward still runs inside a cpshard context, the region that says
-    # "this shard, under CP": a plain SDPA elsewhere in the model would see the global stream.
-    factory = functools.partial(cp_attention_context, cp_mesh, meta, "all_gather")
-    return CPContext(factory, facts), out
+    # attention), but its forward still runs inside the dispatcher's cpshard context, the region
+    # that says "this shard, under CP": a plain SDPA elsewhere in the model sees the global stream.
+    return CPContext(None, facts), out
 
 
 def _stream_meta(

@@ -19,13 +19,18 @@ becomes ``padding_mask``. Non-token keys pass through untouched (the same object
 caller's is mutated, and no sharded tensor shares memory with the caller's (at ``cp=1`` too):
 every sharded tensor is a new tensor made by ``index_select`` or ``clone`` (both differentiable,
 so ``inputs_embeds`` that require grad pass gradients back).
+
+Owns the pad table and the dense ``shard_batch``; it returns the shard's facts and no context
+(the dispatcher adds CP attention).
+
+Import rule: :mod:`cpshard.layouts`, :mod:`cpshard._comm`, :mod:`.facts` and :mod:`.meta`;
+never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli`
+or :mod:`cpshard.models`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
@@ -33,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.layouts.closed_form import ClosedFormLayout
+from cpshard.sharding.facts import CPContext, ShardFacts
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
-from cpshard.sharding.sharder import CPContext, ShardFacts
 
 __all__ = [
     "KNOWN_TOKEN_KEYS",
@@ -315,7 +320,6 @@ def shard_batch_dense(
     padding_token_id: int = 0,
     layout: ClosedFormLayout,
     extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "all_gather",
 ) -> tuple[CPContext, dict[str, Any]]:
     """Pad and shard a dense ``[B, S]`` batch with a closed-form layout.
 
@@ -329,11 +333,12 @@ def shard_batch_dense(
         padding_token_id: Pad id for ``input_ids``.
         layout: The closed-form layout.
         extra_token_keys: Caller-declared per-token keys.
-        attention: CP attention method activated by the returned context.
 
     Returns:
-        ``(ctx, batch)``: ``ctx()`` makes SDPA inside it see the global sequence; ``batch`` holds
-        local ``[B, P/C]`` tensors in local layout order. ``ctx.facts`` are the captured facts.
+        ``(ctx, batch)``: ``batch`` holds local ``[B, P/C]`` tensors in local layout order;
+        ``ctx.facts`` are the captured facts. ``ctx`` brings no context of its own (sharding
+        knows nothing of attention): the dispatcher supplies CP attention over
+        ``ctx.facts.token_meta``.
     """
     del tp_mesh
     packed = [k for k in ("seq_lens", "cu_seqlens") if batch.get(k) is not None]
@@ -371,24 +376,4 @@ def shard_batch_dense(
             continue
         t = _pad(out[key], dim, padded - seq_len, _pad_value(key, padding_token_id, extra))
         out[key] = t.index_select(dim, local).contiguous()
-    factory = _attention_factory(cp_mesh, meta, attention)
-    return CPContext(factory, facts), out
-
-
-def _attention_factory(
-    cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str
-) -> functools.partial[AbstractContextManager[Any]]:
-    """The batch's context factory; its attention plan is built here, once, at shard time."""
-    from cpshard.attention.plan import attention_plan
-
-    attention_plan(meta).for_method(method, True, None, meta.positions.device)
-    return functools.partial(_attention_context, cp_mesh, meta, method)
-
-
-def _attention_context(
-    cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str
-) -> AbstractContextManager[Any]:
-    from cpshard.attention.context import cp_attention_context
-
-    ctx: AbstractContextManager[Any] = cp_attention_context(cp_mesh, meta, method)
-    return ctx
+    return CPContext(None, facts), out

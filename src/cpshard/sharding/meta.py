@@ -8,6 +8,9 @@ Masking rule (layout-agnostic): query ``q`` sees key ``k`` iff
 ``document_ids[k] == document_ids[q]`` and, for causal attention, ``positions[k] <= positions[q]``.
 Padding gets a unique negative document id (``-1 - position``), so a pad token sees only itself:
 no real token ever sees a pad, and no row is fully masked.
+
+Import rule: torch only (like all of :mod:`cpshard.sharding`, never :mod:`cpshard.attention`,
+:mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,12 @@ at the caller's pads), at every CP size, so a consumer that counts or routes tok
 auxiliary losses) sees the same real tokens at ``cp=1`` and ``cp=N``.
 ``seq_lens`` / ``cu_seqlens`` are consumed (not in the output batch): document ids of every
 token travel in ``ctx.facts.token_meta``, and the attention masks with them. Packed batches
-always need document masking, so ``ctx()`` activates cpshard attention even at ``cp_size == 1``.
+always need document masking, so the dispatcher's ``ctx()`` activates cpshard attention even at
+``cp_size == 1``.
+
+Import rule: :mod:`cpshard.layouts`, :mod:`cpshard._comm` and the rest of
+:mod:`cpshard.sharding`; never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`,
+:mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`.
 """
 
 from __future__ import annotations
@@ -34,19 +39,18 @@ from cpshard import _comm
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.packed import PackedPlan, plan_packed
+from cpshard.names import PACKED_LAYOUTS
 from cpshard.sharding.batch import (
     TokenKey,
-    _attention_factory,
     _pad_value,
     attention_mask_to_padding_mask,
     normalize_batch,
 )
+from cpshard.sharding.facts import CPContext, ShardFacts
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
-from cpshard.sharding.sharder import CPContext, CPSharder, ShardFacts
+from cpshard.sharding.sharder import CPSharder
 
-__all__ = ["PACKED_LAYOUTS", "pack_spec_of_batch", "packed_sharder", "shard_batch_packed"]
-
-PACKED_LAYOUTS = ("packed", "balanced")
+__all__ = ["pack_spec_of_batch", "packed_sharder", "shard_batch_packed"]
 
 
 def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> PackSpec:
@@ -122,7 +126,6 @@ def shard_batch_packed(
     padding_token_id: int = 0,
     layout: str = "balanced",
     extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "all_gather",
 ) -> tuple[CPContext, dict[str, Any]]:
     """Shard a packed batch with the ``packed`` or ``balanced`` layout.
 
@@ -134,12 +137,12 @@ def shard_batch_packed(
         padding_token_id: Pad id for ``input_ids``.
         layout: ``"packed"`` (TE THD: each document padded to ``2C``) or ``"balanced"``.
         extra_token_keys: Caller-declared per-token keys.
-        attention: CP attention method activated by the returned context.
 
     Returns:
         ``(ctx, batch)``: local per-token tensors ``[1, P / C, ...]`` in local order; the other
         keys pass through. ``ctx.facts`` captures ``padded_seq_len``, ``input_row_shape``,
-        ``input_token_stream_positions``, the rank map and the token meta.
+        ``input_token_stream_positions``, the rank map and the token meta; ``ctx`` brings no
+        context of its own (the dispatcher supplies CP attention over the token meta).
     """
     del tp_mesh
     if layout not in PACKED_LAYOUTS:
@@ -189,15 +192,11 @@ def shard_batch_packed(
         rank_map=rank_map,
         token_meta=meta,
     )
-    factory = _attention_factory(cp_mesh, meta, attention)
-    return CPContext(factory, facts), out
+    return CPContext(None, facts), out
 
 
 def packed_sharder(
-    layout: str,
-    *,
-    extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "all_gather",
+    layout: str, *, extra_token_keys: Mapping[str, TokenKey] | None = None
 ) -> CPSharder:
     """An unbound :class:`CPSharder` for packed batches (``layout`` ``"packed"``/``"balanced"``).
 
@@ -206,7 +205,5 @@ def packed_sharder(
     """
     if layout not in PACKED_LAYOUTS:
         raise ValueError(f"layout must be one of {PACKED_LAYOUTS}, got layout={layout!r}")
-    shard = functools.partial(
-        shard_batch_packed, layout=layout, extra_token_keys=extra_token_keys, attention=attention
-    )
+    shard = functools.partial(shard_batch_packed, layout=layout, extra_token_keys=extra_token_keys)
     return CPSharder(shard_batch=shard, local_token_global_indices=None, layout=layout)

@@ -1,0 +1,148 @@
+"""What one shard learned: :class:`ShardFacts`, the :class:`CPContext` that carries them, and the
+batch identity that local tensors carry.
+
+A ``shard_batch`` returns ``(ctx_factory, batch)``; a :class:`CPContext` is a context factory
+that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller coordinates,
+rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
+the mesh the batch was sharded on), once per shard: nothing is updated field by field.
+
+Import rule: may import :mod:`cpshard.layouts` and :mod:`cpshard.sharding.meta`; never
+:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
+:mod:`cpshard.models`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard.layouts.coordinates import CallerCoordinates
+from cpshard.sharding.meta import TokenMeta
+from cpshard.sharding.token_index import TokenIndex
+
+__all__ = [
+    "CPContext",
+    "ContextFactory",
+    "ShardBatchFn",
+    "ShardFacts",
+    "batch_tag",
+    "same_shard",
+    "tag_tensor",
+]
+
+ContextFactory = Callable[[], AbstractContextManager[Any]]
+
+
+class ShardBatchFn(Protocol):
+    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id=0)``."""
+
+    def __call__(
+        self,
+        cp_mesh: DeviceMesh | None,
+        tp_mesh: DeviceMesh | None,
+        batch: dict[str, Any],
+        *,
+        loss_mask: torch.Tensor | None = None,
+        padding_token_id: int = 0,
+    ) -> tuple[ContextFactory, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class ShardFacts(CallerCoordinates):
+    """What one ``shard_batch`` learned about the layout it applied (frozen; one per shard).
+
+    The caller's coordinates (:class:`~cpshard.layouts.coordinates.CallerCoordinates`:
+    ``original_seq_len``, ``padded_seq_len``, ``input_row_shape``,
+    ``input_token_stream_positions``), plus:
+
+    Attributes:
+        rank_map: LongTensor ``[C, L]``: global positions of every rank's local tokens.
+        token_meta: Positions and document ids of every token for CP attention.
+        cp_mesh: The CP mesh the batch was sharded on (set by :meth:`cpshard.CPSharder.shard`).
+        check_consistency: Whether ``gather_token_tensor`` first compares dtype and shape across
+            the CP ranks (set by :meth:`cpshard.CPSharder.shard`).
+    """
+
+    rank_map: torch.Tensor | None = None
+    token_meta: TokenMeta | None = None
+    cp_mesh: DeviceMesh | None = field(default=None, compare=False)
+    check_consistency: bool = True
+    # Derived gather/scatter indices per (padded length, device); a fresh cache per facts object.
+    index_cache: dict[tuple[int, str], TokenIndex] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+
+class CPContext:
+    """A context-manager factory that also carries the facts of the shard that made it.
+
+    Calling it returns a fresh context manager each time, so the same ``ctx`` can wrap several
+    forward passes (e.g. policy and reference model on one batch). It is also a context manager
+    itself: ``with ctx:`` is ``with ctx():`` (the spelling of torchtitan and Accelerate).
+
+    Args:
+        factory: The shard's own context, or ``None`` when the shard brings none (the built-in
+            ``shard_batch`` functions only shard: the dispatcher supplies CP attention over
+            ``facts.token_meta``). ``None`` enters a ``nullcontext``. A ``CPContext`` given
+            here is unwrapped (its factory is kept, the new facts replace its facts).
+        facts: The shard's facts.
+    """
+
+    def __init__(self, factory: ContextFactory | None, facts: ShardFacts) -> None:
+        # Wrapping another CPContext (new facts for the same shard) keeps its context as is.
+        self.factory: ContextFactory | None = (
+            factory.factory if isinstance(factory, CPContext) else factory
+        )
+        self.facts = facts
+        self._entered: list[AbstractContextManager[Any]] = []
+
+    def __call__(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self.factory is None else self.factory()
+
+    def __enter__(self) -> Any:
+        cm = self()
+        out = cm.__enter__()
+        self._entered.append(cm)
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._entered.pop().__exit__(*exc)
+
+
+_TAG = "_cpshard_batch"
+
+
+def tag_tensor(t: torch.Tensor, tag: object) -> None:
+    """Mark a local batch tensor as belonging to the shard identified by ``tag``."""
+    setattr(t, _TAG, tag)
+
+
+def batch_tag(t: object) -> object:
+    """The shard identity a local batch tensor carries, or ``None``."""
+    return getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
+
+
+def same_shard(tag: object, meta: object) -> bool:
+    """Whether a tensor's shard identity ``tag`` is compatible with ``meta``.
+
+    The same object, or two token metas with equal content (two ``prepare_cp_forward`` calls on
+    the same batch, e.g. for a policy and a reference model). Tags that are not token metas
+    (custom sharders) are only compared by identity when ``meta`` is not a token meta either.
+    """
+    if tag is meta:
+        return True
+    if not isinstance(tag, TokenMeta) or not isinstance(meta, TokenMeta):
+        return not isinstance(tag, TokenMeta)  # nothing to compare against
+    return (
+        tag.rank == meta.rank
+        and tag.world_size == meta.world_size
+        and tag.positions.shape == meta.positions.shape
+        and tag.document_ids.shape == meta.document_ids.shape
+        and torch.equal(tag.positions, meta.positions.to(tag.positions.device))
+        and torch.equal(tag.document_ids, meta.document_ids.to(tag.document_ids.device))
+    )

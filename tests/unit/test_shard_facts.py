@@ -1,0 +1,89 @@
+"""A CPSharder's captured state is one frozen ShardFacts, replaced (never edited) per shard."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cpshard
+
+
+def _batch(s: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.arange(2 * s).reshape(2, s)}
+
+
+def test_facts_are_frozen_and_read_only() -> None:
+    ctx, _, sharder = cpshard.make_cp_batch_and_ctx(None, _batch(7), check_consistency=False)
+    facts = sharder.facts
+    assert isinstance(facts, cpshard.ShardFacts) and ctx.facts is facts
+    assert (facts.original_seq_len, facts.padded_seq_len) == (7, 7)
+    assert facts.cp_mesh is None and facts.check_consistency is False
+    assert sharder.check_consistency is False and sharder.cp_mesh is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.padded_seq_len = 9  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        sharder.padded_seq_len = 9  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        sharder.cp_mesh = None  # type: ignore[misc]
+
+
+def test_facts_are_replaced_per_shard() -> None:
+    ctx1, local1, sharder = cpshard.make_cp_batch_and_ctx(None, _batch(7))
+    first = sharder.facts
+    sharder.shard_token_tensor(torch.zeros(2, 7))  # fills the first facts' index cache
+    assert list(first.index_cache) == [(7, "cpu")]
+    ctx2, local2, again = cpshard.make_cp_batch_and_ctx(None, _batch(5), cp_sharder=sharder)
+    assert again is sharder and sharder.facts is not first and ctx2.facts is sharder.facts
+    assert sharder.padded_seq_len == 5 and sharder.token_meta is not None
+    assert first.padded_seq_len == 7 and ctx1.facts is first  # the old shard's facts unchanged
+    assert sharder.facts.index_cache == {}  # derived indices belong to their facts
+    assert sharder.shard_token_tensor(torch.ones(2, 5)).shape == (2, 5)
+    with pytest.raises(ValueError, match="another batch than the one this sharder last sharded"):
+        sharder.gather_token_tensor(local1["input_ids"])
+    assert torch.equal(sharder.gather_token_tensor(local2["input_ids"]), _batch(5)["input_ids"])
+
+
+def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None:
+    from cpshard.attention.context import active_mode, cp_context_active
+
+    sharder = cpshard.closed_form_sharder(cpshard.NoneLayout())
+    bare, _ = sharder.shard_batch(None, None, _batch(4))
+    assert isinstance(bare, cpshard.CPContext) and bare.factory is None
+    with bare():
+        assert not cp_context_active()
+    ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)
+    with ctx():
+        assert cp_context_active()
+    ring, _, _ = cpshard.make_cp_batch_and_ctx(
+        None, _batch(4), cp_sharder=sharder, attention="ring"
+    )
+    with ring():  # the dispatcher's method, also for a sharder given as is
+        mode = active_mode()
+        assert mode is not None and mode.method == "ring" and mode.meta is sharder.token_meta
+    with pytest.raises(ValueError, match="attention must be one of"):
+        cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder, attention="flash")
+
+
+def test_gather_rank_map_without_process_group() -> None:
+    from cpshard.sharding.sharder import gather_rank_map
+
+    assert gather_rank_map(torch.tensor([2, 0, 1]), None, 3).tolist() == [[2, 0, 1]]
+    with pytest.raises(ValueError, match=r"rank 0's local_token_global_indices has 2 tokens"):
+        gather_rank_map(torch.tensor([0, 1]), None, 3)
+
+
+def test_model_sharder_without_any_map_raises() -> None:
+    from torch import nn
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        facts = cpshard.ShardFacts(None, 4)  # no rank map, and no way to compute one
+        return cpshard.CPContext(None, facts), {"input_ids": batch["input_ids"].clone()}
+
+    class Owns(nn.Module):
+        def prepare_model_inputs_for_cp(self, batch: object, *, num_chunks: int = 1) -> object:
+            return {"cp_sharder": cpshard.CPSharder(shard, local_token_global_indices=None)}
+
+    with pytest.raises(ValueError, match="data-dependent layout.*captured no rank map"):
+        cpshard.prepare_cp_forward(Owns(), None, _batch(4))
