@@ -208,7 +208,7 @@ def main() -> None:
     parser.add_argument("--heads", default="8/8,8/2")
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
-    from cpshard.cli._spawn import run_local_ranks
+    from cpshard.launch import run_local_ranks
 
     print(f"load average before: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]

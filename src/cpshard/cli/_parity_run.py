@@ -9,7 +9,7 @@ Both runners offer the same three calls, so ``cpshard parity`` has one driver lo
   attention, in one process (the parent of the local ranks, or rank 0 of the launched ones);
 * ``agree(ok)``: every rank learns rank 0's verdict, so all of them exit with the same status.
 
-:class:`LocalRunner` forks its ranks once (:class:`~cpshard.cli._pool.LocalRankPool`) and reuses
+:class:`LocalRunner` forks its ranks once (:class:`~cpshard.tools.launch.LocalRanks`) and reuses
 them for every row. :class:`LaunchedRunner` joins the process group described by the launcher's
 environment: NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise.
 """
@@ -27,10 +27,19 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cpshard import _comm
-from cpshard.cli._pool import DEFAULT_TIMEOUT_S, LocalRankPool
+from cpshard.tools.launch import LocalRanks
 from cpshard.tools.parity import ParityCase, ParityResult, Shadow, native_steps, train_steps
 
-__all__ = ["CpSide", "LaunchedRunner", "LocalRunner", "launched_world_size", "measure"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CpSide",
+    "LaunchedRunner",
+    "LocalRunner",
+    "launched_world_size",
+    "measure",
+]
+
+DEFAULT_TIMEOUT_S = 120.0  # process-group timeout of `cpshard parity` (its --timeout)
 
 
 @dataclass(frozen=True)
@@ -124,18 +133,20 @@ class LocalRunner(_InProcessSides):
     def __init__(self, world: int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.world = world
         self.timeout_s = timeout_s
-        self._pool: LocalRankPool | None = None
+        self._pool: LocalRanks | None = None
 
     def start(self) -> None:
         """Fork the ranks now (they are reused by every row; a failed row restarts them)."""
-        if self._pool is None or not self._pool.alive():
-            self._pool = LocalRankPool(self.world, timeout_s=self.timeout_s)
+        if self._pool is not None and not self._pool.alive():
+            self.close()
+        if self._pool is None:
+            self._pool = LocalRanks(self.world, pg_timeout_s=self.timeout_s)
 
     def cp_side(self, case: ParityCase) -> CpSide | None:
         """Train ``case`` on the local ranks.
 
         Raises:
-            cpshard.cli._pool.RankFailure: a rank raised or died (the ranks are restarted for
+            cpshard.tools.launch.RankFailure: a rank raised or died (the ranks are restarted for
                 the next row).
         """
         self.start()
@@ -143,7 +154,7 @@ class LocalRunner(_InProcessSides):
         try:
             out = self._pool.run(_cp_rank, replace(case, device=self.device))
         except BaseException:
-            self._pool = None  # closed by the pool; the next row forks fresh ranks
+            self.close()  # the next row forks fresh ranks
             raise
         res = out[0][0]
         assert res is not None
