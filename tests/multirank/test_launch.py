@@ -80,8 +80,17 @@ def test_concurrent_launchers_rendezvous_separately() -> None:
     assert results == {0: [_expected(2)] * 3, 1: [_expected(2)] * 3}
 
 
+def test_spawned_ranks_for_gpu_callers() -> None:
+    """start_method="spawn" (what a CUDA caller needs) rendezvouses the same way."""
+    with LocalRanks(2, start_method="spawn") as pool:
+        assert pool.run(rank_sum_and_threads) == _expected(2)
+    assert not os.path.exists(pool.store_dir)
+
+
 def test_bad_arguments_are_refused_before_any_fork() -> None:
     with pytest.raises(ValueError, match="world must be >= 1"):
         LocalRanks(0)
     with pytest.raises(ValueError, match="pg_timeout_s must be > 0"):
         LocalRanks(2, pg_timeout_s=0)
+    with pytest.raises(ValueError, match="start_method must be 'fork' or 'spawn'"):
+        LocalRanks(2, start_method="forkserver")  # type: ignore[arg-type]

@@ -154,9 +154,12 @@ class LocalRanks:
         pg_timeout_s: Process-group timeout: a collective that waits longer raises on its rank.
         grace_s: After one rank failed, how long the others may still report before every rank
             is killed.
+        start_method: ``"fork"`` (fast; the parent must not have initialised CUDA) or
+            ``"spawn"`` (fresh interpreters, for ranks that use a GPU; ``fn`` and its module
+            must be importable).
 
     Raises:
-        ValueError: ``world < 1`` or a non-positive timeout.
+        ValueError: ``world < 1``, a non-positive timeout or an unknown ``start_method``.
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -167,9 +170,14 @@ class LocalRanks:
         *,
         pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
+        start_method: Literal["fork", "spawn"] = "fork",
     ) -> None:
         if world < 1:
             raise ValueError(f"world must be >= 1, got world={world}")
+        if start_method not in ("fork", "spawn"):
+            raise ValueError(
+                f"start_method must be 'fork' or 'spawn', got start_method={start_method!r}"
+            )
         for name, value in (("pg_timeout_s", pg_timeout_s), ("grace_s", grace_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {name}={value}")
@@ -179,10 +187,11 @@ class LocalRanks:
         self._next_id = 0
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="cpshard-ranks-")
-        ctx = get_context("fork")
+        ctx = get_context("fork") if start_method == "fork" else get_context("spawn")
         pipes = [ctx.Pipe(duplex=True) for _ in range(world)]
         self._conns = [mine for mine, _ in pipes]
-        ends = [end for pair in pipes for end in pair]
+        # a forked rank inherits every pipe end and closes the others; a spawned one gets its own
+        ends = [end for pair in pipes for end in pair] if start_method == "fork" else []
         self._procs = [
             ctx.Process(
                 target=_rank_main,
