@@ -33,6 +33,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
@@ -97,6 +98,14 @@ class RankFailure(RuntimeError):
     def __init__(self, message: str, outcomes: tuple[RankOutcome, ...]) -> None:
         super().__init__(message)
         self.outcomes = outcomes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.outcomes))
+
+
+def _remove_dir(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _send(conn: Connection, message: tuple[int, bool, Any]) -> None:
@@ -187,6 +196,9 @@ class LocalRanks:
         self._next_id = 0
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="cpshard-ranks-")
+        # a pool that is never closed still leaves no directory behind (at GC or exit, and only
+        # in this process: a forked rank holds a copy of this object)
+        self._cleanup = weakref.finalize(self, _remove_dir, self._dir, os.getpid())
         ctx = get_context("fork") if start_method == "fork" else get_context("spawn")
         pipes = [ctx.Pipe(duplex=True) for _ in range(world)]
         self._conns = [mine for mine, _ in pipes]
@@ -261,7 +273,11 @@ class LocalRanks:
         for conn in self._conns:
             with contextlib.suppress(OSError):  # a rank that is gone: the wait reports it
                 conn.send_bytes(message)
-        outcomes, results = self._collect(task_id, timeout_s)
+        try:
+            outcomes, results = self._collect(task_id, timeout_s)
+        except BaseException:  # e.g. KeyboardInterrupt: the ranks are mid-task, end them
+            self._kill()
+            raise
         if all(o.status == "ok" for o in outcomes):
             return [results[r] for r in range(self.world)]
         self._kill()
@@ -340,7 +356,7 @@ class LocalRanks:
                 p.join(timeout=2.0)
         for conn in self._conns:
             conn.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._cleanup()
 
 
 def run_local_ranks(
