@@ -1,9 +1,10 @@
-"""Local ranks: forked CPU processes joined by gloo that run functions on demand.
+"""Local ranks: processes of this machine joined by gloo that run functions on demand.
 
-:class:`LocalRanks` forks ``world`` processes once (one thread each) and joins them in a gloo
-process group with a 1-D ``("cp",)`` mesh of all of them. :meth:`LocalRanks.run` sends a
-top-level function ``fn(cp_mesh, *args)`` (pickled by reference: module + qualname) to every
-rank and returns the per-rank results in rank order; the ranks stay up for the next call.
+:class:`LocalRanks` forks ``world`` processes once (one thread each; ``start_method="spawn"`` for
+callers that use CUDA, which cannot be forked) and joins them in a gloo process group with a 1-D
+``("cp",)`` mesh of all of them. :meth:`LocalRanks.run` sends a top-level function
+``fn(cp_mesh, *args)`` (pickled by reference: module + qualname) to every rank and returns the
+per-rank results in rank order; the ranks stay up for the next call.
 
 Nothing ever waits forever:
 
@@ -156,7 +157,7 @@ def _rank_main(
 
 
 class LocalRanks:
-    """``world`` forked CPU ranks joined by gloo, running functions on demand.
+    """``world`` local ranks (forked, or spawned) joined by gloo, running functions on demand.
 
     Args:
         world: Number of ranks (>= 1).
