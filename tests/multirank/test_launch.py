@@ -41,7 +41,7 @@ def test_pool_is_reused_and_its_rendezvous_directory_removed() -> None:
 
 
 def test_raising_rank_fails_fast_with_its_traceback_and_cleans_up() -> None:
-    pool = LocalRanks(3, pg_timeout_s=60.0)
+    pool = LocalRanks(3, pg_timeout_s=60.0, grace_s=1.0)
     t0 = time.monotonic()
     with pytest.raises(RankFailure, match=r"(?s)rank 2 raised.*Traceback.*boom on rank 2") as err:
         pool.run(raise_on_rank, 2)
