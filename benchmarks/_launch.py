@@ -1,6 +1,6 @@
 """Shared benchmark plumbing: time with medians, count collective bytes.
 
-Ranks are launched with :func:`cpshard.cli._spawn.run_local_ranks` (forked gloo, 1 thread each).
+Ranks are launched with :func:`cpshard.launch.run_local_ranks` (forked gloo, 1 thread each).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """CP attention benchmark: fwd+bwd time, bytes sent and peak memory, cp=2 vs one process.
 
-Every measurement runs in freshly forked processes (so peak RSS is per measurement): one process
-with 2 threads on the full sequence (``F.scaled_dot_product_attention(is_causal=True)``, the fastest
-single-process path), or 2 gloo ranks with 1 thread each running ``cpshard.attention.cp_sdpa`` on
+Every measurement runs in freshly forked processes (``cpshard.launch.run_local_ranks``, so peak RSS
+is per measurement): one process with 2 threads on the full sequence
+(``F.scaled_dot_product_attention(is_causal=True)``, the fastest single-process path), or 2 gloo
+ranks with 1 thread each running ``cpshard.attention.cp_sdpa`` on
 round_robin shards. Efficiency is ``t_single / t_cp``: 1.0 means perfect 2x scaling of the work.
 
 Memory, two measures per process (max over ranks):
@@ -23,13 +24,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import platform
 import resource
-import socket
 import time
-from datetime import timedelta
 from typing import Any
 
 ACC_BYTES = 4  # gradients travel in fp32 accumulators
@@ -116,7 +114,8 @@ def _time(fn: Any, reps: int, sync: Any = None) -> float:
     return min(times)  # the machine is shared: the minimum is the least disturbed step
 
 
-def _single(cfg: dict[str, int], reps: int, threads: int, out: Any) -> None:
+def _single(mesh: Any, cfg: dict[str, int], reps: int, threads: int) -> tuple[float, ...]:
+    """One process on the full sequence (``mesh`` is the launcher's 1-rank mesh, unused)."""
     import torch
     import torch.nn.functional as F
 
@@ -135,13 +134,11 @@ def _single(cfg: dict[str, int], reps: int, threads: int, out: Any) -> None:
     rss = _peak_mb() - rss0
     for x in (q, k, v):
         x.grad = None
-    out.put((0, t, rss, *_alloc_profile(fwd, bwd), 1.0))
+    return (0, t, rss, *_alloc_profile(fwd, bwd), 1.0)
 
 
-def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out: Any) -> None:
+def _rank(mesh: Any, cfg: dict[str, int], method: str, reps: int) -> tuple[float, ...]:
     import torch
-
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from cpshard.attention import cp_sdpa
@@ -149,9 +146,8 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
     from cpshard.layouts.closed_form import RoundRobinLayout
     from cpshard.sharding.meta import TokenMeta
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600))
-    group = dist.group.WORLD
+    rank = mesh.get_local_rank()
+    group = mesh.get_group()
     rss0 = _rss_mb()
     s = cfg["s"]
     rmap = RoundRobinLayout().rank_map(2, s)
@@ -174,25 +170,13 @@ def _rank(rank: int, port: int, cfg: dict[str, int], method: str, reps: int, out
     for x in (ql, kl, vl):
         x.grad = None
     dist.barrier()
-    out.put((rank, t, rss, *_alloc_profile(fwd, bwd), computed / needed))
-    dist.destroy_process_group()
+    return (rank, t, rss, *_alloc_profile(fwd, bwd), computed / needed)
 
 
 def _run(target: Any, nprocs: int, *args: Any) -> tuple[float, float, float, float, float]:
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    if nprocs == 1:
-        procs = [ctx.Process(target=target, args=(*args, out))]
-    else:
-        procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    res = [out.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
+    from cpshard.launch import run_local_ranks
+
+    res = run_local_ranks(nprocs, target, *args, timeout_s=1800, pg_timeout_s=600)
     return (
         max(r[1] for r in res),
         max(r[2] for r in res),

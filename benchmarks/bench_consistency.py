@@ -148,7 +148,7 @@ def main() -> None:
 
 
 def run(world: int, a: Any) -> list[dict[str, Any]]:
-    from cpshard.cli._spawn import run_local_ranks
+    from cpshard.launch import run_local_ranks
 
     out: list[dict[str, Any]] = run_local_ranks(world, _bench, a.batch, a.seq, a.repeat)[0]
     return out

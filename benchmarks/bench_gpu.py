@@ -31,14 +31,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -53,6 +48,7 @@ from cpshard.attention.kernels import (
 )
 from cpshard.layouts.closed_form import RoundRobinLayout
 from cpshard.sharding.meta import TokenMeta
+from cpshard.tools.launch import LocalRanks, RankFailure
 
 HQ, HKV, D = 16, 4, 128
 DTYPE = torch.bfloat16
@@ -231,91 +227,60 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max()) / scale
 
 
-def _rank_worker(rank: int, world: int, port: int, s: int, dev: str, force: bool, res: Any) -> None:
-    """One CP rank on ``dev`` (every rank on the same device); always answers on ``res``."""
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if force:  # the dry run stages CPU tensors too, through the same code path as CUDA ones
-            from unittest import mock
+def _rank_errs(mesh: Any, s: int, dev: str, force: bool) -> dict[str, float]:
+    """One CP rank on ``dev`` (every rank on the same device): relative errors per method."""
+    if force:  # the dry run stages CPU tensors too, through the same code path as CUDA ones
+        from unittest import mock
 
-            from cpshard import _comm
+        from cpshard import _comm
 
-            mock.patch.object(_comm, "_staged", return_value=True).start()
-        torch.set_num_threads(1)
-        device = torch.device(dev)
-        if device.type == "cuda":
-            # set_device needs an index ("cuda" alone raises); every rank shares this GPU.
-            device = torch.device("cuda", 0 if device.index is None else device.index)
-            torch.cuda.set_device(device)
-        torch.distributed.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        lens = _doc_lengths(s, seed=7)
-        q, k, v, go = _qkv(s, device, seed=2)
-        meta_full = _meta_single(lens, device)
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = cp_sdpa(*full, group=None, meta=meta_full, method="all_gather")
-        ref_g = torch.autograd.grad(ref, full, go)
-        rmap = RoundRobinLayout().rank_map(world, s)
-        stream = rmap.reshape(-1)
-        docs = meta_full.document_ids[0].cpu()
-        meta = TokenMeta(rank, world, stream[None], docs[stream][None]).to(device)
-        idx = rmap[rank].to(device)
-        errs = {}
-        for method in ("ring", "all_gather"):
-            local = [t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v)]
-            out = cp_sdpa(*local, group=torch.distributed.group.WORLD, meta=meta, method=method)
-            grads = torch.autograd.grad(out, local, go.index_select(2, idx))
-            pairs = [(out, ref), *zip(grads, ref_g, strict=True)]
-            errs[method] = max(
-                _rel_err(a.detach(), b.detach().index_select(2, idx)) for a, b in pairs
-            )
-        res.put((rank, errs, None))
-    except BaseException:
-        res.put((rank, None, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        mock.patch.object(_comm, "_staged", return_value=True).start()
+    rank, world = mesh.get_local_rank(), mesh.size()
+    device = torch.device(dev)
+    if device.type == "cuda":
+        # set_device needs an index ("cuda" alone raises); every rank shares this GPU.
+        device = torch.device("cuda", 0 if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    lens = _doc_lengths(s, seed=7)
+    q, k, v, go = _qkv(s, device, seed=2)
+    meta_full = _meta_single(lens, device)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = cp_sdpa(*full, group=None, meta=meta_full, method="all_gather")
+    ref_g = torch.autograd.grad(ref, full, go)
+    rmap = RoundRobinLayout().rank_map(world, s)
+    stream = rmap.reshape(-1)
+    docs = meta_full.document_ids[0].cpu()
+    meta = TokenMeta(rank, world, stream[None], docs[stream][None]).to(device)
+    idx = rmap[rank].to(device)
+    errs = {}
+    for method in ("ring", "all_gather"):
+        local = [t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v)]
+        out = cp_sdpa(*local, group=mesh.get_group(), meta=meta, method=method)
+        grads = torch.autograd.grad(out, local, go.index_select(2, idx))
+        pairs = [(out, ref), *zip(grads, ref_g, strict=True)]
+        errs[method] = max(_rel_err(a.detach(), b.detach().index_select(2, idx)) for a, b in pairs)
+    return errs
 
 
 def bench_ranks(
     world: int, s: int, device: torch.device, force: bool, timeout_s: float = 120.0
 ) -> list[dict[str, Any]]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    res = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_worker, args=(r, world, port, s, str(device), force, res))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < world and time.monotonic() < deadline:
-        try:
-            got.append(res.get(timeout=2))
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and res.empty():
-                break  # every rank is gone (e.g. killed) and nothing more will come
-    if len(got) < world:
-        got.append((-1, None, f"{world - len(got)} rank(s) gave no answer within {timeout_s} s"))
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    rows = []
-    errors = [f"rank {r}: {tb.strip().splitlines()[-1]}" for r, _, tb in got if tb]
-    if errors:
+    """Several gloo ranks on one device (spawned: CUDA cannot be forked), against one process."""
+    try:
+        with LocalRanks(world, pg_timeout_s=60.0, start_method="spawn") as ranks:
+            got = ranks.run(_rank_errs, s, str(device), force, timeout_s=timeout_s)
+    except RankFailure as e:
+        errors = [
+            f"rank {o.rank}: {(o.detail.strip().splitlines() or [o.status])[-1]}"
+            for o in e.outcomes
+            if o.status != "ok"
+        ]
         return [
             {"case": f"ranks={world}", "S": s, "what": "cp_sdpa gloo", "error": "; ".join(errors)}
         ]
+    rows = []
     for method in ("ring", "all_gather"):
-        err = max(e[method] for _, e, _ in got)
+        err = max(e[method] for e in got)
         rows.append({
             "case": f"ranks={world}", "S": s, "what": f"cp_sdpa {method} (gloo, host staged)",
             "max_err": err, "met": "yes" if err < 2e-2 else "no",

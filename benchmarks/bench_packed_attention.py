@@ -30,7 +30,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -79,7 +78,7 @@ def _time(fn: Any, reps: int, sync: Any = None) -> float:
     return best  # shared machine: the least disturbed step
 
 
-def _single(s: int, hq: int, hkv: int, which: str, threads: int, reps: int, out: Any) -> None:
+def _single(mesh: Any, s: int, hq: int, hkv: int, which: str, threads: int, reps: int) -> Any:
     import torch
     import torch.nn.functional as F
 
@@ -118,17 +117,14 @@ def _single(s: int, hq: int, hkv: int, which: str, threads: int, reps: int, out:
     for x in (q, k, v):
         x.grad = None
     peak, _ = _alloc_profile(fwd, bwd)
-    out.put((t, rss, peak, computed / needed, len(lens)))
+    return t, rss, peak, computed / needed, len(lens)
 
 
 def _fork(target: Any, *args: Any) -> Any:
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, out))
-    p.start()
-    res = out.get(timeout=3600)
-    p.join()
-    return res
+    """``target(mesh, *args)`` in one freshly forked process (its own peak RSS)."""
+    from cpshard.launch import run_local_ranks
+
+    return run_local_ranks(1, target, *args, timeout_s=3600, pg_timeout_s=3600)[0]
 
 
 def _batch(s: int) -> dict[str, Any]:
@@ -162,7 +158,7 @@ def _cp_rank(mesh: Any, s: int, hq: int, hkv: int, layout: str, method: str, rep
     return t, computed, needed
 
 
-def _balance(s: int, hq: int, hkv: int, layout: str, world: int, reps: int, out: Any) -> None:
+def _balance(mesh: Any, s: int, hq: int, hkv: int, layout: str, world: int, reps: int) -> Any:
     """Every rank's own attention work (all_gather plan, fwd+bwd), one after another."""
     import torch
 
@@ -192,7 +188,7 @@ def _balance(s: int, hq: int, hkv: int, layout: str, world: int, reps: int, out:
             attend_backward(go, q, k_all, v_all, o, lse, pp, scale=0.125)
 
         times.append(_time(work, reps))
-    out.put(times)
+    return times
 
 
 def main() -> None:
@@ -208,7 +204,7 @@ def main() -> None:
     parser.add_argument("--heads", default="8/8,8/2")
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
-    from cpshard.cli._spawn import run_local_ranks
+    from cpshard.launch import run_local_ranks
 
     print(f"load average before: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]

@@ -21,7 +21,7 @@ from _launch import CommBytes, paired_median_times
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
-from cpshard.cli._spawn import run_local_ranks
+from cpshard.launch import run_local_ranks
 
 
 def _one_dtype(

@@ -242,25 +242,56 @@ def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> 
     return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()  # one sync
 
 
-def init_local_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60.0) -> None:
-    """Join a gloo process group of ``world_size`` processes on this machine (CLI and demos)."""
+def init_local_gloo(
+    rank: int, world_size: int, store_path: str, *, timeout_s: float = 60.0
+) -> DeviceMesh:
+    """Join a gloo process group of ``world_size`` processes on this machine; return its mesh.
+
+    The ranks meet in a ``FileStore`` at ``store_path`` (a file in a directory private to this
+    group of ranks, made by the launcher): no TCP port is picked and released before use, so two
+    groups started at once cannot take each other's rendezvous.
+
+    Args:
+        rank: This process's rank.
+        world_size: Number of processes.
+        store_path: The rendezvous file; every rank passes the same path.
+        timeout_s: Process-group timeout: a collective that waits longer raises.
+
+    Returns:
+        A 1-D CPU mesh of all ranks, dimension name ``"cp"``.
+    """
     from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=dist.FileStore(store_path, world_size),  # type: ignore[attr-defined]  # not in stubs
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
 
 
-def init_launched(backend: str, *, timeout_s: float) -> None:
+def init_launched(backend: str, mesh_device: str, *, timeout_s: float) -> DeviceMesh:
     """Join the process group a launcher such as ``torchrun`` describes in the environment
-    (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), with a finite timeout."""
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), with a finite timeout.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``.
+        mesh_device: Device type of the returned mesh (``"cuda"`` or ``"cpu"``).
+        timeout_s: Process-group timeout: a collective that waits longer raises.
+
+    Returns:
+        A 1-D mesh of all launched ranks, dimension name ``"cp"``.
+    """
     from datetime import timedelta
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return init_device_mesh(mesh_device, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
 def destroy_process_group() -> None:

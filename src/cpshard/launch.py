@@ -7,6 +7,6 @@ returns the per-rank results. Build other meshes (e.g. a 2-D ``dp x cp`` mesh) i
 ``init_process_group`` instead.
 """
 
-from cpshard.cli._spawn import run_local_ranks
+from cpshard.tools.launch import run_local_ranks
 
 __all__ = ["run_local_ranks"]

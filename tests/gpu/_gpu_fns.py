@@ -1,15 +1,16 @@
 """Shared GPU-tier helpers: one CP case on CUDA, and spawned rank workers.
 
 Rank workers are *spawned* (never forked: a parent that has used CUDA cannot fork a child that
-uses it), so they live in this importable module.
+uses it), so they live in this importable module. The gloo ranks come from the launcher
+(``LocalRanks(start_method="spawn")``); the NCCL ranks, one per GPU, start themselves.
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.testing import assert_close
 
 from _attention_common import LAYOUTS, inputs, make_case, make_meta, reference_with_grads
@@ -44,23 +45,18 @@ def cp_case(
         )  # fmt: skip
 
 
-def gloo_one_gpu_worker(
-    rank: int, world: int, port: int, dtype_name: str, methods: list[str]
+def gloo_one_gpu_rank(
+    cp_mesh: DeviceMesh, dtype_name: str, methods: list[str], device: str = "cuda:0"
 ) -> None:
-    """Several CP ranks sharing ``cuda:0`` over gloo (collectives staged through host memory)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    try:
-        for method in methods:
-            for layout in [
-                lay for lay in LAYOUTS if lay != "contiguous"
-            ]:  # as the CPU window tests
-                cp_case(world, rank, getattr(torch, dtype_name), method, "cuda:0", layout)
-    finally:
-        torch.distributed.destroy_process_group()
+    """Several CP ranks sharing ``device`` over gloo (collectives staged through host memory)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    for method in methods:
+        for layout in [lay for lay in LAYOUTS if lay != "contiguous"]:  # as the CPU window tests
+            cp_case(
+                cp_mesh.size(), cp_mesh.get_local_rank(), getattr(torch, dtype_name), method,
+                device, layout,
+            )  # fmt: skip
 
 
 def nccl_worker(rank: int, world: int, port: int, method: str) -> None:

@@ -10,9 +10,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _gpu_fns import cp_case, gloo_one_gpu_worker, nccl_worker
+from _gpu_fns import cp_case, gloo_one_gpu_rank, nccl_worker
 
 from cpshard.names import METHOD_NAMES as METHODS
+from cpshard.tools.launch import LocalRanks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,10 +38,8 @@ def test_single_gpu_matches_reference(dtype: torch.dtype, method: str) -> None:
 def test_several_ranks_on_one_gpu_over_gloo(world: int, dtype: str) -> None:
     """NCCL refuses two ranks per GPU: gloo with host-staged collectives must work instead."""
     methods = [m for m in METHODS if m != "ulysses" or 4 % world == 0]  # ulysses splits 4 kv heads
-    mp.start_processes(
-        gloo_one_gpu_worker, args=(world, _port(), dtype, methods), nprocs=world, join=True,
-        start_method="spawn",
-    )  # fmt: skip
+    with LocalRanks(world, pg_timeout_s=120.0, start_method="spawn") as ranks:
+        ranks.run(gloo_one_gpu_rank, dtype, methods)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -1,18 +1,22 @@
 """Fault injection on isolated gloo ranks: one rank fails mid-step, the others must not hang.
 
-Each rank is its own forked process (not the shared pool of ``tests/_ranks.py``) with a short
-process-group timeout, so a broken group can never poison other tests.
+The ranks are a pool of their own (:class:`cpshard.tools.launch.LocalRanks`, not the shared pool
+of ``tests/_ranks.py``) with a short process-group timeout, so a broken group can never poison
+other tests. Each rank appends its events (``fault``, ``error``, ``ok``, with ``time.time()``) as
+JSON lines to ``<events_dir>/rank<r>.jsonl``: a rank may die before it can answer the launcher.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
-from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 FAULT_RANK = 1
 FAULT_STEP = 1
@@ -23,18 +27,30 @@ class InjectedFault(RuntimeError):
     """The failure a test injects."""
 
 
-def _fail(fault: str, out: Any) -> None:
-    out.put((FAULT_RANK, "fault", time.time(), fault))
+def log_event(events_dir: str, rank: int, kind: str, text: str = "") -> None:
+    """Append one event of ``rank`` to its file (written through at once)."""
+    with open(Path(events_dir) / f"rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps([kind, time.time(), text]) + "\n")
+
+
+def read_events(events_dir: str, rank: int) -> list[tuple[str, float, str]]:
+    """The events ``rank`` logged, in order."""
+    path = Path(events_dir) / f"rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [(k, t, x) for k, t, x in map(json.loads, path.read_text().splitlines())]
+
+
+def _fail(fault: str, out: str) -> None:
+    log_event(out, FAULT_RANK, "fault", fault)
     if fault == "stall":  # alive but absent: only the process-group timeout can end the wait
         time.sleep(STALL_S)
     if fault == "exit":
-        out.close()
-        out.join_thread()
         os._exit(3)
     raise InjectedFault(f"injected {fault} on rank {FAULT_RANK}")
 
 
-def _step(model: Any, cp_mesh: Any, step: int, attention: str, fault: str, out: Any) -> None:
+def _step(model: Any, cp_mesh: Any, step: int, attention: str, fault: str, out: str) -> None:
     import cpshard
     from cpshard.loss import count_tokens, cp_cross_entropy
     from cpshard.tools.corpus import PAD_ID, dense_batch
@@ -61,43 +77,26 @@ def _step(model: Any, cp_mesh: Any, step: int, attention: str, fault: str, out: 
     loss.backward()
 
 
-def fault_rank(
-    rank: int, world: int, port: int, fault: str, attention: str, timeout_s: float, out: Any
-) -> None:
+def fault_rank(cp_mesh: DeviceMesh, fault: str, attention: str, events_dir: str) -> None:
     """One rank of a short training loop; ``fault`` is injected on rank ``FAULT_RANK``."""
     import faulthandler
 
     faulthandler.disable()  # a gloo abort is an expected outcome here, not a crash report
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from cpshard.models import TinyDecoder, TinyDecoderConfig
     from cpshard.tools.corpus import VOCAB_SIZE
 
-    status = 0
+    rank = cp_mesh.get_local_rank()
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         torch.manual_seed(0)
         model = TinyDecoder(TinyDecoderConfig(vocab_size=VOCAB_SIZE))
         for step in range(4):
             try:
-                _step(model, mesh, step, attention, fault, out)
+                _step(model, cp_mesh, step, attention, fault, events_dir)
             except InjectedFault:
                 if fault != "caught":
                     raise
                 model.zero_grad(set_to_none=True)  # a skip-bad-batch loop: carry on
-        out.put((rank, "ok", time.time(), ""))
+        log_event(events_dir, rank, "ok")
     except BaseException as e:
-        status = 1
-        out.put((rank, "error", time.time(), f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    out.close()
-    out.join_thread()
-    os._exit(status)  # no destroy_process_group: the group is broken
+        log_event(events_dir, rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise

@@ -1,26 +1,20 @@
 """Faults end runs, never hang them: one rank fails, every other rank exits with an error within
-the process-group timeout (isolated processes, short timeout)."""
+the process-group timeout (a pool of its own per case, short timeout)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
-import time
+from pathlib import Path
 
 import pytest
-from _fault_fns import FAULT_RANK, fault_rank
+from _fault_fns import FAULT_RANK, fault_rank, read_events
+
+from cpshard.tools.launch import LocalRanks, RankFailure
 
 pytestmark = pytest.mark.multirank
 
 TIMEOUT_S = 4.0  # the process-group timeout of the ranks
 SLACK_S = 6.0  # error delivery and process exit on a loaded 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+WAIT_S = 60.0  # how long every rank may take to end on its own (the launcher kills none earlier)
 
 
 @pytest.mark.parametrize(
@@ -34,35 +28,19 @@ def _free_port() -> int:
         ("stall", "ring"),
     ],
 )
-def test_one_rank_fails_every_other_rank_errors(fault: str, attention: str) -> None:
+def test_one_rank_fails_every_other_rank_errors(fault: str, attention: str, tmp_path: Path) -> None:
     world = 2
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=fault_rank, args=(r, world, port, fault, attention, TIMEOUT_S, out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.time() + 60.0
-    events: dict[int, list[tuple[str, float, str]]] = {r: [] for r in range(world)}
-    try:
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.time()))
-        while True:
-            try:
-                rank, kind, when, text = out.get(timeout=0.5)
-            except queue.Empty:
-                break
-            events[rank].append((kind, when, text))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        assert not hung, f"ranks {hung} still running 60 s after start: {events}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    # grace_s = WAIT_S: after the fault the launcher waits for every rank's own end, so a rank
+    # that would hang shows up as "no answer" instead of being killed early
+    with (
+        LocalRanks(world, pg_timeout_s=TIMEOUT_S, grace_s=WAIT_S) as pool,
+        pytest.raises(RankFailure) as err,
+    ):
+        pool.run(fault_rank, fault, attention, str(tmp_path), timeout_s=WAIT_S)
+    outcomes = err.value.outcomes
+    events = {r: read_events(str(tmp_path), r) for r in range(world)}
+    hung = [o.rank for o in outcomes if o.status == "no answer"]
+    assert not hung, f"ranks {hung} still running {WAIT_S} s after start: {events}"
     faults = [when for kind, when, _ in events[FAULT_RANK] if kind == "fault"]
     assert faults, f"the fault was never injected: {events}"
     for r in range(world):
@@ -71,11 +49,13 @@ def test_one_rank_fails_every_other_rank_errors(fault: str, attention: str) -> N
         kinds = [kind for kind, _, _ in events[r]]
         assert "ok" not in kinds, f"rank {r} finished as if nothing happened: {events[r]}"
         # an error reported in Python, or a process killed by gloo (e.g. SIGABRT): not a hang
-        assert "error" in kinds or procs[r].exitcode != 0, events[r]
+        assert "error" in kinds or outcomes[r].status == "died", (events[r], outcomes[r])
         for kind, when, _ in events[r]:
             if kind == "error":
                 assert when - faults[0] <= TIMEOUT_S + SLACK_S, (when - faults[0], events[r])
-    assert procs[FAULT_RANK].exitcode != 0
+    assert outcomes[FAULT_RANK].status in ("raised", "died"), outcomes[FAULT_RANK]
+    if fault == "exit":
+        assert outcomes[FAULT_RANK].detail == "exit code 3", outcomes[FAULT_RANK]
     if fault == "caught":  # the out-of-step rank stops itself before pairing wrong collectives
         texts = [text for kind, _, text in events[FAULT_RANK] if kind == "error"]
         assert any("out of step" in t for t in texts), events[FAULT_RANK]

@@ -6,9 +6,6 @@ the modules it exempts and why. A new rule is one more row. Every import counts:
 lazy (inside a function), relative, and attribute chains through an imported name
 (``import torch`` then ``torch.distributed.barrier()``).
 
-:data:`PENDING` lists the violations another change of issue 9 is removing right now; each entry
-must still be a violation, so a stale entry fails too and gets deleted.
-
 Two more checks of the package's shape: every module says what it is (a module docstring), and
 the layout and method names are spelled as a collection only in :mod:`cpshard.names`.
 """
@@ -122,17 +119,6 @@ RULES: tuple[Rule, ...] = (
     Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),
 )
 
-# (module, import) pairs being removed now by the launch change of issue 9: the launcher moves to
-# cpshard.tools.launch and process-group / mesh creation into cpshard._comm.
-PENDING: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("cpshard.launch", "cpshard.cli._spawn.run_local_ranks"),
-        ("cpshard.cli._spawn", "torch.distributed.device_mesh.init_device_mesh"),
-        ("cpshard.cli._pool", "torch.distributed.device_mesh.init_device_mesh"),
-        ("cpshard.cli._parity_run", "torch.distributed.device_mesh.init_device_mesh"),
-    }
-)
-
 
 def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
@@ -214,15 +200,10 @@ def _tree_violations() -> list[tuple[str, int, str, str]]:
 
 
 def test_the_package_keeps_its_import_rules() -> None:
-    bad = [v for v in _tree_violations() if (v[0], v[2]) not in PENDING]
+    bad = _tree_violations()
     assert not bad, "import rules broken (see ARCHITECTURE.md):\n" + "\n".join(
         f"  {m} line {line}: imports {name} -- rule: {why}" for m, line, name, why in bad
     )
-
-
-def test_pending_exceptions_are_still_needed() -> None:
-    stale = PENDING - {(v[0], v[2]) for v in _tree_violations()}
-    assert not stale, f"these PENDING entries are fixed now; delete them: {sorted(stale)}"
 
 
 def test_the_checker_sees_the_whole_package() -> None:

@@ -9,7 +9,7 @@ Both runners offer the same three calls, so ``cpshard parity`` has one driver lo
   attention, in one process (the parent of the local ranks, or rank 0 of the launched ones);
 * ``agree(ok)``: every rank learns rank 0's verdict, so all of them exit with the same status.
 
-:class:`LocalRunner` forks its ranks once (:class:`~cpshard.cli._pool.LocalRankPool`) and reuses
+:class:`LocalRunner` forks its ranks once (:class:`~cpshard.tools.launch.LocalRanks`) and reuses
 them for every row. :class:`LaunchedRunner` joins the process group described by the launcher's
 environment: NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise.
 
@@ -26,13 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.cli._pool import DEFAULT_TIMEOUT_S, LocalRankPool
+from cpshard.tools.launch import LocalRanks
 from cpshard.tools.parity import ParityCase, ParityResult, Shadow, native_steps, train_steps
 
-__all__ = ["CpSide", "LaunchedRunner", "LocalRunner", "launched_world_size", "measure"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CpSide",
+    "LaunchedRunner",
+    "LocalRunner",
+    "launched_world_size",
+    "measure",
+]
+
+DEFAULT_TIMEOUT_S = 120.0  # process-group timeout of `cpshard parity` (its --timeout)
 
 
 @dataclass(frozen=True)
@@ -126,18 +135,20 @@ class LocalRunner(_InProcessSides):
     def __init__(self, world: int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.world = world
         self.timeout_s = timeout_s
-        self._pool: LocalRankPool | None = None
+        self._pool: LocalRanks | None = None
 
     def start(self) -> None:
         """Fork the ranks now (they are reused by every row; a failed row restarts them)."""
-        if self._pool is None or not self._pool.alive():
-            self._pool = LocalRankPool(self.world, timeout_s=self.timeout_s)
+        if self._pool is not None and not self._pool.alive():
+            self.close()
+        if self._pool is None:
+            self._pool = LocalRanks(self.world, pg_timeout_s=self.timeout_s)
 
     def cp_side(self, case: ParityCase) -> CpSide | None:
         """Train ``case`` on the local ranks.
 
         Raises:
-            cpshard.cli._pool.RankFailure: a rank raised or died (the ranks are restarted for
+            cpshard.tools.launch.RankFailure: a rank raised or died (the ranks are restarted for
                 the next row).
         """
         self.start()
@@ -145,7 +156,7 @@ class LocalRunner(_InProcessSides):
         try:
             out = self._pool.run(_cp_rank, replace(case, device=self.device))
         except BaseException:
-            self._pool = None  # closed by the pool; the next row forks fresh ranks
+            self.close()  # the next row forks fresh ranks
             raise
         res = out[0][0]
         assert res is not None
@@ -196,8 +207,7 @@ class LaunchedRunner(_InProcessSides):
         else:
             self.backend, self.device, mesh_device = "gloo", "cpu", "cpu"
             torch.set_num_threads(1)
-        _comm.init_launched(self.backend, timeout_s=timeout_s)
-        self.mesh = init_device_mesh(mesh_device, (_world(),), mesh_dim_names=("cp",))
+        self.mesh = _comm.init_launched(self.backend, mesh_device, timeout_s=timeout_s)
         self.rank = self.mesh.get_local_rank()
         self.world = self.mesh.size()
         self.is_main = self.rank == 0
@@ -226,9 +236,3 @@ class LaunchedRunner(_InProcessSides):
     def close(self) -> None:
         """Leave the process group."""
         _comm.destroy_process_group()
-
-
-def _world() -> int:
-    world = launched_world_size()
-    assert world is not None
-    return world

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard.cli._pool import LocalRankPool
 from cpshard.dispatch import make_cp_batch_and_ctx
 from cpshard.layouts.index import consecutive_runs
 from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
+from cpshard.tools.launch import run_local_ranks
 
 __all__ = ["DENSE_LAYOUTS", "DESCRIPTION", "PACKED_LAYOUTS", "add_arguments", "run"]
 
@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    with LocalRankPool(args.ranks) as pool:
-        results = pool.run(_one_rank, args.seq_len, args.doc_lens)
+    results = run_local_ranks(args.ranks, _one_rank, args.seq_len, args.doc_lens)
     ok = True
     total = sum(args.doc_lens) + _TRAILING_PADS
     print(f"cpshard layouts: {args.ranks} gloo ranks")

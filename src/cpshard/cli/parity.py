@@ -41,9 +41,15 @@ from typing import Any
 
 from cpshard.cli._parity_plan import Row, plan_rows
 from cpshard.cli._parity_report import Record, format_row, table_header, write_json, write_plot
-from cpshard.cli._parity_run import CpSide, LaunchedRunner, LocalRunner, launched_world_size
-from cpshard.cli._pool import DEFAULT_TIMEOUT_S, RankFailure
+from cpshard.cli._parity_run import (
+    DEFAULT_TIMEOUT_S,
+    CpSide,
+    LaunchedRunner,
+    LocalRunner,
+    launched_world_size,
+)
 from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
+from cpshard.tools.launch import RankFailure
 from cpshard.tools.parity import (
     GRAD_SYNCS,
     HEADS,
