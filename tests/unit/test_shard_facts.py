@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -87,3 +88,48 @@ def test_model_sharder_without_any_map_raises() -> None:
 
     with pytest.raises(ValueError, match="data-dependent layout.*captured no rank map"):
         cpshard.prepare_cp_forward(Owns(), None, _batch(4))
+
+
+def _custom_sharder(ctx_of: object) -> cpshard.CPSharder:
+    """A third-party sharder of dense rows at cp=1: identity map, ``ctx_of(facts)`` as context."""
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        ids = batch["input_ids"]
+        padded = torch.cat([ids, ids.new_zeros(ids.shape[0], 1)], 1)  # one CP pad slot
+        facts = cpshard.ShardFacts(ids.shape[1], ids.shape[1] + 1)
+        return ctx_of(facts), {"input_ids": padded}  # type: ignore[operator]
+
+    def indices(cp_mesh: object, padded_seq_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(padded_seq_len, device=device)
+
+    return cpshard.CPSharder(shard, indices)
+
+
+def test_custom_context_factory_carrying_facts_installs_them() -> None:
+    """A shard_batch may return any factory with a ``facts`` attribute (not only a CPContext):
+    its facts are the sharder's, its context is the ctx."""
+    entered: list[int] = []
+
+    class Factory:
+        def __init__(self, facts: cpshard.ShardFacts) -> None:
+            self.facts = facts
+
+        def __call__(self) -> contextlib.AbstractContextManager[None]:
+            entered.append(1)
+            return contextlib.nullcontext()
+
+    ctx, local, sharder = cpshard.make_cp_batch_and_ctx(
+        None, _batch(4), cp_sharder=_custom_sharder(Factory)
+    )
+    assert (sharder.original_seq_len, sharder.padded_seq_len) == (4, 5)
+    assert ctx.facts is sharder.facts
+    with ctx():
+        pass
+    assert entered == [1]
+    t = torch.arange(8.0).reshape(2, 4)
+    torch.testing.assert_close(
+        sharder.shard_token_tensor(t, fill=-1.0), torch.cat([t, t.new_full((2, 1), -1.0)], 1)
+    )
+    back = sharder.gather_token_tensor(local["input_ids"], trim=True)
+    assert torch.equal(back, _batch(4)["input_ids"])
+

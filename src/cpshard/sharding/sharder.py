@@ -159,7 +159,11 @@ class CPSharder:
             cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
         )
         if not isinstance(ctx, CPContext):  # a custom shard_batch: `with ctx:` works too
-            ctx = CPContext(ctx, ShardFacts(None, None))
+            # Any factory may carry its shard's facts (a `facts` attribute), not only a CPContext.
+            carried = getattr(ctx, "facts", None)
+            ctx = CPContext(
+                ctx, carried if isinstance(carried, ShardFacts) else ShardFacts(None, None)
+            )
         facts = dataclasses.replace(ctx.facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
