@@ -133,3 +133,9 @@ def test_custom_context_factory_carrying_facts_installs_them() -> None:
     back = sharder.gather_token_tensor(local["input_ids"], trim=True)
     assert torch.equal(back, _batch(4)["input_ids"])
 
+
+def test_shard_batch_without_a_context_factory_raises() -> None:
+    """``(None, batch)`` is no context: a clear TypeError at shard time, not attention that is
+    silently shard-local under ``with ctx():``."""
+    with pytest.raises(TypeError, match="must return a context factory"):
+        cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=_custom_sharder(lambda f: None))

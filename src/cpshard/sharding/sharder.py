@@ -159,6 +159,13 @@ class CPSharder:
             cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
         )
         if not isinstance(ctx, CPContext):  # a custom shard_batch: `with ctx:` works too
+            if not callable(ctx):
+                raise TypeError(
+                    f"shard_batch of this sharder (layout={self.layout!r}) must return a context "
+                    f"factory and the sharded batch, got a {type(ctx).__name__} as the factory; "
+                    "return e.g. (cpshard.CPContext(None, facts), batch) to get cpshard's CP "
+                    "attention over facts.token_meta, or your own zero-argument factory"
+                )
             # Any factory may carry its shard's facts (a `facts` attribute), not only a CPContext.
             carried = getattr(ctx, "facts", None)
             ctx = CPContext(
