@@ -139,3 +139,25 @@ def test_shard_batch_without_a_context_factory_raises() -> None:
     silently shard-local under ``with ctx():``."""
     with pytest.raises(TypeError, match="must return a context factory"):
         cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=_custom_sharder(lambda f: None))
+
+
+def test_third_party_flattening_sharder_in_row_coordinates() -> None:
+    """A custom shard_batch that flattens the rows into one stream (``input_row_shape``, no
+    input positions): the verbs take and give back ``[B, S]`` tensors, as the contract says."""
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        ids = batch["input_ids"]
+        facts = cpshard.ShardFacts(None, ids.numel(), input_row_shape=tuple(ids.shape))
+        return cpshard.CPContext(contextlib.nullcontext, facts), {"input_ids": ids.reshape(1, -1)}
+
+    def indices(cp_mesh: object, padded_seq_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(padded_seq_len, device=device)
+
+    _, local, sharder = cpshard.make_cp_batch_and_ctx(
+        None, _batch(3), cp_sharder=cpshard.CPSharder(shard, indices)
+    )
+    adv = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(sharder.shard_token_tensor(adv), adv.reshape(1, 6))
+    assert torch.equal(
+        sharder.gather_token_tensor(local["input_ids"], trim=True), _batch(3)["input_ids"]
+    )

@@ -296,10 +296,10 @@ class CPSharder:
 
         Args:
             t: Per-token tensor, e.g. advantages ``[B, S]`` or log-probs ``[B, S, K]``. Accepted
-                coordinates: the padded length, the original length (needs ``fill``), or the
-                input positions ``[B, S, ...]`` of a layout that repositions or flattens tokens
-                (needs ``fill``).
-            seq_dim: Sequence dim of ``t`` (ignored for input-position tensors).
+                coordinates: the padded length, the original length (needs ``fill``), the
+                pre-flatten row shape ``[B, S, ...]`` of a flattened layout, or the input
+                positions ``[B, S, ...]`` of a layout that repositions tokens (needs ``fill``).
+            seq_dim: Sequence dim of ``t`` (ignored for row-shape and input-position tensors).
             fill: Value of CP padding slots.
 
         Returns:
@@ -336,8 +336,8 @@ class CPSharder:
         Args:
             t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
             seq_dim: Sequence dim of ``t``.
-            trim: Restore the caller's coordinates (original length or input positions) instead
-                of returning the padded global stream.
+            trim: Restore the caller's coordinates (original length, row shape or input
+                positions) instead of returning the padded global stream.
             fill: Value for input slots whose token was dropped (repositioning layouts only).
             grad: ``"sum"``: the backward is the exact adjoint of the all-gather (each rank
                 receives the sum over ranks of the upstream gradient of its tokens); use it when
