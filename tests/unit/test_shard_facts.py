@@ -52,8 +52,14 @@ def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None
     sharder = cpshard.closed_form_sharder(cpshard.NoneLayout())
     bare, _ = sharder.shard_batch(None, None, _batch(4))
     assert isinstance(bare, cpshard.CPContext) and bare.factory is None
-    with bare():
-        assert not cp_context_active()
+    # Entering the bare shard context would run shard-local attention: it raises instead.
+    for enter in (bare, lambda: bare):
+        with pytest.raises(ValueError, match="added by the dispatcher"), enter():
+            raise AssertionError("unreachable")
+    assert not cp_context_active()
+    direct, _ = sharder.shard(None, _batch(4))  # CPSharder.shard alone composes no attention
+    with pytest.raises(ValueError, match="added by the dispatcher"):
+        direct()
     ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)
     with ctx():
         assert cp_context_active()
