@@ -145,8 +145,10 @@ def same_shard(tag: object, meta: object) -> bool:
     """Whether a tensor's shard identity ``tag`` is compatible with ``meta``.
 
     The same object, or two token metas with equal content (two ``prepare_cp_forward`` calls on
-    the same batch, e.g. for a policy and a reference model). Tags that are not token metas
-    (custom sharders) are only compared by identity when ``meta`` is not a token meta either.
+    the same batch, e.g. for a policy and a reference model). A tag that is not a token meta (the
+    facts of a custom sharder that captured none) carries nothing to compare: it always passes,
+    so a stale local tensor of such a sharder is not detected. A token-meta tag never matches an
+    identity that is not a token meta.
     """
     if tag is meta:
         return True

@@ -174,7 +174,8 @@ class CPSharder:
         facts = dataclasses.replace(ctx.facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
-        # model and the verbs can tell this batch from an older or newer one.
+        # model and the verbs can tell this batch from an older or newer one (by its token
+        # meta; a shard without one is not told apart, see `same_shard`).
         tag = self._batch_tag
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and value is not batch.get(key):
