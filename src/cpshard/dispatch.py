@@ -236,10 +236,20 @@ def _with_cp_attention(ctx: CPContext, cp_mesh: DeviceMesh | None, method: str) 
 
     The attention plan is built here, once per batch at shard time (host work), so the layers
     and the backward only run kernels and collectives.
+
+    Raises:
+        ValueError: the shard brings neither a context nor a token meta.
     """
     meta = ctx.facts.token_meta
-    if ctx.factory is not None or meta is None:
+    if ctx.factory is not None:
         return ctx
+    if meta is None:
+        raise ValueError(
+            "the shard_batch of this sharder returned CPContext(None, facts): a shard that brings "
+            "no context of its own and no token meta, so there is nothing to run CP attention "
+            "over (attention under ctx() would be silently shard-local). Put the token meta in "
+            "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
+        )
     attention_plan(meta).for_method(method, True, None, meta.positions.device)
     return CPContext(functools.partial(cp_attention_context, cp_mesh, meta, method), ctx.facts)
 

@@ -86,7 +86,8 @@ def test_model_sharder_without_any_map_raises() -> None:
 
     def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
         facts = cpshard.ShardFacts(None, 4)  # no rank map, and no way to compute one
-        return cpshard.CPContext(None, facts), {"input_ids": batch["input_ids"].clone()}
+        ctx = cpshard.CPContext(contextlib.nullcontext, facts)
+        return ctx, {"input_ids": batch["input_ids"].clone()}
 
     class Owns(nn.Module):
         def prepare_model_inputs_for_cp(self, batch: object, *, num_chunks: int = 1) -> object:
@@ -167,3 +168,17 @@ def test_third_party_flattening_sharder_in_row_coordinates() -> None:
     assert torch.equal(
         sharder.gather_token_tensor(local["input_ids"], trim=True), _batch(3)["input_ids"]
     )
+
+
+def test_shard_bringing_no_context_and_no_token_meta_raises() -> None:
+    """``CPContext(None, facts)`` asks the dispatcher for CP attention over ``facts.token_meta``;
+    without a token meta there is nothing to attend over: a clear error at shard time instead of
+    a ctx under which attention is silently shard-local."""
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        facts = cpshard.ShardFacts(4, 4)
+        return cpshard.CPContext(None, facts), {"input_ids": batch["input_ids"].clone()}
+
+    sharder = cpshard.CPSharder(shard, lambda mesh, p, device: torch.arange(p, device=device))
+    with pytest.raises(ValueError, match="brings no context of its own and no token meta"):
+        cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)
