@@ -160,7 +160,9 @@ def make_cp_batch_and_ctx(
         cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
         loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
         extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
-        attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
+        attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``: the CP attention of ``ctx``
+            for a shard that brings no context of its own (every built-in layout, a given
+            ``cp_sharder``'s too); a shard with its own context keeps it.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
             (one all-gather of a few int64 values) and raise on every rank if they differ; also
