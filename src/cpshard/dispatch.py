@@ -160,7 +160,9 @@ def make_cp_batch_and_ctx(
         cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
         loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
         extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
-        attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
+        attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``: the CP attention of ``ctx``
+            for a shard that brings no context of its own (every built-in layout, a given
+            ``cp_sharder``'s too); a shard with its own context keeps it.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
             (one all-gather of a few int64 values) and raise on every rank if they differ; also
@@ -236,10 +238,20 @@ def _with_cp_attention(ctx: CPContext, cp_mesh: DeviceMesh | None, method: str) 
 
     The attention plan is built here, once per batch at shard time (host work), so the layers
     and the backward only run kernels and collectives.
+
+    Raises:
+        ValueError: the shard brings neither a context nor a token meta.
     """
     meta = ctx.facts.token_meta
-    if ctx.factory is not None or meta is None:
+    if ctx.factory is not None:
         return ctx
+    if meta is None:
+        raise ValueError(
+            "the shard_batch of this sharder returned CPContext(None, facts): a shard that brings "
+            "no context of its own and no token meta, so there is nothing to run CP attention "
+            "over (attention under ctx() would be silently shard-local). Put the token meta in "
+            "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
+        )
     attention_plan(meta).for_method(method, True, None, meta.positions.device)
     return CPContext(functools.partial(cp_attention_context, cp_mesh, meta, method), ctx.facts)
 

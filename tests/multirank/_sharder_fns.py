@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -228,3 +229,107 @@ def original_len_needs_fill(cp_mesh: DeviceMesh) -> None:
         return
     with pytest.raises(ValueError, match=r"original_seq_len=13 \(with `fill`\).*explicit `fill`"):
         sharder.shard_token_tensor(torch.randn(1, 13))
+
+
+def _rr_indices(mesh: DeviceMesh | None, padded: int, device: torch.device) -> torch.Tensor:
+    rank, world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+    return cpshard.round_robin_local_indices(rank, world, padded, device)
+
+
+def _third_party_shard(kind: str) -> Any:
+    """A user's dense round-robin ``shard_batch``: a plain factory (no facts), a factory object
+    carrying its facts in a ``facts`` attribute, or a ``CPContext`` of its own."""
+
+    def shard(
+        cp_mesh: DeviceMesh | None,
+        tp_mesh: DeviceMesh | None,
+        batch: dict[str, torch.Tensor],
+        *,
+        loss_mask: torch.Tensor | None = None,
+        padding_token_id: int = 0,
+    ) -> Any:
+        ids = batch["input_ids"]
+        world = 1 if cp_mesh is None else cp_mesh.size()
+        padded = -(-ids.shape[1] // (2 * world)) * 2 * world
+        out = {
+            "input_ids": _pad_ids(ids, padded).index_select(
+                1, _rr_indices(cp_mesh, padded, ids.device)
+            )
+        }
+        facts = cpshard.ShardFacts(ids.shape[1], padded)
+
+        class Carrier:  # any factory may carry its facts
+            def __init__(self) -> None:
+                self.facts = facts
+
+            def __call__(self) -> Any:
+                return contextlib.nullcontext()
+
+        if kind == "plain":
+            return contextlib.nullcontext, out
+        return (
+            Carrier() if kind == "carrier" else cpshard.CPContext(contextlib.nullcontext, facts)
+        ), out
+
+    return shard
+
+
+def third_party_sharders(cp_mesh: DeviceMesh) -> None:
+    """A CPSharder built from two callables and a context factory, sharded twice: the facts of
+    each shard, and verbs that learn the other ranks' maps (no rank map, no rank_map_fn)."""
+    world = cp_mesh.size()
+    for kind in ("plain", "carrier", "cpctx"):
+        sharder = cpshard.CPSharder(_third_party_shard(kind), _rr_indices)
+        for seq in (7, 12):
+            ids = torch.arange(1, 2 * seq + 1).reshape(2, seq)
+            padded = -(-seq // (2 * world)) * 2 * world
+            ctx, local, again = cpshard.make_cp_batch_and_ctx(
+                cp_mesh, {"input_ids": ids}, cp_sharder=sharder
+            )
+            assert again is sharder and ctx.facts is sharder.facts and sharder.cp_mesh is cp_mesh
+            with ctx(), ctx:  # the user's context, both spellings
+                pass
+            lengths = (None, None) if kind == "plain" else (seq, padded)
+            assert (sharder.original_seq_len, sharder.padded_seq_len) == lengths
+            assert sharder.input_row_shape is None and sharder.input_token_stream_positions is None
+            assert sharder.rank_map is None and sharder.token_meta is None
+            stream = _pad_ids(ids, padded)
+            assert torch.equal(sharder.gather_token_tensor(local["input_ids"]), stream)
+            want = stream.index_select(1, _rr_indices(cp_mesh, padded, stream.device)).float()
+            assert torch.equal(sharder.shard_token_tensor(stream.float()), want)
+            if kind != "plain":  # caller coordinates need the captured lengths
+                assert torch.equal(sharder.shard_token_tensor(ids.float(), fill=0.0), want)
+                assert torch.equal(sharder.gather_token_tensor(local["input_ids"], trim=True), ids)
+
+
+def facts_replaced_per_shard(cp_mesh: DeviceMesh, layout: str) -> None:
+    """A sharder given again holds exactly the facts a fresh one gets for the new batch, and the
+    first ctx keeps the first batch's facts."""
+    if layout in ("packed", "balanced"):
+        first: dict[str, Any] = {
+            "input_ids": torch.arange(1, 13).reshape(2, 6),
+            "seq_lens": [[3, 2], [4, 1]],
+        }
+        second: dict[str, Any] = {
+            "input_ids": torch.arange(1, 12).reshape(1, 11),
+            "seq_lens": [[5, 4, 2]],
+        }
+    else:
+        first = {"input_ids": torch.arange(1, 15).reshape(2, 7)}
+        second = {"input_ids": torch.arange(1, 31).reshape(3, 10)}
+    kw: dict[str, Any] = {"layout": layout, "pad_multiple": 3}
+    ctx1, _, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, first, **kw)
+    facts1 = sharder.facts
+    _, _, fresh = cpshard.make_cp_batch_and_ctx(cp_mesh, second, **kw)
+    ctx2, _, again = cpshard.make_cp_batch_and_ctx(cp_mesh, second, cp_sharder=sharder)
+    assert again is sharder and ctx1.facts is facts1 and ctx2.facts is sharder.facts
+    for name in ("original_seq_len", "padded_seq_len", "input_row_shape"):
+        assert getattr(sharder, name) == getattr(fresh, name), name
+    for name in ("input_token_stream_positions", "rank_map"):
+        a, b = getattr(sharder, name), getattr(fresh, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    m, f = sharder.token_meta, fresh.token_meta
+    assert m is not None and f is not None and (m.rank, m.world_size) == (f.rank, f.world_size)
+    assert torch.equal(m.positions, f.positions) and torch.equal(m.document_ids, f.document_ids)
+    assert sharder.facts is not facts1 and facts1.token_meta is not m
+    assert facts1.original_seq_len == (None if layout in ("packed", "balanced") else 7)

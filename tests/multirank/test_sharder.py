@@ -6,15 +6,17 @@ import pytest
 from _sharder_fns import (
     bad_gather_raises_everywhere,
     embeds_grad,
+    facts_replaced_per_shard,
     grads,
     mesh_2d_rejected,
     original_len_needs_fill,
     pad_table,
     round_trip,
+    third_party_sharders,
 )
 
 from _ranks import Ranks
-from cpshard.names import DENSE_LAYOUTS
+from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 
 pytestmark = pytest.mark.multirank
 WORLDS = [1, 2, 3, 4]
@@ -75,3 +77,14 @@ def test_bad_lengths_raise_on_every_rank(ranks: Ranks, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_original_length_needs_fill(ranks: Ranks, world: int) -> None:
     ranks(world, original_len_needs_fill)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_third_party_sharders(ranks: Ranks, world: int) -> None:
+    ranks(world, third_party_sharders)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("layout", [*DENSE_LAYOUTS, *PACKED_LAYOUTS])
+def test_facts_replaced_per_shard(ranks: Ranks, world: int, layout: str) -> None:
+    ranks(world, facts_replaced_per_shard, layout)

@@ -84,3 +84,18 @@ def test_position_coordinates_need_fill_and_a_stream_shard() -> None:
 def test_no_coordinates_to_trim_to() -> None:
     with pytest.raises(ValueError, match="captured no caller coordinates to trim to"):
         CallerCoordinates(None, 8).from_stream(torch.zeros(1, 8), 1, None, "custom")
+
+
+def test_row_shape_coordinates_flatten_by_reshape() -> None:
+    """A layout that flattens ``[B, S]`` rows into one stream by a pure reshape (no input
+    positions) is addressed in its pre-flatten row shape, with no ``fill`` needed."""
+    c = CallerCoordinates(None, 12, input_row_shape=(2, 6))
+    x = torch.arange(24.0).reshape(2, 6, 2)
+    stream, dim = c.to_stream(x, 1, fill=None)
+    assert dim == 1 and torch.equal(stream, x.reshape(1, 12, 2))
+    torch.testing.assert_close(c.from_stream(stream, 1, fill=None), x)
+    padded = CallerCoordinates(None, 16, input_row_shape=(2, 6))  # CP pads after the rows
+    with pytest.raises(ValueError, match=r"leading row shape \(2, 6\)"):
+        padded.to_stream(torch.zeros(2, 7), 1, fill=0)
+    full = torch.cat([stream, torch.full((1, 4, 2), -1.0)], 1)
+    torch.testing.assert_close(padded.from_stream(full, 1, fill=None), x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -51,8 +52,14 @@ def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None
     sharder = cpshard.closed_form_sharder(cpshard.NoneLayout())
     bare, _ = sharder.shard_batch(None, None, _batch(4))
     assert isinstance(bare, cpshard.CPContext) and bare.factory is None
-    with bare():
-        assert not cp_context_active()
+    # Entering the bare shard context would run shard-local attention: it raises instead.
+    for enter in (bare, lambda: bare):
+        with pytest.raises(ValueError, match="added by the dispatcher"), enter():
+            raise AssertionError("unreachable")
+    assert not cp_context_active()
+    direct, _ = sharder.shard(None, _batch(4))  # CPSharder.shard alone composes no attention
+    with pytest.raises(ValueError, match="added by the dispatcher"):
+        direct()
     ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)
     with ctx():
         assert cp_context_active()
@@ -79,7 +86,8 @@ def test_model_sharder_without_any_map_raises() -> None:
 
     def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
         facts = cpshard.ShardFacts(None, 4)  # no rank map, and no way to compute one
-        return cpshard.CPContext(None, facts), {"input_ids": batch["input_ids"].clone()}
+        ctx = cpshard.CPContext(contextlib.nullcontext, facts)
+        return ctx, {"input_ids": batch["input_ids"].clone()}
 
     class Owns(nn.Module):
         def prepare_model_inputs_for_cp(self, batch: object, *, num_chunks: int = 1) -> object:
@@ -87,3 +95,90 @@ def test_model_sharder_without_any_map_raises() -> None:
 
     with pytest.raises(ValueError, match="data-dependent layout.*captured no rank map"):
         cpshard.prepare_cp_forward(Owns(), None, _batch(4))
+
+
+def _custom_sharder(ctx_of: object) -> cpshard.CPSharder:
+    """A third-party sharder of dense rows at cp=1: identity map, ``ctx_of(facts)`` as context."""
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        ids = batch["input_ids"]
+        padded = torch.cat([ids, ids.new_zeros(ids.shape[0], 1)], 1)  # one CP pad slot
+        facts = cpshard.ShardFacts(ids.shape[1], ids.shape[1] + 1)
+        return ctx_of(facts), {"input_ids": padded}  # type: ignore[operator]
+
+    def indices(cp_mesh: object, padded_seq_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(padded_seq_len, device=device)
+
+    return cpshard.CPSharder(shard, indices)
+
+
+def test_custom_context_factory_carrying_facts_installs_them() -> None:
+    """A shard_batch may return any factory with a ``facts`` attribute (not only a CPContext):
+    its facts are the sharder's, its context is the ctx."""
+    entered: list[int] = []
+
+    class Factory:
+        def __init__(self, facts: cpshard.ShardFacts) -> None:
+            self.facts = facts
+
+        def __call__(self) -> contextlib.AbstractContextManager[None]:
+            entered.append(1)
+            return contextlib.nullcontext()
+
+    ctx, local, sharder = cpshard.make_cp_batch_and_ctx(
+        None, _batch(4), cp_sharder=_custom_sharder(Factory)
+    )
+    assert (sharder.original_seq_len, sharder.padded_seq_len) == (4, 5)
+    assert ctx.facts is sharder.facts
+    with ctx():
+        pass
+    assert entered == [1]
+    t = torch.arange(8.0).reshape(2, 4)
+    torch.testing.assert_close(
+        sharder.shard_token_tensor(t, fill=-1.0), torch.cat([t, t.new_full((2, 1), -1.0)], 1)
+    )
+    back = sharder.gather_token_tensor(local["input_ids"], trim=True)
+    assert torch.equal(back, _batch(4)["input_ids"])
+
+
+def test_shard_batch_without_a_context_factory_raises() -> None:
+    """``(None, batch)`` is no context: a clear TypeError at shard time, not attention that is
+    silently shard-local under ``with ctx():``."""
+    with pytest.raises(TypeError, match="must return a context factory"):
+        cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=_custom_sharder(lambda f: None))
+
+
+def test_third_party_flattening_sharder_in_row_coordinates() -> None:
+    """A custom shard_batch that flattens the rows into one stream (``input_row_shape``, no
+    input positions): the verbs take and give back ``[B, S]`` tensors, as the contract says."""
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        ids = batch["input_ids"]
+        facts = cpshard.ShardFacts(None, ids.numel(), input_row_shape=tuple(ids.shape))
+        return cpshard.CPContext(contextlib.nullcontext, facts), {"input_ids": ids.reshape(1, -1)}
+
+    def indices(cp_mesh: object, padded_seq_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(padded_seq_len, device=device)
+
+    _, local, sharder = cpshard.make_cp_batch_and_ctx(
+        None, _batch(3), cp_sharder=cpshard.CPSharder(shard, indices)
+    )
+    adv = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(sharder.shard_token_tensor(adv), adv.reshape(1, 6))
+    assert torch.equal(
+        sharder.gather_token_tensor(local["input_ids"], trim=True), _batch(3)["input_ids"]
+    )
+
+
+def test_shard_bringing_no_context_and_no_token_meta_raises() -> None:
+    """``CPContext(None, facts)`` asks the dispatcher for CP attention over ``facts.token_meta``;
+    without a token meta there is nothing to attend over: a clear error at shard time instead of
+    a ctx under which attention is silently shard-local."""
+
+    def shard(cp_mesh: object, tp_mesh: object, batch: dict[str, torch.Tensor], **kw: object):  # type: ignore[no-untyped-def]
+        facts = cpshard.ShardFacts(4, 4)
+        return cpshard.CPContext(None, facts), {"input_ids": batch["input_ids"].clone()}
+
+    sharder = cpshard.CPSharder(shard, lambda mesh, p, device: torch.arange(p, device=device))
+    with pytest.raises(ValueError, match="brings no context of its own and no token meta"):
+        cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)

@@ -28,7 +28,7 @@ that forward's collectives): the next :func:`prepare_cp_forward` then raises on 
 any collective, so the run ends (the peers fail within the process-group timeout) instead of
 pairing unrelated collectives.
 
-Imports the shard identity (:mod:`cpshard.sharding.sharder`) and the active attention mode
+Imports the shard identity (:mod:`cpshard.sharding.facts`) and the active attention mode
 (:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),
 tools, cli or models.
 """

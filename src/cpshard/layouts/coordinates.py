@@ -6,6 +6,8 @@ own coordinates, which a shard describes with :class:`CallerCoordinates`:
 * the padded length ``P`` itself (``[..., P, ...]`` on the sequence dim);
 * the original length ``S <= P`` of dense rows (CP padding appended at the end: the padded slots
   need an explicit ``fill``);
+* the pre-flatten row shape ``[B, S, ...]`` of a layout that flattened the rows into one stream by
+  a pure reshape (``input_row_shape`` and no input positions);
 * input positions ``[B, S]`` for layouts that reposition tokens (packed documents, a model's own
   layout): the stream slot of every caller token, ``-1`` for a slot the layout dropped.
 
@@ -21,6 +23,7 @@ other cpshard package).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +81,8 @@ class CallerCoordinates:
             single one, e.g. packed rows addressed by input positions).
         padded_seq_len: ``P``, length of the padded global stream (``None`` before any shard).
         input_row_shape: ``(B, S)`` of the caller's rows when a layout flattened them into one
-            stream; descriptive: the map itself is ``input_token_stream_positions``, whose shape
-            it is.
+            stream. Without input positions the flattening is a pure reshape (row ``b``, column
+            ``s`` is stream slot ``b * S + s``); with them, the positions are the map.
         input_token_stream_positions: LongTensor ``[B, S]``: stream slot of each caller token for
             layouts that reposition tokens; ``-1`` = dropped pad slot.
     """
@@ -95,15 +98,17 @@ class CallerCoordinates:
         """A caller-coordinate tensor on the padded stream.
 
         Args:
-            t: ``[..., P, ...]``, ``[..., S, ...]`` (needs ``fill``) or ``[B, S, *F]`` in input
-                positions (needs ``fill``).
-            seq_dim: Non-negative sequence dim of ``t`` (ignored for input positions).
+            t: ``[..., P, ...]``, ``[..., S, ...]`` (needs ``fill``), ``[B, S, *F]`` in input
+                positions (needs ``fill``) or in the row shape of a flattening layout.
+            seq_dim: Non-negative sequence dim of ``t`` (ignored for input positions and row
+                shapes).
             fill: Value of the padded slots.
             layout: Label named in errors.
 
         Returns:
             ``(stream, dim)``: ``stream`` has ``P`` tokens on ``dim`` (``t`` itself when it
-            already had them; input positions give ``[1, P, *F]`` with ``dim = 1``).
+            already had them; input positions and row shapes give ``[1, P, *F]`` with
+            ``dim = 1``).
 
         Raises:
             ValueError: a coordinate that needs ``fill`` without one, or a length that maps to
@@ -120,6 +125,10 @@ class CallerCoordinates:
                 )
             assert self.padded_seq_len is not None
             return positions_to_stream(t, positions, self.padded_seq_len, fill).unsqueeze(0), 1
+        row = self.input_row_shape
+        if row is not None and tuple(t.shape[: len(row)]) == tuple(row):
+            t = t.reshape(1, math.prod(row), *t.shape[len(row) :])
+            seq_dim = 1
         length = t.shape[seq_dim]
         padded = self.padded_seq_len
         if padded is None or length == padded:
@@ -131,6 +140,8 @@ class CallerCoordinates:
         accepted = [f"padded_seq_len={padded}"]
         if self.original_seq_len is not None and self.original_seq_len != padded:
             accepted.append(f"original_seq_len={self.original_seq_len} (with `fill`)")
+        if row is not None:
+            accepted.append(f"leading row shape {tuple(row)}")
         if positions is not None:
             accepted.append(f"input positions shape {tuple(positions.shape)} (with `fill`)")
         hint = (
@@ -170,8 +181,8 @@ class CallerCoordinates:
     def from_stream(
         self, full: torch.Tensor, seq_dim: int, fill: Fill | None, layout: str = "custom"
     ) -> torch.Tensor:
-        """The padded stream back in the caller's coordinates (input positions, else original
-        length).
+        """The padded stream back in the caller's coordinates (input positions, else row shape,
+        else original length).
 
         Args:
             full: ``[..., P, ...]`` (``[1, P, *F]`` with ``seq_dim = 1`` for input positions, see
@@ -188,6 +199,10 @@ class CallerCoordinates:
             self.check_from_stream(tuple(full.shape), seq_dim, fill, layout)
             assert fill is not None
             return stream_to_positions(full.select(0, 0), positions, fill)
+        row = self.input_row_shape
+        if row is not None:
+            n = math.prod(row)
+            return full.narrow(seq_dim, 0, n).reshape(*row, *full.shape[seq_dim + 1 :])
         if self.original_seq_len is not None:
             return full.narrow(seq_dim, 0, self.original_seq_len)
         raise ValueError(

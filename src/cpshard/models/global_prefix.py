@@ -214,7 +214,8 @@ def _stream_meta(
 
 
 def global_prefix_sharder(num_global: int, block: int, *, num_chunks: int = 1) -> CPSharder:
-    """The model-owned sharder of :class:`GlobalPrefixDecoder` (unbound; the dispatcher binds it).
+    """The model-owned sharder of :class:`GlobalPrefixDecoder` (no shard yet; the dispatcher shards
+    on the CP mesh and adds CP attention).
 
     Args:
         num_global: ``G``, global prefix tokens every rank keeps.

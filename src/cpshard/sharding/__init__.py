@@ -14,5 +14,5 @@ the dispatcher (:mod:`cpshard.dispatch`) composes CP attention over the shard's 
 Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency` and
 :mod:`cpshard._comm` (the only door to ``torch.distributed``). It never imports
 :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models` (checked by ``tests/unit/test_sharding_imports.py``).
+:mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
 """

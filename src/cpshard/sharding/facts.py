@@ -88,8 +88,11 @@ class CPContext:
     Args:
         factory: The shard's own context, or ``None`` when the shard brings none (the built-in
             ``shard_batch`` functions only shard: the dispatcher supplies CP attention over
-            ``facts.token_meta``). ``None`` enters a ``nullcontext``. A ``CPContext`` given
-            here is unwrapped (its factory is kept, the new facts replace its facts).
+            ``facts.token_meta``). Calling a ``CPContext`` with no factory raises when its facts
+            carry a token meta (the context of such a shard is the dispatcher's: entering the
+            bare one would run shard-local attention, silently wrong at cp > 1), and enters a
+            ``nullcontext`` otherwise. A ``CPContext`` given here is unwrapped (its factory is
+            kept, the new facts replace its facts).
         facts: The shard's facts.
     """
 
@@ -102,7 +105,18 @@ class CPContext:
         self._entered: list[AbstractContextManager[Any]] = []
 
     def __call__(self) -> AbstractContextManager[Any]:
-        return nullcontext() if self.factory is None else self.factory()
+        if self.factory is not None:
+            return self.factory()
+        if self.facts.token_meta is not None:
+            raise ValueError(
+                "this ctx is the bare result of a shard_batch that brings no context of its own "
+                "(every built-in layout): cpshard's CP attention over its token meta is added by "
+                "the dispatcher, so entering it would run shard-local attention (silently wrong "
+                "at cp > 1). Use the ctx returned by cpshard.prepare_cp_forward / "
+                "make_cp_batch_and_ctx, or enter cpshard.attention.cp_attention_context(cp_mesh, "
+                "ctx.facts.token_meta, method) yourself"
+            )
+        return nullcontext()
 
     def __enter__(self) -> Any:
         cm = self()
@@ -131,8 +145,10 @@ def same_shard(tag: object, meta: object) -> bool:
     """Whether a tensor's shard identity ``tag`` is compatible with ``meta``.
 
     The same object, or two token metas with equal content (two ``prepare_cp_forward`` calls on
-    the same batch, e.g. for a policy and a reference model). Tags that are not token metas
-    (custom sharders) are only compared by identity when ``meta`` is not a token meta either.
+    the same batch, e.g. for a policy and a reference model). A tag that is not a token meta (the
+    facts of a custom sharder that captured none) carries nothing to compare: it always passes,
+    so a stale local tensor of such a sharder is not detected. A token-meta tag never matches an
+    identity that is not a token meta.
     """
     if tag is meta:
         return True

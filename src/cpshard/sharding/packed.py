@@ -198,7 +198,7 @@ def shard_batch_packed(
 def packed_sharder(
     layout: str, *, extra_token_keys: Mapping[str, TokenKey] | None = None
 ) -> CPSharder:
-    """An unbound :class:`CPSharder` for packed batches (``layout`` ``"packed"``/``"balanced"``).
+    """A :class:`CPSharder` for packed batches (``layout`` ``"packed"`` or ``"balanced"``).
 
     Its map is data-dependent (``local_token_global_indices is None``): the token verbs use the
     rank map captured by the last ``shard_batch``.

@@ -159,11 +159,23 @@ class CPSharder:
             cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
         )
         if not isinstance(ctx, CPContext):  # a custom shard_batch: `with ctx:` works too
-            ctx = CPContext(ctx, ShardFacts(None, None))
+            if not callable(ctx):
+                raise TypeError(
+                    f"shard_batch of this sharder (layout={self.layout!r}) must return a context "
+                    f"factory and the sharded batch, got a {type(ctx).__name__} as the factory; "
+                    "return e.g. (cpshard.CPContext(None, facts), batch) to get cpshard's CP "
+                    "attention over facts.token_meta, or your own zero-argument factory"
+                )
+            # Any factory may carry its shard's facts (a `facts` attribute), not only a CPContext.
+            carried = getattr(ctx, "facts", None)
+            ctx = CPContext(
+                ctx, carried if isinstance(carried, ShardFacts) else ShardFacts(None, None)
+            )
         facts = dataclasses.replace(ctx.facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
-        # model and the verbs can tell this batch from an older or newer one.
+        # model and the verbs can tell this batch from an older or newer one (by its token
+        # meta; a shard without one is not told apart, see `same_shard`).
         tag = self._batch_tag
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and value is not batch.get(key):
@@ -285,10 +297,10 @@ class CPSharder:
 
         Args:
             t: Per-token tensor, e.g. advantages ``[B, S]`` or log-probs ``[B, S, K]``. Accepted
-                coordinates: the padded length, the original length (needs ``fill``), or the
-                input positions ``[B, S, ...]`` of a layout that repositions or flattens tokens
-                (needs ``fill``).
-            seq_dim: Sequence dim of ``t`` (ignored for input-position tensors).
+                coordinates: the padded length, the original length (needs ``fill``), the
+                pre-flatten row shape ``[B, S, ...]`` of a flattened layout, or the input
+                positions ``[B, S, ...]`` of a layout that repositions tokens (needs ``fill``).
+            seq_dim: Sequence dim of ``t`` (ignored for row-shape and input-position tensors).
             fill: Value of CP padding slots.
 
         Returns:
@@ -325,8 +337,8 @@ class CPSharder:
         Args:
             t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
             seq_dim: Sequence dim of ``t``.
-            trim: Restore the caller's coordinates (original length or input positions) instead
-                of returning the padded global stream.
+            trim: Restore the caller's coordinates (original length, row shape or input
+                positions) instead of returning the padded global stream.
             fill: Value for input slots whose token was dropped (repositioning layouts only).
             grad: ``"sum"``: the backward is the exact adjoint of the all-gather (each rank
                 receives the sum over ranks of the upstream gradient of its tokens); use it when
