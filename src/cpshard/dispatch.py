@@ -100,12 +100,9 @@ def _resolve(
     layout: str,
     pad_multiple: int,
     extra_token_keys: Mapping[str, TokenKey] | None,
-    attention: str,
 ) -> CPSharder:
     if layout not in LAYOUT_NAMES:
         raise ValueError(f"layout must be one of {LAYOUT_NAMES}, got layout={layout!r}")
-    if attention not in METHOD_NAMES:
-        raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
     packed = _is_packed(batch)
     if layout == "auto":
         layout = "balanced" if packed else ("round_robin" if cp_size > 1 else "none")
@@ -217,10 +214,10 @@ def _dispatch(
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
-    if cp_sharder is None:
-        cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys, attention)
-    elif attention not in METHOD_NAMES:
+    if attention not in METHOD_NAMES:
         raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
+    if cp_sharder is None:
+        cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys)
     pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
     ctx, out = cp_sharder.shard(
         cp_mesh,
