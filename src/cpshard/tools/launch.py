@@ -254,7 +254,8 @@ class LocalRanks:
         Args:
             fn: A top-level function (pickled by reference); its result must be picklable.
             *args: Picklable arguments.
-            timeout_s: Give up after this long (every rank is then killed).
+            timeout_s: Give up after this long (every rank is then killed); ``math.inf``: no
+                limit (the process-group timeout still bounds every collective).
 
         Returns:
             The per-rank results.
