@@ -22,3 +22,13 @@ def exit_on_rank(cp_mesh: DeviceMesh, bad: int) -> None:
     if cp_mesh.get_local_rank() == bad:
         os._exit(7)
     _comm.all_reduce_sum_(torch.ones(1), _comm.cp_group(cp_mesh))
+
+
+def blob_len(cp_mesh: DeviceMesh, blob: bytes) -> int:
+    """The size of an argument (to send the ranks more than a pipe holds)."""
+    return len(blob)
+
+
+def big_result(cp_mesh: DeviceMesh, n: int) -> bytes:
+    """``n`` bytes tagged with the rank (a result more than a pipe holds)."""
+    return bytes([cp_mesh.get_local_rank()]) * n

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 
 import pytest
 from _harness_fns import raise_on_rank
-from _launch_fns import exit_on_rank, rank_sum_and_threads
+from _launch_fns import big_result, blob_len, exit_on_rank, rank_sum_and_threads
 
 from _ranks import Ranks
 from cpshard.launch import run_local_ranks
@@ -57,6 +59,85 @@ def test_exiting_rank_is_an_error_not_a_hang(ranks: Ranks) -> None:
     assert time.monotonic() - t0 < 15
     assert err.value.outcomes[1].status == "died"
     assert ranks(2, rank_sum_and_threads) == _expected(2)  # a fresh pool after the failure
+
+
+def _stop(pid: int | None) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped (it reads nothing from then on)."""
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def test_arguments_and_results_larger_than_a_pipe() -> None:
+    n = 8 << 20
+    with LocalRanks(2) as pool:
+        assert pool.run(blob_len, b"x" * n) == [n, n]
+        assert pool.run(big_result, n) == [b"\0" * n, b"\1" * n]
+
+
+def test_interrupt_while_sending_ends_the_ranks() -> None:
+    """Ctrl-C while the parent is blocked handing a large task to a rank that does not read (here:
+    stopped) ends every rank instead of leaving a half-sent task in a pool that looks alive."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    pool = LocalRanks(2)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        pool.run(rank_sum_and_threads)  # both ranks past the rendezvous, idle
+        _stop(pool._procs[1].pid)
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(blob_len, b"x" * (16 << 20))
+        assert not pool.alive()
+        assert all(p.exitcode is not None for p in pool._procs)  # killed and reaped
+        assert not os.path.exists(pool.store_dir)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        pool.close()
+
+
+def test_close_does_not_wait_on_a_rank_that_does_not_read() -> None:
+    """A rank whose pipe is full (stopped, or stuck outside its loop) is killed by close(), which
+    never blocks writing its polite stop."""
+
+    class Hung(Exception):  # not an OSError, which close() may suppress
+        pass
+
+    def hung(*_: object) -> None:
+        raise Hung("close() blocked")
+
+    pool = LocalRanks(2)
+    previous = signal.signal(signal.SIGALRM, hung)
+    try:
+        pool.run(rank_sum_and_threads)
+        _stop(pool._procs[1].pid)
+        fd = pool._conns[1].fileno()
+        os.set_blocking(fd, False)
+        for size in (65536, 4096, 64, 1):  # fill it to the last byte
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(fd, b"\1" * size)
+        os.set_blocking(fd, True)
+        signal.setitimer(signal.ITIMER_REAL, 20.0)
+        pool.close()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert all(p.exitcode is not None for p in pool._procs)
+        assert not os.path.exists(pool.store_dir)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        for p in pool._procs:
+            if p.is_alive():
+                p.kill()
 
 
 def test_concurrent_launchers_rendezvous_separately() -> None:

@@ -272,12 +272,12 @@ class LocalRanks:
         task_id = self._next_id
         self._next_id += 1
         message = pickle.dumps((task_id, payload))
-        for conn in self._conns:
-            with contextlib.suppress(OSError):  # a rank that is gone: the wait reports it
-                conn.send_bytes(message)
         try:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # a rank that is gone: the wait reports it
+                    conn.send_bytes(message)
             outcomes, results = self._collect(task_id, timeout_s)
-        except BaseException:  # e.g. KeyboardInterrupt: the ranks are mid-task, end them
+        except BaseException:  # e.g. KeyboardInterrupt: ranks are mid-task or mid-message
             self._kill()
             raise
         if all(o.status == "ok" for o in outcomes):
@@ -346,7 +346,10 @@ class LocalRanks:
             return
         self._closed = True
         for conn in self._conns:
+            # never blocks: a rank that does not read (a full pipe) is killed below; a 4-byte
+            # message is written whole or not at all
             with contextlib.suppress(OSError):
+                os.set_blocking(conn.fileno(), False)
                 conn.send_bytes(_STOP)
         end = time.monotonic() + 2.0
         for p in self._procs:
