@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from _harness_fns import raise_on_rank
 from _launch_fns import big_result, blob_len, exit_on_rank, rank_sum_and_threads
 
@@ -175,3 +176,10 @@ def test_bad_arguments_are_refused_before_any_fork() -> None:
         LocalRanks(2, pg_timeout_s=0)
     with pytest.raises(ValueError, match="start_method must be 'fork' or 'spawn'"):
         LocalRanks(2, start_method="forkserver")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+        LocalRanks(2, backend="mpi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend='nccl' needs start_method='spawn'"):
+        LocalRanks(1, backend="nccl")
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"needs {gpus + 1} visible CUDA devices, found {gpus}"):
+        LocalRanks(gpus + 1, backend="nccl", start_method="spawn")

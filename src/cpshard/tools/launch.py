@@ -1,10 +1,11 @@
-"""Local ranks: processes of this machine joined by gloo that run functions on demand.
+"""Local ranks: processes of this machine joined by gloo (or NCCL) that run functions on demand.
 
 :class:`LocalRanks` forks ``world`` processes once (one thread each; ``start_method="spawn"`` for
 callers that use CUDA, which cannot be forked) and joins them in a gloo process group with a 1-D
-``("cp",)`` mesh of all of them. :meth:`LocalRanks.run` sends a top-level function
-``fn(cp_mesh, *args)`` (pickled by reference: module + qualname) to every rank and returns the
-per-rank results in rank order; the ranks stay up for the next call.
+``("cp",)`` mesh of all of them (``backend="nccl"``: spawned, one GPU per rank, a CUDA mesh).
+:meth:`LocalRanks.run` sends a top-level function ``fn(cp_mesh, *args)`` (pickled by reference:
+module + qualname) to every rank and returns the per-rank results in rank order; the ranks stay
+up for the next call.
 
 Nothing ever waits forever:
 
@@ -117,6 +118,7 @@ def _rank_main(
     rank: int,
     world: int,
     store_path: str,
+    backend: Literal["gloo", "nccl"],
     pg_timeout_s: float,
     parent: int,
     conn: Connection,
@@ -126,7 +128,7 @@ def _rank_main(
     for other in inherited:  # only this rank's end stays open here: a dead peer reads as EOF
         other.close()
     try:
-        mesh = _comm.init_local_gloo(rank, world, store_path, timeout_s=pg_timeout_s)
+        mesh = _comm.init_local(rank, world, store_path, backend=backend, timeout_s=pg_timeout_s)
     except BaseException:
         _send(conn, (_INIT, False, traceback.format_exc()))
         return
@@ -157,7 +159,7 @@ def _rank_main(
 
 
 class LocalRanks:
-    """``world`` local ranks (forked, or spawned) joined by gloo, running functions on demand.
+    """``world`` local ranks (forked or spawned) joined by gloo or NCCL, running functions.
 
     Args:
         world: Number of ranks (>= 1).
@@ -167,9 +169,14 @@ class LocalRanks:
         start_method: ``"fork"`` (fast; the parent must not have initialised CUDA) or
             ``"spawn"`` (fresh interpreters, for ranks that use a GPU; ``fn`` and its module
             must be importable).
+        backend: ``"gloo"`` (CPU mesh; ranks may still compute on GPUs, several on one) or
+            ``"nccl"`` (needs ``start_method="spawn"`` and a GPU per rank: rank ``r`` uses
+            ``cuda:r``, the mesh is a CUDA mesh). Results travel by pickle: return CPU values.
 
     Raises:
-        ValueError: ``world < 1``, a non-positive timeout or an unknown ``start_method``.
+        ValueError: ``world < 1``, a non-positive timeout, an unknown ``start_method`` or
+            ``backend``, or ``backend="nccl"`` with ``start_method="fork"`` or fewer visible
+            GPUs than ranks.
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -181,6 +188,7 @@ class LocalRanks:
         pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
         start_method: Literal["fork", "spawn"] = "fork",
+        backend: Literal["gloo", "nccl"] = "gloo",
     ) -> None:
         if world < 1:
             raise ValueError(f"world must be >= 1, got world={world}")
@@ -188,6 +196,19 @@ class LocalRanks:
             raise ValueError(
                 f"start_method must be 'fork' or 'spawn', got start_method={start_method!r}"
             )
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got backend={backend!r}")
+        if backend == "nccl":
+            if start_method != "spawn":
+                raise ValueError(
+                    "backend='nccl' needs start_method='spawn': a forked child cannot use CUDA"
+                )
+            gpus = torch.cuda.device_count()
+            if world > gpus:
+                raise ValueError(
+                    f"backend='nccl' runs one GPU per rank: world={world} needs {world} visible "
+                    f"CUDA devices, found {gpus}; use fewer ranks, or backend='gloo' to share a GPU"
+                )
         for name, value in (("pg_timeout_s", pg_timeout_s), ("grace_s", grace_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {name}={value}")
@@ -212,6 +233,7 @@ class LocalRanks:
                     r,
                     world,
                     os.path.join(self._dir, "store"),
+                    backend,
                     pg_timeout_s,
                     os.getpid(),
                     pipes[r][1],
