@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +142,35 @@ def test_close_does_not_wait_on_a_rank_that_does_not_read() -> None:
         for p in pool._procs:
             if p.is_alive():
                 p.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_parent_leaves_no_ranks_and_no_directory(signum: int) -> None:
+    """A parent killed without closing its pool (no atexit, no finalizer): its ranks notice
+    within seconds, exit and remove the rendezvous directory."""
+    script = Path(__file__).with_name("_launch_fns.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(int(signum))],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == -signum, out.stderr
+    store_dir, *pids = out.stdout.split()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (
+        os.path.exists(store_dir) or any(_running(int(p)) for p in pids)
+    ):
+        time.sleep(0.1)
+    assert not any(_running(int(p)) for p in pids), pids
+    assert not os.path.exists(store_dir), os.listdir(store_dir)
 
 
 def test_concurrent_launchers_rendezvous_separately() -> None:

@@ -114,6 +114,14 @@ def _send(conn: Connection, message: tuple[int, bool, Any]) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
+def _if_orphaned_remove(store_path: str, parent: int) -> bool:
+    """Whether the parent died; if so, remove the rendezvous directory its finalizer cannot."""
+    if os.getppid() == parent:
+        return False
+    shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
+    return True
+
+
 def _rank_main(
     rank: int,
     world: int,
@@ -130,17 +138,22 @@ def _rank_main(
     try:
         mesh = _comm.init_local(rank, world, store_path, backend=backend, timeout_s=pg_timeout_s)
     except BaseException:
-        _send(conn, (_INIT, False, traceback.format_exc()))
+        with contextlib.suppress(OSError):
+            _send(conn, (_INIT, False, traceback.format_exc()))
+        _if_orphaned_remove(store_path, parent)
         return
     try:
         while True:
             if not conn.poll(1.0):
-                if os.getppid() != parent:  # the parent was killed: do not linger
+                if _if_orphaned_remove(store_path, parent):  # do not linger
                     return
                 continue
             try:
                 message = conn.recv_bytes()
-            except EOFError:
+            except EOFError:  # the parent's end closed: it is dying (its stop comes first)
+                end = time.monotonic() + 2.0  # the exit closes files before it re-parents us
+                while not _if_orphaned_remove(store_path, parent) and time.monotonic() < end:
+                    time.sleep(0.05)
                 return
             if message == _STOP:
                 return
@@ -367,23 +380,25 @@ class LocalRanks:
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
-            # never blocks: a rank that does not read (a full pipe) is killed below; a 4-byte
-            # message is written whole or not at all
-            with contextlib.suppress(OSError):
-                os.set_blocking(conn.fileno(), False)
-                conn.send_bytes(_STOP)
-        end = time.monotonic() + 2.0
-        for p in self._procs:
-            if p.pid is None:
-                continue  # never started
-            p.join(timeout=max(0.0, end - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=2.0)
-        for conn in self._conns:
-            conn.close()
-        self._cleanup()
+        started = [p for p in self._procs if p.pid is not None]
+        try:
+            for conn in self._conns:
+                # never blocks: a rank that does not read (a full pipe) is killed below; a
+                # 4-byte message is written whole or not at all
+                with contextlib.suppress(OSError):
+                    os.set_blocking(conn.fileno(), False)
+                    conn.send_bytes(_STOP)
+            end = time.monotonic() + 2.0
+            for p in started:
+                p.join(timeout=max(0.0, end - time.monotonic()))
+        finally:  # also when interrupted: no rank, pipe or directory outlives the pool
+            for p in started:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=2.0)
+            for conn in self._conns:
+                conn.close()
+            self._cleanup()
 
 
 def run_local_ranks(
