@@ -17,11 +17,14 @@ Nothing ever waits forever:
 * a call that has not finished after ``timeout_s`` fails, naming the ranks that gave no answer;
 * the process group has a finite timeout (``pg_timeout_s``): a rank blocked that long in a
   collective raises;
-* a rank whose parent died exits when it is next idle.
+* a rank whose parent died exits when it is next idle, removing the rendezvous directory;
+* Ctrl-C in the parent during a call kills the ranks; :meth:`LocalRanks.close` never blocks on a
+  rank that does not read.
 
 The rendezvous cannot race: the ranks meet in a ``FileStore`` inside a fresh private temporary
-directory (removed by :meth:`LocalRanks.close`), not on a TCP port picked, released and hoped to
-stay free. gloo's own connections then listen on ports the OS assigns while they are held.
+directory (removed by :meth:`LocalRanks.close`, at garbage collection or exit, or by the ranks
+of a parent that was killed), not on a TCP port picked, released and hoped to stay free. gloo's
+own connections then listen on ports the OS assigns while they are held.
 
 :func:`run_local_ranks` is the one-shot form (public as ``cpshard.launch.run_local_ranks``).
 """
