@@ -242,10 +242,15 @@ def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> 
     return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()  # one sync
 
 
-def init_local_gloo(
-    rank: int, world_size: int, store_path: str, *, timeout_s: float = 60.0
+def init_local(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    *,
+    backend: Literal["gloo", "nccl"] = "gloo",
+    timeout_s: float = 60.0,
 ) -> DeviceMesh:
-    """Join a gloo process group of ``world_size`` processes on this machine; return its mesh.
+    """Join a process group of ``world_size`` processes on this machine; return its mesh.
 
     The ranks meet in a ``FileStore`` at ``store_path`` (a file in a directory private to this
     group of ranks, made by the launcher): no TCP port is picked and released before use, so two
@@ -255,23 +260,28 @@ def init_local_gloo(
         rank: This process's rank.
         world_size: Number of processes.
         store_path: The rendezvous file; every rank passes the same path.
+        backend: ``"gloo"`` (CPU collectives; a CPU mesh) or ``"nccl"`` (one GPU per rank: rank
+            ``r`` makes ``cuda:r`` its current device first; a CUDA mesh).
         timeout_s: Process-group timeout: a collective that waits longer raises.
 
     Returns:
-        A 1-D CPU mesh of all ranks, dimension name ``"cp"``.
+        A 1-D mesh of all ranks, dimension name ``"cp"``.
     """
     from datetime import timedelta
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # before the group: NCCL binds this rank to its GPU
     dist.init_process_group(
-        "gloo",
+        backend,
         store=dist.FileStore(store_path, world_size),  # type: ignore[attr-defined]  # not in stubs
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    mesh_device = "cuda" if backend == "nccl" else "cpu"
+    return init_device_mesh(mesh_device, (world_size,), mesh_dim_names=("cp",))
 
 
 def init_launched(backend: str, mesh_device: str, *, timeout_s: float) -> DeviceMesh:

@@ -2,12 +2,10 @@
 
 Rank workers are *spawned* (never forked: a parent that has used CUDA cannot fork a child that
 uses it), so they live in this importable module. The gloo ranks come from the launcher
-(``LocalRanks(start_method="spawn")``); the NCCL ranks, one per GPU, start themselves.
+(``LocalRanks(start_method="spawn")``), the NCCL ranks too (``backend="nccl"``, one GPU per rank).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,12 +57,7 @@ def gloo_one_gpu_rank(
             )  # fmt: skip
 
 
-def nccl_worker(rank: int, world: int, port: int, method: str) -> None:
-    """One rank per GPU over NCCL."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
-    try:
-        cp_case(world, rank, torch.float32, method, f"cuda:{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+def nccl_rank(cp_mesh: DeviceMesh, method: str) -> None:
+    """One rank per GPU over NCCL (the launcher made ``cuda:<rank>`` this rank's device)."""
+    rank = cp_mesh.get_local_rank()
+    cp_case(cp_mesh.size(), rank, torch.float32, method, f"cuda:{rank}")

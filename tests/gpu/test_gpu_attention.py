@@ -5,12 +5,9 @@ Skipped without CUDA. Run on a GPU machine with ``PYTHONPATH=src pytest -m gpu t
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _gpu_fns import cp_case, gloo_one_gpu_rank, nccl_worker
+from _gpu_fns import cp_case, gloo_one_gpu_rank, nccl_rank
 
 from cpshard.names import METHOD_NAMES as METHODS
 from cpshard.tools.launch import LocalRanks
@@ -19,12 +16,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -45,6 +36,5 @@ def test_several_ranks_on_one_gpu_over_gloo(world: int, dtype: str) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("method", METHODS)
 def test_nccl_two_gpus_match_reference(method: str) -> None:
-    mp.start_processes(
-        nccl_worker, args=(2, _port(), method), nprocs=2, join=True, start_method="spawn"
-    )
+    with LocalRanks(2, backend="nccl", start_method="spawn", pg_timeout_s=120.0) as ranks:
+        ranks.run(nccl_rank, method)

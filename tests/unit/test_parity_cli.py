@@ -252,3 +252,33 @@ def test_layouts_rejects_too_many_ranks_before_starting_any(
     assert main(["layouts", "--ranks", "8", "--seq-len", "10"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ranks 8" in err and "use --ranks <= 5" in err
+
+
+def test_local_runner_bounds_collectives_not_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--timeout is the ranks' process-group timeout; a row itself has no deadline (a long row
+    of a thorough run must not be killed by a limit nobody set)."""
+    import cpshard.cli._parity_run as parity_run
+
+    seen: dict[str, Any] = {}
+
+    class Pool:
+        def __init__(self, world: int, **kwargs: Any) -> None:
+            seen["init"] = (world, kwargs)
+
+        def alive(self) -> bool:
+            return True
+
+        def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+            seen["run"] = kwargs
+            return [(object(), 1.0, 2.0, "cpu_peak_rss")]
+
+        def close(self) -> None:
+            seen["closed"] = True
+
+    monkeypatch.setattr(parity_run, "LocalRanks", Pool)
+    runner = parity_run.LocalRunner(1, timeout_s=7.0)
+    runner.cp_side(ParityCase())
+    runner.close()
+    assert seen["init"] == (1, {"pg_timeout_s": 7.0})
+    assert seen["run"].get("timeout_s") == math.inf
+    assert seen["closed"]

@@ -18,6 +18,7 @@ Imports the parity tool, the rank pool and :mod:`cpshard._comm` (process-group c
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import resource
@@ -154,7 +155,9 @@ class LocalRunner(_InProcessSides):
         self.start()
         assert self._pool is not None
         try:
-            out = self._pool.run(_cp_rank, replace(case, device=self.device))
+            # no deadline for the row as a whole (as before the launcher was shared): a long
+            # row is legitimate; a rank stuck in a collective fails after --timeout
+            out = self._pool.run(_cp_rank, replace(case, device=self.device), timeout_s=math.inf)
         except BaseException:
             self.close()  # the next row forks fresh ranks
             raise

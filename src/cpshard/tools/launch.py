@@ -1,10 +1,11 @@
-"""Local ranks: processes of this machine joined by gloo that run functions on demand.
+"""Local ranks: processes of this machine joined by gloo (or NCCL) that run functions on demand.
 
 :class:`LocalRanks` forks ``world`` processes once (one thread each; ``start_method="spawn"`` for
 callers that use CUDA, which cannot be forked) and joins them in a gloo process group with a 1-D
-``("cp",)`` mesh of all of them. :meth:`LocalRanks.run` sends a top-level function
-``fn(cp_mesh, *args)`` (pickled by reference: module + qualname) to every rank and returns the
-per-rank results in rank order; the ranks stay up for the next call.
+``("cp",)`` mesh of all of them (``backend="nccl"``: spawned, one GPU per rank, a CUDA mesh).
+:meth:`LocalRanks.run` sends a top-level function ``fn(cp_mesh, *args)`` (pickled by reference:
+module + qualname) to every rank and returns the per-rank results in rank order; the ranks stay
+up for the next call.
 
 Nothing ever waits forever:
 
@@ -16,11 +17,14 @@ Nothing ever waits forever:
 * a call that has not finished after ``timeout_s`` fails, naming the ranks that gave no answer;
 * the process group has a finite timeout (``pg_timeout_s``): a rank blocked that long in a
   collective raises;
-* a rank whose parent died exits when it is next idle.
+* a rank whose parent died exits when it is next idle, removing the rendezvous directory;
+* Ctrl-C in the parent during a call kills the ranks; :meth:`LocalRanks.close` never blocks on a
+  rank that does not read.
 
 The rendezvous cannot race: the ranks meet in a ``FileStore`` inside a fresh private temporary
-directory (removed by :meth:`LocalRanks.close`), not on a TCP port picked, released and hoped to
-stay free. gloo's own connections then listen on ports the OS assigns while they are held.
+directory (removed by :meth:`LocalRanks.close`, at garbage collection or exit, or by the ranks
+of a parent that was killed), not on a TCP port picked, released and hoped to stay free. gloo's
+own connections then listen on ports the OS assigns while they are held.
 
 :func:`run_local_ranks` is the one-shot form (public as ``cpshard.launch.run_local_ranks``).
 """
@@ -113,10 +117,19 @@ def _send(conn: Connection, message: tuple[int, bool, Any]) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
+def _if_orphaned_remove(store_path: str, parent: int) -> bool:
+    """Whether the parent died; if so, remove the rendezvous directory its finalizer cannot."""
+    if os.getppid() == parent:
+        return False
+    shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
+    return True
+
+
 def _rank_main(
     rank: int,
     world: int,
     store_path: str,
+    backend: Literal["gloo", "nccl"],
     pg_timeout_s: float,
     parent: int,
     conn: Connection,
@@ -126,19 +139,24 @@ def _rank_main(
     for other in inherited:  # only this rank's end stays open here: a dead peer reads as EOF
         other.close()
     try:
-        mesh = _comm.init_local_gloo(rank, world, store_path, timeout_s=pg_timeout_s)
+        mesh = _comm.init_local(rank, world, store_path, backend=backend, timeout_s=pg_timeout_s)
     except BaseException:
-        _send(conn, (_INIT, False, traceback.format_exc()))
+        with contextlib.suppress(OSError):
+            _send(conn, (_INIT, False, traceback.format_exc()))
+        _if_orphaned_remove(store_path, parent)
         return
     try:
         while True:
             if not conn.poll(1.0):
-                if os.getppid() != parent:  # the parent was killed: do not linger
+                if _if_orphaned_remove(store_path, parent):  # do not linger
                     return
                 continue
             try:
                 message = conn.recv_bytes()
-            except EOFError:
+            except EOFError:  # the parent's end closed: it is dying (its stop comes first)
+                end = time.monotonic() + 2.0  # the exit closes files before it re-parents us
+                while not _if_orphaned_remove(store_path, parent) and time.monotonic() < end:
+                    time.sleep(0.05)
                 return
             if message == _STOP:
                 return
@@ -157,7 +175,7 @@ def _rank_main(
 
 
 class LocalRanks:
-    """``world`` local ranks (forked, or spawned) joined by gloo, running functions on demand.
+    """``world`` local ranks (forked or spawned) joined by gloo or NCCL, running functions.
 
     Args:
         world: Number of ranks (>= 1).
@@ -167,9 +185,14 @@ class LocalRanks:
         start_method: ``"fork"`` (fast; the parent must not have initialised CUDA) or
             ``"spawn"`` (fresh interpreters, for ranks that use a GPU; ``fn`` and its module
             must be importable).
+        backend: ``"gloo"`` (CPU mesh; ranks may still compute on GPUs, several on one) or
+            ``"nccl"`` (needs ``start_method="spawn"`` and a GPU per rank: rank ``r`` uses
+            ``cuda:r``, the mesh is a CUDA mesh). Results travel by pickle: return CPU values.
 
     Raises:
-        ValueError: ``world < 1``, a non-positive timeout or an unknown ``start_method``.
+        ValueError: ``world < 1``, a non-positive timeout, an unknown ``start_method`` or
+            ``backend``, or ``backend="nccl"`` with ``start_method="fork"`` or fewer visible
+            GPUs than ranks.
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -181,6 +204,7 @@ class LocalRanks:
         pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
         start_method: Literal["fork", "spawn"] = "fork",
+        backend: Literal["gloo", "nccl"] = "gloo",
     ) -> None:
         if world < 1:
             raise ValueError(f"world must be >= 1, got world={world}")
@@ -188,6 +212,19 @@ class LocalRanks:
             raise ValueError(
                 f"start_method must be 'fork' or 'spawn', got start_method={start_method!r}"
             )
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got backend={backend!r}")
+        if backend == "nccl":
+            if start_method != "spawn":
+                raise ValueError(
+                    "backend='nccl' needs start_method='spawn': a forked child cannot use CUDA"
+                )
+            gpus = torch.cuda.device_count()
+            if world > gpus:
+                raise ValueError(
+                    f"backend='nccl' runs one GPU per rank: world={world} needs {world} visible "
+                    f"CUDA devices, found {gpus}; use fewer ranks, or backend='gloo' to share a GPU"
+                )
         for name, value in (("pg_timeout_s", pg_timeout_s), ("grace_s", grace_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {name}={value}")
@@ -212,6 +249,7 @@ class LocalRanks:
                     r,
                     world,
                     os.path.join(self._dir, "store"),
+                    backend,
                     pg_timeout_s,
                     os.getpid(),
                     pipes[r][1],
@@ -254,7 +292,8 @@ class LocalRanks:
         Args:
             fn: A top-level function (pickled by reference); its result must be picklable.
             *args: Picklable arguments.
-            timeout_s: Give up after this long (every rank is then killed).
+            timeout_s: Give up after this long (every rank is then killed); ``math.inf``: no
+                limit (the process-group timeout still bounds every collective).
 
         Returns:
             The per-rank results.
@@ -271,12 +310,12 @@ class LocalRanks:
         task_id = self._next_id
         self._next_id += 1
         message = pickle.dumps((task_id, payload))
-        for conn in self._conns:
-            with contextlib.suppress(OSError):  # a rank that is gone: the wait reports it
-                conn.send_bytes(message)
         try:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # a rank that is gone: the wait reports it
+                    conn.send_bytes(message)
             outcomes, results = self._collect(task_id, timeout_s)
-        except BaseException:  # e.g. KeyboardInterrupt: the ranks are mid-task, end them
+        except BaseException:  # e.g. KeyboardInterrupt: ranks are mid-task or mid-message
             self._kill()
             raise
         if all(o.status == "ok" for o in outcomes):
@@ -344,20 +383,25 @@ class LocalRanks:
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.send_bytes(_STOP)
-        end = time.monotonic() + 2.0
-        for p in self._procs:
-            if p.pid is None:
-                continue  # never started
-            p.join(timeout=max(0.0, end - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=2.0)
-        for conn in self._conns:
-            conn.close()
-        self._cleanup()
+        started = [p for p in self._procs if p.pid is not None]
+        try:
+            for conn in self._conns:
+                # never blocks: a rank that does not read (a full pipe) is killed below; a
+                # 4-byte message is written whole or not at all
+                with contextlib.suppress(OSError):
+                    os.set_blocking(conn.fileno(), False)
+                    conn.send_bytes(_STOP)
+            end = time.monotonic() + 2.0
+            for p in started:
+                p.join(timeout=max(0.0, end - time.monotonic()))
+        finally:  # also when interrupted: no rank, pipe or directory outlives the pool
+            for p in started:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=2.0)
+            for conn in self._conns:
+                conn.close()
+            self._cleanup()
 
 
 def run_local_ranks(
