@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _launch import CommBytes, paired_median_times
+from _timing import CommBytes, paired_median_times
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
