@@ -25,9 +25,9 @@ attention: silently wrong gradients) -> ``ValueError`` with the fix.
 
 It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
 raised and the loop caught the exception, this rank is out of step with its peers (they wait in
-that forward's collectives): the next :func:`cpshard.prepare_cp_forward` then raises on this rank before
-any collective, so the run ends (the peers fail within the process-group timeout) instead of
-pairing unrelated collectives.
+that forward's collectives): the next :func:`cpshard.prepare_cp_forward` then raises on this rank
+before any collective, so the run ends (the peers fail within the process-group timeout) instead
+of pairing unrelated collectives.
 
 Imports the shard identity (:mod:`cpshard.sharding.facts`) and the active attention mode
 (:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),

@@ -12,7 +12,7 @@ Sharding only shards: a built-in ``shard_batch`` returns a context with no atten
 the dispatcher (:mod:`cpshard.dispatch`) composes CP attention over the shard's token meta.
 
 Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency`,
-:mod:`cpshard._comm` (the only door to ``torch.distributed``) and :mod:`cpshard.names`. It never imports
-:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
+:mod:`cpshard._comm` (the only door to ``torch.distributed``) and :mod:`cpshard.names`. It never
+imports :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`,
+:mod:`cpshard.cli` or :mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
 """
