@@ -3,8 +3,9 @@
 A thin test-facing wrapper of :class:`cpshard.tools.launch.LocalRanks`: one pool per world size,
 forked on first use and reused across tests (~ms per test instead of a process start). Each task
 is a top-level function ``fn(cp_mesh, *args)``; every rank seeds torch with ``1234 + rank`` and
-runs it. A rank that raises, dies or hangs fails the test within seconds with every rank's story;
-that pool is then dropped and the next test of that world size forks a fresh one.
+runs it. A rank that raises or dies fails the test within seconds with every rank's story, a
+rank that hangs within the call's ``timeout`` (60 s unless the test says otherwise); that pool is
+then dropped and the next test of that world size forks a fresh one.
 """
 
 from __future__ import annotations

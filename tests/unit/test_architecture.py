@@ -237,7 +237,7 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard", "from cpshard import models\n", ["cpshard.models"]),
         ("cpshard.guards.model", "import cpshard.cli.main\n", ["cpshard.cli.main"]),
         ("cpshard.cli.x", "from cpshard.tools.parity import MODELS\n", []),
-        ("cpshard.tools.x", "from cpshard.cli._pool import LocalRankPool\n", None),
+        ("cpshard.tools.x", "from cpshard.cli._parity_run import LocalRunner\n", None),
     ],
 )
 def test_the_checker_flags_what_the_rules_forbid(

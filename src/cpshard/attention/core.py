@@ -5,8 +5,8 @@ any collective, so a bad call raises the same ``ValueError`` on every rank and n
 waiting in a collective.
 
 Owns the argument checks and the method switch (names from :mod:`cpshard.names`). Imports the
-three methods, the plan and :mod:`cpshard._comm`; never :mod:`cpshard.dispatch` or
-:mod:`cpshard.guards`.
+three methods, the plan, the kernels, the token meta (:mod:`cpshard.sharding.meta`) and
+:mod:`cpshard._comm`; never :mod:`cpshard.dispatch` or :mod:`cpshard.guards`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Each rank adds its contribution for the block it holds and passes the accumulato
 hops each accumulator is back at its owner. ``dq`` stays local.
 Bytes sent per rank and layer (forward): ``(C-1)/C * S * 2 * Hkv * D * itemsize``.
 
-Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its point-to-point
-transfer); nothing else of cpshard.
+Imports the plan, the blockwise runner, the kernels and the merge of this package and
+:mod:`cpshard._comm` (its point-to-point transfer); nothing else of cpshard.
 """
 
 from __future__ import annotations

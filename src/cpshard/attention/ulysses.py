@@ -6,8 +6,8 @@ attends its heads over the stream with the mask from the token meta, and a secon
 returns ``[B, Hq, L, D]``. Backward mirrors it. Needs ``Hq % C == 0`` and ``Hkv % C == 0``; query
 head group ``j`` then uses exactly key head group ``j`` (the ``repeat_kv`` convention).
 
-Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its all-to-all);
-nothing else of cpshard.
+Imports the plan, the blockwise runner and the kernels of this package and :mod:`cpshard._comm`
+(its all-to-all); nothing else of cpshard.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def plan_rows(
 
     Args:
         base: Sizes, steps, seed, grad sync and device shared by every row.
-        models: Keys of :data:`cpshard.tools.parity.MODELS`.
+        models: Keys of :data:`cpshard.tools.parity_models.MODELS`.
         dtypes: ``float32``, ``float64``, ``bfloat16``.
         layouts: cpshard layouts for models that do not own theirs.
         methods: Attention methods.

@@ -1,6 +1,7 @@
 """Entry point of the ``cpshard`` command: one sub-command per module.
 
-Owns the sub-command table; each sub-command module is imported only when it runs.
+Owns the sub-command table. Every sub-command module is imported to build the parser (each adds
+its own arguments and ``--help`` text); the chosen one's ``run`` then does the work.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Call-time guards on a CP-prepared model: the sharded batch runs inside its own ``ctx()``.
 
-:func:`prepare_cp_forward` installs one forward pre-hook on the model (idempotent, the public
-``register_forward_pre_hook`` API; nothing is patched). On every forward it checks, from facts
+:func:`cpshard.prepare_cp_forward` installs one forward pre-hook and one forward hook on the
+model (:func:`install_model_guard`: idempotent, the public ``register_forward_pre_hook`` /
+``register_forward_hook`` API; nothing is patched). On every forward it checks, from facts
 the call itself carries (the local batch tensors carry the identity of the shard that made them):
 
 * a local batch tensor reaches the model *outside* ``ctx()`` (or inside
@@ -24,9 +25,9 @@ attention: silently wrong gradients) -> ``ValueError`` with the fix.
 
 It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
 raised and the loop caught the exception, this rank is out of step with its peers (they wait in
-that forward's collectives): the next :func:`prepare_cp_forward` then raises on this rank before
-any collective, so the run ends (the peers fail within the process-group timeout) instead of
-pairing unrelated collectives.
+that forward's collectives): the next :func:`cpshard.prepare_cp_forward` then raises on this rank
+before any collective, so the run ends (the peers fail within the process-group timeout) instead
+of pairing unrelated collectives.
 
 Imports the shard identity (:mod:`cpshard.sharding.facts`) and the active attention mode
 (:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),

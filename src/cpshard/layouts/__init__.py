@@ -4,7 +4,8 @@ Owns the closed-form layouts (``none``, ``contiguous``, ``round_robin``; :mod:`.
 the document structure of packed batches (:class:`~cpshard.layouts.documents.PackSpec`), the
 layouts of packed streams (``packed``; :mod:`.packed`) and our ``balanced`` solver
 (:mod:`.balanced`), plus the index helpers they share (:mod:`.index`: padded lengths, rank-map
-checks, inverse permutations, runs).
+checks, inverse permutations, runs) and the one map between the caller's coordinates and the
+padded stream (:mod:`.coordinates`).
 
 Import rule: pure index math on torch / numpy tensors. Nothing here imports
 ``torch.distributed``, :mod:`cpshard._comm` or any other cpshard package (only

@@ -11,8 +11,8 @@ the packed ``shard_batch`` (:mod:`.packed`), the per-token facts attention reads
 Sharding only shards: a built-in ``shard_batch`` returns a context with no attention in it, and
 the dispatcher (:mod:`cpshard.dispatch`) composes CP attention over the shard's token meta.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency` and
-:mod:`cpshard._comm` (the only door to ``torch.distributed``). It never imports
-:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
+Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency`,
+:mod:`cpshard._comm` (the only door to ``torch.distributed``) and :mod:`cpshard.names`. It never
+imports :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`,
+:mod:`cpshard.cli` or :mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
 """

@@ -6,7 +6,8 @@ that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller 
 rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
 the mesh the batch was sharded on), once per shard: nothing is updated field by field.
 
-Import rule: may import :mod:`cpshard.layouts` and :mod:`cpshard.sharding.meta`; never
+Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta` and
+:mod:`cpshard.sharding.token_index`; never
 :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
 :mod:`cpshard.models`.
 """
