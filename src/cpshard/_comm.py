@@ -395,6 +395,107 @@ def reduce_scatter_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor
     return out
 
 
+class PendingCollective:
+    """An all-gather or reduce-scatter started with ``async_op=True``, not yet waited for."""
+
+    def __init__(
+        self,
+        work: Any,
+        keep: torch.Tensor,
+        staged: tuple[torch.Tensor, torch.Tensor] | None,
+        result: torch.Tensor,
+    ) -> None:
+        self._work = work
+        self._keep: torch.Tensor | None = keep  # the input, alive until the collective completes
+        self._staged = staged  # (host result, device tensor it is copied into) when host-staged
+        self._result = result  # what wait() returns (a view of the collective's output buffer)
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective completed; return its result (on the input's device).
+
+        The input buffer is released here, so a caller that dropped its own reference frees it
+        at once.
+        """
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._keep = None
+        if self._staged is not None:
+            host, target = self._staged
+            target.copy_(host)
+            self._staged = None
+        return self._result
+
+
+def _start(
+    direct_async: Callable[[torch.Tensor, torch.Tensor, ProcessGroup], Any],
+    out: torch.Tensor,
+    x: torch.Tensor,
+    group: ProcessGroup,
+    result: torch.Tensor,
+) -> PendingCollective:
+    """``direct_async(out, x, group)`` (returns a work handle), host-staged where needed.
+
+    ``result`` is the view of ``out`` that :meth:`PendingCollective.wait` returns.
+    """
+    if _staged(x, group):
+        host_in, host_out = _to_host(x), _host_like(out)
+        work = direct_async(host_out, host_in, group)
+        return PendingCollective(work, host_in, (host_out, out), result)
+    return PendingCollective(direct_async(out, x, group), x, None, result)
+
+
+def _all_gather_async(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> Any:
+    if hasattr(dist, "all_gather_single"):
+        return dist.all_gather_single(out, x, group=group, async_op=True)
+    return dist.all_gather_into_tensor(out, x, group=group, async_op=True)  # torch < 2.13
+
+
+def _reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> Any:
+    if hasattr(dist, "reduce_scatter_single"):
+        return dist.reduce_scatter_single(out, x, group=group, async_op=True)
+    return dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # torch < 2.13
+
+
+def all_gather_stacked_start(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
+    """Start :func:`all_gather_stacked` asynchronously; the caller computes, then waits.
+
+    Not traceable by dynamo (async work handles): under ``torch.compile`` call
+    :func:`all_gather_stacked` instead. Do not write to ``x`` before
+    :meth:`~PendingCollective.wait`.
+
+    Args:
+        x: Local tensor ``[N, *rest]`` (at least 1-D), the same shape and dtype on every rank.
+        group: The CP process group.
+
+    Returns:
+        The in-flight collective; its :meth:`~PendingCollective.wait` returns ``[C, *x.shape]``.
+    """
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    out = x.new_empty((world, *x.shape))
+    return _start(_all_gather_async, out.view(world * x.shape[0], *x.shape[1:]), x, group, out)
+
+
+def reduce_scatter_stacked_start(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
+    """Start :func:`reduce_scatter_stacked` asynchronously; the caller computes, then waits.
+
+    Not traceable by dynamo (async work handles): under ``torch.compile`` call
+    :func:`reduce_scatter_stacked` instead. Do not write to ``x`` before
+    :meth:`~PendingCollective.wait`.
+
+    Args:
+        x: ``[C, N, *rest]``; slice ``r`` is this rank's contribution to rank ``r``.
+        group: The CP process group.
+
+    Returns:
+        The in-flight collective; its :meth:`~PendingCollective.wait` returns ``[N, *rest]``.
+    """
+    x = x.contiguous()
+    out = x.new_empty(x.shape[1:])
+    return _start(_reduce_scatter_async, out, x.view(-1, *x.shape[2:]), group, out)
+
+
 def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-to-all over the leading dim: slice ``j`` goes to rank ``j``.
 

@@ -29,6 +29,8 @@ def _collectives(group: object, rank: int, world: int) -> dict[str, torch.Tensor
     pair = [x.clone(), stacked.clone()]  # two dtypes: two buckets
     _comm.all_reduce_sum_coalesced_(pair, group)
     res["all_reduce_sum_coalesced_0"], res["all_reduce_sum_coalesced_1"] = pair
+    res["all_gather_stacked_start"] = _comm.all_gather_stacked_start(x[:, ::2], group).wait()
+    res["reduce_scatter_stacked_start"] = _comm.reduce_scatter_stacked_start(stacked, group).wait()
     res["all_gather_long"] = _comm.all_gather_long(torch.arange(4) + 10 * rank, group)
     leaf = x.clone().requires_grad_()
     gathered = _comm.all_gather_dim0(leaf, group, "sum")
@@ -54,7 +56,11 @@ def staged_matches_direct(cp_mesh: DeviceMesh) -> dict[str, bool]:
     with _forced_staging():
         staged = _collectives(group, rank, world)
         staged["all_reduce_sum_mesh_"] = _comm.all_reduce_sum_mesh_(x.clone(), cp_mesh)
-    return {name: torch.equal(direct[name], staged[name]) for name in direct}
+    same = {name: torch.equal(direct[name], staged[name]) for name in direct}
+    for run, res in (("direct", direct), ("staged", staged)):  # async == synchronous
+        for name in ("all_gather_stacked", "reduce_scatter_stacked"):
+            same[f"{run} {name}_start"] = torch.equal(res[f"{name}_start"], res[name])
+    return same
 
 
 def _cp_sdpa_step(cp_mesh: DeviceMesh, method: str) -> list[torch.Tensor]:

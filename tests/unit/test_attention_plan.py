@@ -91,6 +91,33 @@ def test_needed_pairs_are_exact_and_tiles_bounded(method: str, window: int | Non
                         assert t.mask.shape[1] <= TILE and t.mask.shape[2] <= TILE
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_all_gather_split_is_own_block_plus_the_rest(window: int | None) -> None:
+    """The overlapped all_gather runs ``local`` before its gather completes: it may only read
+    this rank's own keys, ``remote`` never reads them, and together they need what the whole
+    stream needs."""
+    world, n = 3, 600
+    docs = _lognormal_docs(n, 4, pad=6)
+    rmap = torch.randperm(n + 6, generator=torch.Generator().manual_seed(3)).view(world, -1)
+    rmap = torch.sort(rmap, dim=1).values
+    for rank in range(world):
+        plan = AttentionPlan(_meta(rmap, docs, rank))
+        local, remote = plan.all_gather_split(True, window, CPU)
+        assert local is plan.ring(True, window, CPU)[rank]
+        whole = plan.all_gather(True, window, CPU)
+        assert local.needed + remote.needed == whole.needed
+        own = range(rank * plan.local_len, (rank + 1) * plan.local_len)
+        for _, tasks in remote.groups:
+            assert tasks
+            assert all(t.k1 <= own.start or t.k0 >= own.stop for t in tasks)
+        for _, tasks in local.groups:
+            assert all(t.k1 <= plan.local_len for t in tasks)
+    one = AttentionPlan(_meta(torch.arange(64)[None], torch.zeros(1, 64, dtype=torch.long)))
+    local, remote = one.all_gather_split(True, window, CPU)
+    assert remote.empty
+    assert local.needed == one.all_gather(True, window, CPU).needed
+
+
 def test_one_process_lognormal_documents_cost_about_what_the_mask_needs() -> None:
     docs = _lognormal_docs(16384, 3)
     plan = AttentionPlan(_meta(torch.arange(16384)[None], docs))

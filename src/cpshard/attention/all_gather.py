@@ -2,10 +2,18 @@
 
 Forward: one all-gather of the local ``(k, v)`` stacked sequence-major (``[L, 2, B, H, D]``), so
 the gathered buffer is the rank-major stream and its k/v are strided views (no reordering copy);
-the local queries attend to the whole stream with the mask from the token meta. Backward: local
-gradients against the whole stream, accumulated in place into one fp32 buffer of the gathered
-layout, then one reduce-scatter (sum) of it back to the owning ranks.
+the local queries attend to the whole stream with the mask from the token meta. The plan comes
+cut in two (:meth:`~cpshard.attention.plan.AttentionPlan.all_gather_split`): while the gather is
+in flight the queries attend to this rank's own keys, then to the gathered remote keys; the two
+partial results are merged in fp32 by their LSE.
+
+Backward: the remote keys' dK/dV first, into one fp32 buffer of the gathered layout (this rank's
+own chunk stays zero); its reduce-scatter (sum) back to the owning ranks then runs while the own
+keys' gradients are computed, which are added to the received sum.
 Bytes sent per rank and layer: ``(C-1)/C * S * 2 * Hkv * D * itemsize`` forward.
+
+Under ``torch.compile`` (dynamo cannot trace async work handles) the same two plans run with
+synchronous collectives: same results, no overlap.
 
 Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its collectives);
 nothing else of cpshard.
@@ -18,10 +26,16 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from cpshard._comm import all_gather_stacked, reduce_scatter_stacked
+from cpshard._comm import (
+    PendingCollective,
+    all_gather_stacked,
+    all_gather_stacked_start,
+    reduce_scatter_stacked,
+    reduce_scatter_stacked_start,
+)
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
-from cpshard.attention.merge import accumulation_dtype
+from cpshard.attention.merge import accumulation_dtype, merge_into
 from cpshard.attention.plan import PairPlan
 
 __all__ = ["all_gather_attention"]
@@ -44,61 +58,85 @@ class _AllGatherAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: PairPlan,
+        local: PairPlan,
+        remote: PairPlan,
         group: ProcessGroup | None,
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
     ) -> torch.Tensor:
-        if group is None:
-            full = None
-            k_all, v_all = k, v
-        else:
+        full: torch.Tensor | None = None
+        pending: PendingCollective | None = None
+        if group is not None:
             # Sequence-major, the gathered buffer [C*L, 2, B, H, D] is the rank-major stream and
             # its k/v are plain strided views: no reordering copy of the full K/V.
-            full = all_gather_stacked(_seq_major(k, v), group).flatten(0, 1)
+            if torch.compiler.is_compiling():
+                full = all_gather_stacked(_seq_major(k, v), group).flatten(0, 1)
+            else:
+                pending = all_gather_stacked_start(_seq_major(k, v), group)
+        # This rank's own keys need no communication: attend to them while the gather runs.
+        out, lse = attend(q, k, v, local, scale=scale, backend=backend, softcap=softcap)
+        if pending is not None:
+            full = pending.wait().flatten(0, 1)
+        if full is not None and not remote.empty:
             k_all, v_all = _stream_views(full)
-        out, lse = attend(q, k_all, v_all, plan, scale=scale, backend=backend, softcap=softcap)
+            o, l_ = attend(q, k_all, v_all, remote, scale=scale, backend=backend, softcap=softcap)
+            merge_into(out, lse, o, l_)
+            del o, l_
         result = out.to(q.dtype)
         # As in the ring: keep the returned tensor, not an fp32 copy, for the flash backward.
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
         ctx.save_for_backward(q, k, v, full, keep, lse)
-        ctx.args = (plan, group, scale, backend, softcap)
+        ctx.args = (local, remote, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, full, out, lse = ctx.saved_tensors
-        plan, group, scale, backend, softcap = ctx.args
+        local, remote, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
+        grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        if full is None:
-            k_all, v_all = k, v
-            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        else:
-            k_all, v_all = _stream_views(full)
-            # One fp32 buffer in the gathered layout: its rank-major chunks are what the
-            # reduce-scatter sends, so dK/dV of the stream are accumulated in place, no stacking.
-            dfull = torch.zeros(full.shape, dtype=acc, device=full.device)
-            dk, dv = _stream_views(dfull)
-        attend_backward_into(
-            grad_out.contiguous(), q, k_all, v_all, out, lse, plan, dq, dk, dv, scale=scale,
-            backend=backend, softcap=softcap,
-        )  # fmt: skip
+        pending: PendingCollective | None = None
+        mine: torch.Tensor | None = None
         if full is not None:
-            world = full.shape[0] // q.shape[2]
-            mine = reduce_scatter_stacked(dfull.view(world, -1, *dfull.shape[1:]), group)
-            del dfull, dk, dv
-            dk, dv = (t.contiguous() for t in _stream_views(mine))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
+            k_all, v_all = _stream_views(full)
+            # The remote keys' gradients, in one fp32 buffer of the gathered layout: its rank-major
+            # chunks are what the reduce-scatter sends (this rank's own chunk stays zero here).
+            dfull = torch.zeros(full.shape, dtype=acc, device=full.device)
+            dk_all, dv_all = _stream_views(dfull)
+            attend_backward_into(
+                grad_out, q, k_all, v_all, out, lse, remote, dq, dk_all, dv_all, scale=scale,
+                backend=backend, softcap=softcap,
+            )  # fmt: skip
+            chunks = dfull.view(-1, q.shape[2], *dfull.shape[1:])  # [C, L, 2, B, H, D]
+            if torch.compiler.is_compiling():
+                mine = reduce_scatter_stacked(chunks, group)
+            else:
+                pending = reduce_scatter_stacked_start(chunks, group)
+            del dfull, dk_all, dv_all, chunks
+        # The own keys' gradients while the reduce-scatter runs.
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        attend_backward_into(
+            grad_out, q, k, v, out, lse, local, dq, dk, dv, scale=scale, backend=backend,
+            softcap=softcap,
+        )  # fmt: skip
+        if pending is not None:
+            mine = pending.wait()
+        if mine is not None:
+            mk, mv = _stream_views(mine)
+            dk += mk
+            dv += mv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 
 def all_gather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    plan: PairPlan,
+    local: PairPlan,
+    remote: PairPlan,
     group: ProcessGroup | None,
     *,
     scale: float,
@@ -111,7 +149,9 @@ def all_gather_attention(
         q: ``[B, Hq, L, D]`` local queries.
         k: ``[B, Hkv, L, D]`` local keys.
         v: ``[B, Hkv, L, D]`` local values.
-        plan: Local queries against the whole rank-major stream ``[C * L]``.
+        local: Local queries against this rank's own block ``[L]``.
+        remote: Local queries against the whole rank-major stream ``[C * L]``, this rank's
+            block skipped (see :meth:`~cpshard.attention.plan.AttentionPlan.all_gather_split`).
         group: CP process group, or ``None`` for world size 1.
         scale: Score scale.
         backend: Kernel backend.
@@ -121,6 +161,6 @@ def all_gather_attention(
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, plan, group, scale, backend, softcap
+        q, k, v, local, remote, group, scale, backend, softcap
     )
     return out

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard._comm import cp_group, group_rank_and_size
 from cpshard.attention.all_gather import all_gather_attention
 from cpshard.attention.kernels import KernelBackend
-from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
+from cpshard.attention.plan import AttentionPlan, PairPlan, attention_plan, check_window
 from cpshard.attention.ring import ring_attention
 from cpshard.attention.softcap import check_softcap
 from cpshard.attention.ulysses import ulysses_attention
@@ -181,13 +181,19 @@ def cp_sdpa(
     )
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cap = None if softcap is None else float(softcap)
-    if isinstance(plans, tuple):
+    if method == "ring":
+        assert isinstance(plans, tuple)
         return ring_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
     if method == "ulysses":
+        assert isinstance(plans, PairPlan)
         return ulysses_attention(
             q, k, v, plans, group, world, scale=sc, backend=backend, softcap=cap
         )
-    return all_gather_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
+    assert isinstance(plans, tuple)
+    local, remote = plans
+    return all_gather_attention(
+        q, k, v, local, remote, group, scale=sc, backend=backend, softcap=cap
+    )
 
 
 def cp_attention(

@@ -99,6 +99,7 @@ def pair_plan(
     causal: bool,
     window: int | None,
     device: torch.device,
+    skip_keys: tuple[int, int] | None = None,
 ) -> PairPlan:
     """Plan one (query set, key set) pair from host arrays.
 
@@ -111,10 +112,16 @@ def pair_plan(
         causal: Causal masking by global position.
         window: Sliding window or ``None``.
         device: Device of the masks and row indices.
+        skip_keys: Key slots ``[start, end)`` that no query attends to in this plan (the
+            all-gather's local block, planned apart), or ``None``.
 
     Returns:
         The :class:`PairPlan`.
     """
+    if skip_keys is not None:
+        # A document id that no query slot has: the skipped keys form runs that meet no query.
+        k_doc = k_doc.copy()
+        k_doc[:, skip_keys[0] : skip_keys[1]] = min(int(q_doc.min()), int(k_doc.min())) - 1
     groups = []
     computed = needed = 0
     for g in range(q_pos.shape[0]):
@@ -189,14 +196,21 @@ class AttentionPlan:
         return self._pos[:, rank * n : (rank + 1) * n], self._doc[:, rank * n : (rank + 1) * n]
 
     def _pair(
-        self, q: int | None, k: int | None, causal: bool, window: int | None, device: torch.device
+        self,
+        q: int | None,
+        k: int | None,
+        causal: bool,
+        window: int | None,
+        device: torch.device,
+        skip: int | None = None,
     ) -> PairPlan:
-        key = ("pair", q, k, causal, window, str(device))
+        key = ("pair", q, k, causal, window, str(device), skip)
         hit = self._cache.get(key)
         if hit is None:
+            n = self.local_len
             hit = pair_plan(
                 *self._slots(q), *self._slots(k), self._rows, causal=causal, window=window,
-                device=device,
+                device=device, skip_keys=None if skip is None else (skip * n, (skip + 1) * n),
             )  # fmt: skip
             self._cache[key] = hit
         assert isinstance(hit, PairPlan)
@@ -205,6 +219,21 @@ class AttentionPlan:
     def all_gather(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
         """Local queries against the whole gathered stream."""
         return self._pair(self.rank, None, causal, window, device)
+
+    def all_gather_split(
+        self, causal: bool, window: int | None, device: torch.device
+    ) -> tuple[PairPlan, PairPlan]:
+        """:meth:`all_gather` cut in two: ``(local, remote)``.
+
+        ``local``: local queries against this rank's own block ``[L]`` (available before the
+        all-gather completes; the same plan as ``ring(...)[rank]``). ``remote``: local queries
+        against the whole stream ``[C * L]`` with this rank's block skipped (empty at ``C = 1``).
+        Together they cover exactly the pairs of :meth:`all_gather`.
+        """
+        return (
+            self._pair(self.rank, self.rank, causal, window, device),
+            self._pair(self.rank, None, causal, window, device, skip=self.rank),
+        )
 
     def ring(self, causal: bool, window: int | None, device: torch.device) -> tuple[PairPlan, ...]:
         """Local queries against each rank's block, index ``r`` for rank ``r``."""
@@ -219,12 +248,12 @@ class AttentionPlan:
     def for_method(
         self, method: str, causal: bool, window: int | None, device: torch.device
     ) -> PairPlan | tuple[PairPlan, ...]:
-        """The plan(s) ``method`` runs; see :meth:`all_gather`, :meth:`ring`, :meth:`ulysses`."""
+        """The plan(s) ``method`` runs: :meth:`all_gather_split`, :meth:`ring`, :meth:`ulysses`."""
         if method == "ring":
             return self.ring(causal, window, device)
         if method == "ulysses":
             return self.ulysses(causal, window, device)
-        return self.all_gather(causal, window, device)
+        return self.all_gather_split(causal, window, device)
 
     def pair_counts(
         self, method: str, causal: bool = True, window: int | None = None
