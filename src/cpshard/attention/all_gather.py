@@ -15,8 +15,8 @@ Bytes sent per rank and layer: ``(C-1)/C * S * 2 * Hkv * D * itemsize`` forward.
 Under ``torch.compile`` (dynamo cannot trace async work handles) the same two plans run with
 synchronous collectives: same results, no overlap.
 
-Imports the plan and the kernels of this package and :mod:`cpshard._comm` (its collectives);
-nothing else of cpshard.
+Imports the plan, the blockwise runner, the kernels and the merge of this package and
+:mod:`cpshard._comm` (its collectives); nothing else of cpshard.
 """
 
 from __future__ import annotations
