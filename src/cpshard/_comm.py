@@ -24,6 +24,7 @@ test-side patch); the library itself reads no environment variable.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -129,7 +130,7 @@ def cp_rank_and_size(cp_mesh: DeviceMesh | None) -> tuple[int, int]:
     return cp_mesh.get_local_rank(), cp_mesh.size()
 
 
-_Into = Callable[[torch.Tensor, torch.Tensor, ProcessGroup], None]
+_Into = Callable[[torch.Tensor, torch.Tensor, ProcessGroup], Any]
 
 
 def _into(direct: _Into, out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
@@ -154,18 +155,22 @@ def _all_to_all_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) 
     dist.all_to_all_single(out, x, group=group)
 
 
-def _all_gather_into_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+def _all_gather_into_direct(
+    out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Any:
+    """The all-gather itself; with ``async_op`` it returns the work handle."""
     if hasattr(dist, "all_gather_single"):
-        dist.all_gather_single(out, x, group=group)
-    else:  # torch < 2.13
-        dist.all_gather_into_tensor(out, x, group=group)
+        return dist.all_gather_single(out, x, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)  # torch < 2.13
 
 
-def _reduce_scatter_into_direct(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+def _reduce_scatter_into_direct(
+    out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Any:
+    """The reduce-scatter (sum) itself; with ``async_op`` it returns the work handle."""
     if hasattr(dist, "reduce_scatter_single"):
-        dist.reduce_scatter_single(out, x, group=group)
-    else:  # torch < 2.13
-        dist.reduce_scatter_tensor(out, x, group=group)
+        return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)  # torch < 2.13
 
 
 def _gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -267,10 +272,6 @@ def init_local(
     Returns:
         A 1-D mesh of all ranks, dimension name ``"cp"``.
     """
-    from datetime import timedelta
-
-    from torch.distributed.device_mesh import init_device_mesh
-
     if backend == "nccl":
         torch.cuda.set_device(rank)  # before the group: NCCL binds this rank to its GPU
     dist.init_process_group(
@@ -280,8 +281,7 @@ def init_local(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    mesh_device = "cuda" if backend == "nccl" else "cpu"
-    return init_device_mesh(mesh_device, (world_size,), mesh_dim_names=("cp",))
+    return _world_cp_mesh("cuda" if backend == "nccl" else "cpu")
 
 
 def init_launched(backend: str, mesh_device: str, *, timeout_s: float) -> DeviceMesh:
@@ -296,11 +296,14 @@ def init_launched(backend: str, mesh_device: str, *, timeout_s: float) -> Device
     Returns:
         A 1-D mesh of all launched ranks, dimension name ``"cp"``.
     """
-    from datetime import timedelta
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return _world_cp_mesh(mesh_device)
 
+
+def _world_cp_mesh(mesh_device: str) -> DeviceMesh:
+    """A 1-D mesh of every rank of the default group, dimension name ``"cp"``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     return init_device_mesh(mesh_device, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
@@ -395,105 +398,59 @@ def reduce_scatter_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor
     return out
 
 
-class PendingCollective:
-    """An all-gather or reduce-scatter started with ``async_op=True``, not yet waited for."""
-
-    def __init__(
-        self,
-        work: Any,
-        keep: torch.Tensor,
-        staged: tuple[torch.Tensor, torch.Tensor] | None,
-        result: torch.Tensor,
-    ) -> None:
-        self._work = work
-        self._keep: torch.Tensor | None = keep  # the input, alive until the collective completes
-        self._staged = staged  # (host result, device tensor it is copied into) when host-staged
-        self._result = result  # what wait() returns (a view of the collective's output buffer)
-
-    def wait(self) -> torch.Tensor:
-        """Block until the collective completed; return its result (on the input's device).
-
-        The input buffer is released here, so a caller that dropped its own reference frees it
-        at once.
-        """
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self._keep = None
-        if self._staged is not None:
-            host, target = self._staged
-            target.copy_(host)
-            self._staged = None
-        return self._result
-
-
 def _start(
-    direct_async: Callable[[torch.Tensor, torch.Tensor, ProcessGroup], Any],
-    out: torch.Tensor,
-    x: torch.Tensor,
-    group: ProcessGroup,
-    result: torch.Tensor,
-) -> PendingCollective:
-    """``direct_async(out, x, group)`` (returns a work handle), host-staged where needed.
+    direct: Callable[..., Any], out: torch.Tensor, x: torch.Tensor, group: ProcessGroup
+) -> Transfer:
+    """``direct(out.view(n, ...), x, group, async_op=True)``, host-staged where needed
+    (synchronous while ``torch.compile`` traces: same result, nothing in flight).
 
-    ``result`` is the view of ``out`` that :meth:`PendingCollective.wait` returns.
+    ``out`` is allocated in the shape the caller wants back: the collective writes it through a
+    flat view (dim 0 of ``x``'s shape times the rest), so ``wait()[0]`` is ``out`` itself.
     """
+    flat = (-1, *x.shape[1:])
+    if torch.compiler.is_compiling():  # dynamo cannot trace work handles: run it now
+        _into(direct, out.view(flat), x, group)
+        return Transfer([], [out], [])
     if _staged(x, group):
         host_in, host_out = _to_host(x), _host_like(out)
-        work = direct_async(host_out, host_in, group)
-        return PendingCollective(work, host_in, (host_out, out), result)
-    return PendingCollective(direct_async(out, x, group), x, None, result)
+        work = direct(host_out.view(flat), host_in, group, async_op=True)
+        return Transfer([work], [host_out], [host_in], [out])
+    return Transfer([direct(out.view(flat), x, group, async_op=True)], [out], [x])
 
 
-def _all_gather_async(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> Any:
-    if hasattr(dist, "all_gather_single"):
-        return dist.all_gather_single(out, x, group=group, async_op=True)
-    return dist.all_gather_into_tensor(out, x, group=group, async_op=True)  # torch < 2.13
-
-
-def _reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> Any:
-    if hasattr(dist, "reduce_scatter_single"):
-        return dist.reduce_scatter_single(out, x, group=group, async_op=True)
-    return dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # torch < 2.13
-
-
-def all_gather_stacked_start(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
+def all_gather_stacked_start(x: torch.Tensor, group: ProcessGroup) -> Transfer:
     """Start :func:`all_gather_stacked` asynchronously; the caller computes, then waits.
 
-    Not traceable by dynamo (async work handles): under ``torch.compile`` call
-    :func:`all_gather_stacked` instead. Do not write to ``x`` before
-    :meth:`~PendingCollective.wait`.
+    Under ``torch.compile`` it runs synchronously (dynamo cannot trace work handles). Do not
+    write to ``x`` before :meth:`~Transfer.wait`.
 
     Args:
         x: Local tensor ``[N, *rest]`` (at least 1-D), the same shape and dtype on every rank.
         group: The CP process group.
 
     Returns:
-        The in-flight collective; its :meth:`~PendingCollective.wait` returns ``[C, *x.shape]``.
+        The in-flight collective; ``wait()[0]`` is ``[C, *x.shape]``.
     """
-    world = dist.get_world_size(group)
     x = x.contiguous()
-    out = x.new_empty((world, *x.shape))
-    return _start(_all_gather_async, out.view(world * x.shape[0], *x.shape[1:]), x, group, out)
+    out = x.new_empty((dist.get_world_size(group), *x.shape))
+    return _start(_all_gather_into_direct, out, x, group)
 
 
-def reduce_scatter_stacked_start(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
+def reduce_scatter_stacked_start(x: torch.Tensor, group: ProcessGroup) -> Transfer:
     """Start :func:`reduce_scatter_stacked` asynchronously; the caller computes, then waits.
 
-    Not traceable by dynamo (async work handles): under ``torch.compile`` call
-    :func:`reduce_scatter_stacked` instead. Do not write to ``x`` before
-    :meth:`~PendingCollective.wait`.
+    Under ``torch.compile`` it runs synchronously (dynamo cannot trace work handles). Do not
+    write to ``x`` before :meth:`~Transfer.wait`.
 
     Args:
         x: ``[C, N, *rest]``; slice ``r`` is this rank's contribution to rank ``r``.
         group: The CP process group.
 
     Returns:
-        The in-flight collective; its :meth:`~PendingCollective.wait` returns ``[N, *rest]``.
+        The in-flight collective; ``wait()[0]`` is ``[N, *rest]``.
     """
     x = x.contiguous()
-    out = x.new_empty(x.shape[1:])
-    return _start(_reduce_scatter_async, out, x.view(-1, *x.shape[2:]), group, out)
+    return _start(_reduce_scatter_into_direct, x.new_empty(x.shape[1:]), x.flatten(0, 1), group)
 
 
 def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -512,8 +469,9 @@ def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
-class RingTransfer:
-    """In-flight sends of tensors to the next rank and receives of their shapes from the last."""
+class Transfer:
+    """In-flight communication: the ring's point-to-point sends and receives, or an all-gather /
+    reduce-scatter started with ``async_op=True``."""
 
     def __init__(
         self,
@@ -528,7 +486,7 @@ class RingTransfer:
         self._targets = targets  # device tensors the host-staged receives are copied into
 
     def wait(self) -> list[torch.Tensor]:
-        """Block until every send and receive completed; return the received tensors in order.
+        """Block until the communication completed; return the received tensors in order.
 
         The send buffers are released here (not when this object dies), so a sent tensor that the
         caller no longer references is freed at once.
@@ -546,11 +504,11 @@ class RingTransfer:
 
 def ring_shift_start(
     xs: Sequence[torch.Tensor], group: ProcessGroup, tags: Sequence[int]
-) -> RingTransfer:
+) -> Transfer:
     """Start sending ``xs`` to rank ``(r + 1) % C`` and receiving the same shapes from ``r - 1``.
 
     One point-to-point message per tensor (no stacking copy), all in one batch. The transfers run
-    while the caller computes; call :meth:`RingTransfer.wait` before using the received tensors or
+    while the caller computes; call :meth:`Transfer.wait` before using the received tensors or
     writing to ``xs``.
 
     Args:
@@ -560,7 +518,7 @@ def ring_shift_start(
             distinct tags.
 
     Returns:
-        The in-flight :class:`RingTransfer`.
+        The in-flight :class:`Transfer`.
     """
     if len(xs) != len(tags):
         raise ValueError(f"one tag per tensor, got {len(xs)} tensors and {len(tags)} tags")
@@ -579,4 +537,4 @@ def ring_shift_start(
         ops.append(dist.P2POp(dist.isend, send, nxt, group, tag))
         ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
     works = dist.batch_isend_irecv(ops)
-    return RingTransfer(list(works), recvs, sends, targets)
+    return Transfer(list(works), recvs, sends, targets)

@@ -29,8 +29,9 @@ def _collectives(group: object, rank: int, world: int) -> dict[str, torch.Tensor
     pair = [x.clone(), stacked.clone()]  # two dtypes: two buckets
     _comm.all_reduce_sum_coalesced_(pair, group)
     res["all_reduce_sum_coalesced_0"], res["all_reduce_sum_coalesced_1"] = pair
-    res["all_gather_stacked_start"] = _comm.all_gather_stacked_start(x[:, ::2], group).wait()
-    res["reduce_scatter_stacked_start"] = _comm.reduce_scatter_stacked_start(stacked, group).wait()
+    res["all_gather_stacked_start"] = _comm.all_gather_stacked_start(x[:, ::2], group).wait()[0]
+    started = _comm.reduce_scatter_stacked_start(stacked, group)
+    res["reduce_scatter_stacked_start"] = started.wait()[0]
     res["all_gather_long"] = _comm.all_gather_long(torch.arange(4) + 10 * rank, group)
     leaf = x.clone().requires_grad_()
     gathered = _comm.all_gather_dim0(leaf, group, "sum")

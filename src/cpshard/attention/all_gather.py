@@ -26,13 +26,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from cpshard._comm import (
-    PendingCollective,
-    all_gather_stacked,
-    all_gather_stacked_start,
-    reduce_scatter_stacked,
-    reduce_scatter_stacked_start,
-)
+from cpshard._comm import Transfer, all_gather_stacked_start, reduce_scatter_stacked_start
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, merge_into
@@ -66,18 +60,15 @@ class _AllGatherAttention(torch.autograd.Function):
         softcap: float | None,
     ) -> torch.Tensor:
         full: torch.Tensor | None = None
-        pending: PendingCollective | None = None
+        pending: Transfer | None = None
         if group is not None:
             # Sequence-major, the gathered buffer [C*L, 2, B, H, D] is the rank-major stream and
             # its k/v are plain strided views: no reordering copy of the full K/V.
-            if torch.compiler.is_compiling():
-                full = all_gather_stacked(_seq_major(k, v), group).flatten(0, 1)
-            else:
-                pending = all_gather_stacked_start(_seq_major(k, v), group)
+            pending = all_gather_stacked_start(_seq_major(k, v), group)
         # This rank's own keys need no communication: attend to them while the gather runs.
         out, lse = attend(q, k, v, local, scale=scale, backend=backend, softcap=softcap)
         if pending is not None:
-            full = pending.wait().flatten(0, 1)
+            full = pending.wait()[0].flatten(0, 1)
         if full is not None and not remote.empty:
             k_all, v_all = _stream_views(full)
             o, l_ = attend(q, k_all, v_all, remote, scale=scale, backend=backend, softcap=softcap)
@@ -97,8 +88,7 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        pending: PendingCollective | None = None
-        mine: torch.Tensor | None = None
+        pending: Transfer | None = None
         if full is not None:
             k_all, v_all = _stream_views(full)
             # The remote keys' gradients, in one fp32 buffer of the gathered layout: its rank-major
@@ -110,10 +100,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 backend=backend, softcap=softcap,
             )  # fmt: skip
             chunks = dfull.view(-1, q.shape[2], *dfull.shape[1:])  # [C, L, 2, B, H, D]
-            if torch.compiler.is_compiling():
-                mine = reduce_scatter_stacked(chunks, group)
-            else:
-                pending = reduce_scatter_stacked_start(chunks, group)
+            pending = reduce_scatter_stacked_start(chunks, group)
             del dfull, dk_all, dv_all, chunks
         # The own keys' gradients while the reduce-scatter runs.
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -123,9 +110,7 @@ class _AllGatherAttention(torch.autograd.Function):
             softcap=softcap,
         )  # fmt: skip
         if pending is not None:
-            mine = pending.wait()
-        if mine is not None:
-            mk, mv = _stream_views(mine)
+            mk, mv = _stream_views(pending.wait()[0])
             dk += mk
             dv += mv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)

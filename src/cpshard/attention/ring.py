@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from cpshard._comm import RingTransfer, group_rank_and_size, ring_shift_start
+from cpshard._comm import Transfer, group_rank_and_size, ring_shift_start
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
@@ -93,7 +93,7 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         kv: list[torch.Tensor] = [k, v]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        grad_xfer: RingTransfer | None = None
+        grad_xfer: Transfer | None = None
         dkv: list[torch.Tensor] = []
         for step in range(world):
             src = (rank - step) % world
