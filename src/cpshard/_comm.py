@@ -228,10 +228,11 @@ def all_gather_long(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> torch.Tensor:
-    """All-gather a small fixed-size int64 vector (consistency checks), returned on the CPU.
+    """All-gather an int64 vector of the same size on every rank, returned on the CPU.
 
-    Its size must never depend on data: it is the collective that checks that the ranks agree
-    before any data-sized collective runs.
+    It runs on the mesh's device (NCCL needs a CUDA tensor), whatever device ``x`` is on. Used by
+    the consistency checks, whose size never depends on data (they check that the ranks agree
+    before any data-sized collective runs), and for rank maps of an agreed length.
 
     Args:
         x: LongTensor ``[N]``, the same ``N`` on every rank by construction.

@@ -84,19 +84,22 @@ def gather_rank_map(
     """
     world = _comm.cp_rank_and_size(cp_mesh)[1]
     n = padded_seq_len // world
-    fixed = torch.full((n + 1,), -1, dtype=torch.long, device=local.device)
+    fixed = torch.full((n + 1,), -1, dtype=torch.long)
     m = min(n, local.numel())
-    fixed[:m] = local.reshape(-1)[:m].long()
+    fixed[:m] = local.reshape(-1)[:m].long().cpu()
     fixed[n] = local.numel()
     group = _comm.cp_group(cp_mesh)
-    full = (fixed if group is None else _comm.all_gather_long(fixed, group)).view(world, n + 1)
+    if group is None or cp_mesh is None:
+        full = fixed.view(1, n + 1)
+    else:  # on the mesh's device, whatever device the caller built its map on
+        full = _comm.all_gather_fixed(fixed, group, cp_mesh.device_type)
     for rank, length in enumerate(full[:, n].tolist()):
         if length != n:
             raise ValueError(
                 f"rank {rank}'s local_token_global_indices has {length} tokens, expected "
                 f"padded_seq_len / cp_size = {n}"
             )
-    return full[:, :n]
+    return full[:, :n].to(local.device)
 
 
 @dataclass
