@@ -36,7 +36,6 @@ __all__ = [
     "GradMode",
     "all_gather_dim0",
     "all_gather_fixed",
-    "all_gather_long",
     "all_reduce_sum_coalesced_",
     "all_reduce_sum_mesh_",
     "cp_group",
@@ -220,11 +219,6 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup, grad_mode: GradMode) -
     """
     out: torch.Tensor = _AllGatherDim0.apply(x, group, grad_mode)  # type: ignore[no-untyped-call]
     return out
-
-
-def all_gather_long(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Non-differentiable all-gather of an index tensor along dim 0 (``[N] -> [C * N]``)."""
-    return _gather_dim0(x, group)
 
 
 def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> torch.Tensor:

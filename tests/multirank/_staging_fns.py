@@ -32,7 +32,6 @@ def _collectives(group: object, rank: int, world: int) -> dict[str, torch.Tensor
     res["all_gather_stacked_start"] = _comm.all_gather_stacked_start(x[:, ::2], group).wait()[0]
     started = _comm.reduce_scatter_stacked_start(stacked, group)
     res["reduce_scatter_stacked_start"] = started.wait()[0]
-    res["all_gather_long"] = _comm.all_gather_long(torch.arange(4) + 10 * rank, group)
     leaf = x.clone().requires_grad_()
     gathered = _comm.all_gather_dim0(leaf, group, "sum")
     (gathered * torch.arange(gathered.numel()).view_as(gathered)).sum().backward()
