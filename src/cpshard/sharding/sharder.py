@@ -161,7 +161,9 @@ class CPSharder:
         ctx, out = self.shard_batch(
             cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
         )
-        if not isinstance(ctx, CPContext):  # a custom shard_batch: `with ctx:` works too
+        if isinstance(ctx, CPContext):
+            factory, facts = ctx.factory, ctx.facts
+        else:  # a custom shard_batch: `with ctx:` works too
             if not callable(ctx):
                 raise TypeError(
                     f"shard_batch of this sharder (layout={self.layout!r}) must return a context "
@@ -171,10 +173,9 @@ class CPSharder:
                 )
             # Any factory may carry its shard's facts (a `facts` attribute), not only a CPContext.
             carried = getattr(ctx, "facts", None)
-            ctx = CPContext(
-                ctx, carried if isinstance(carried, ShardFacts) else ShardFacts(None, None)
-            )
-        facts = dataclasses.replace(ctx.facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
+            factory = ctx
+            facts = carried if isinstance(carried, ShardFacts) else ShardFacts(None, None)
+        facts = dataclasses.replace(facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
         # model and the verbs can tell this batch from an older or newer one (by its token
@@ -183,7 +184,7 @@ class CPSharder:
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and value is not batch.get(key):
                 tag_tensor(value, tag)
-        return CPContext(ctx, facts), out
+        return CPContext(factory, facts), out
 
     # ------------------------------------------------------------------ captured facts
     @property
