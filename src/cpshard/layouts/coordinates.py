@@ -161,10 +161,15 @@ class CallerCoordinates:
         """Raise unless a local shard of ``shape`` can be trimmed (checked before any collective).
 
         Raises:
-            ValueError: input positions without ``fill``, or a shard that is not ``[1, L, ...]``
-                on ``seq_dim=1`` for input positions.
+            ValueError: no caller coordinates captured; input positions without ``fill``, or a
+                shard that is not ``[1, L, ...]`` on ``seq_dim=1`` for input positions.
         """
         if self.input_token_stream_positions is None:
+            if self.input_row_shape is None and self.original_seq_len is None:
+                raise ValueError(
+                    f"this sharder (layout={layout!r}) captured no caller coordinates to trim "
+                    "to; gather with trim=False, or shard a batch first"
+                )
             return
         if fill is None:
             raise ValueError(
@@ -192,20 +197,16 @@ class CallerCoordinates:
             layout: Label named in errors.
 
         Raises:
-            ValueError: no caller coordinates captured.
+            ValueError: as :meth:`check_from_stream`.
         """
+        self.check_from_stream(tuple(full.shape), seq_dim, fill, layout)
         positions = self.input_token_stream_positions
         if positions is not None:
-            self.check_from_stream(tuple(full.shape), seq_dim, fill, layout)
             assert fill is not None
             return stream_to_positions(full.select(0, 0), positions, fill)
         row = self.input_row_shape
         if row is not None:
             n = math.prod(row)
             return full.narrow(seq_dim, 0, n).reshape(*row, *full.shape[seq_dim + 1 :])
-        if self.original_seq_len is not None:
-            return full.narrow(seq_dim, 0, self.original_seq_len)
-        raise ValueError(
-            f"this sharder (layout={layout!r}) captured no caller coordinates to trim to; "
-            "gather with trim=False, or shard a batch first"
-        )
+        assert self.original_seq_len is not None
+        return full.narrow(seq_dim, 0, self.original_seq_len)
