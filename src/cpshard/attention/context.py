@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
@@ -90,9 +91,9 @@ def _stale_error(where: str) -> ValueError:
 class _CPSDPAMode(TorchFunctionMode):
     """Serves matching SDPA calls with :func:`cp_sdpa`; see the module docstring."""
 
-    def __init__(self, cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str) -> None:
+    def __init__(self, group: ProcessGroup | None, meta: TokenMeta, method: str) -> None:
         super().__init__()
-        self.group = cp_group(cp_mesh)
+        self.group = group
         self.meta = meta
         self.method = method
         self.suspended = 0  # > 0 inside suspend()
@@ -137,6 +138,11 @@ class _CPSDPAMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return self.serve(call)
 
+    def check_checkpoint(self) -> None:
+        """Raise inside an activation checkpoint that would recompute this as local attention."""
+        if not self.checkpointed and _inside_torch_checkpoint():
+            raise ValueError(_CHECKPOINT_FIX)
+
     def matches(self, call: Mapping[str, Any]) -> bool:
         """Whether an SDPA call attends over the sharded sequence (both lengths ``L``)."""
         q, k = call["query"], call["key"]
@@ -146,8 +152,7 @@ class _CPSDPAMode(TorchFunctionMode):
     def serve(self, call: Mapping[str, Any]) -> torch.Tensor:
         """CP attention for a named SDPA call (checked first)."""
         q, k = call["query"], call["key"]
-        if not self.checkpointed and _inside_torch_checkpoint():
-            raise ValueError(_CHECKPOINT_FIX)
+        self.check_checkpoint()
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask inside "
@@ -238,8 +243,7 @@ def active_cp_attention() -> Callable[..., torch.Tensor] | None:
     mode = active_mode()
     if mode is None:
         return None
-    if not mode.checkpointed and _inside_torch_checkpoint():
-        raise ValueError(_CHECKPOINT_FIX)
+    mode.check_checkpoint()
     return functools.partial(cp_sdpa, group=mode.group, meta=mode.meta, method=mode.method)
 
 
@@ -281,8 +285,7 @@ def _recompute_in(mode: _CPSDPAMode) -> Iterator[None]:
     if _modes():  # already inside a CP context (e.g. a checkpoint recomputed in the forward)
         yield
         return
-    again = _CPSDPAMode(None, mode.meta, mode.method)
-    again.group = mode.group
+    again = _CPSDPAMode(mode.group, mode.meta, mode.method)
     again.checkpointed = 1
     with contextlib.ExitStack() as stack:
         for factory in mode.on_recompute:
@@ -325,7 +328,7 @@ def _scope(cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str) -> Iterator
             "batch's attention would silently mix with the outer one; leave the first ctx "
             "before entering the next"
         )
-    with _CPSDPAMode(cp_mesh, meta, method):
+    with _CPSDPAMode(cp_group(cp_mesh), meta, method):
         yield
 
 
