@@ -181,6 +181,7 @@ def make_cp_batch_and_ctx(
             {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
              "extra_token_keys": extra_token_keys},
         )  # fmt: skip
+    _check_method(attention)
     return _dispatch(
         cp_mesh,
         batch,
@@ -194,6 +195,11 @@ def make_cp_batch_and_ctx(
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
     )
+
+
+def _check_method(attention: str) -> None:
+    if attention not in METHOD_NAMES:
+        raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
 
 
 def _dispatch(
@@ -210,12 +216,11 @@ def _dispatch(
     tp_mesh: DeviceMesh | None,
     check_consistency: bool,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
-    """:func:`make_cp_batch_and_ctx` after its cross-rank fingerprint (validated ``cp_mesh``)."""
+    """:func:`make_cp_batch_and_ctx` after its cross-rank fingerprint (validated ``cp_mesh``,
+    checked ``attention``)."""
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
-    if attention not in METHOD_NAMES:
-        raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
     if cp_sharder is None:
         cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys)
     pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
@@ -442,6 +447,7 @@ def prepare_cp_forward(
     check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
+    _check_method(attention)  # before the model hook runs (FSDP2 may unshard for it)
     sharder: CPSharder | None = None
     work = dict(batch)
     if hasattr(model, "prepare_model_inputs_for_cp"):

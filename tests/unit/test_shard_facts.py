@@ -97,6 +97,23 @@ def test_model_sharder_without_any_map_raises() -> None:
         cpshard.prepare_cp_forward(Owns(), None, _batch(4))
 
 
+def test_unknown_method_raises_before_the_model_hook_runs() -> None:
+    from torch import nn
+
+    calls: list[int] = []
+
+    class Hooked(nn.Module):
+        def prepare_model_inputs_for_cp(self, batch: object, *, num_chunks: int = 1) -> object:
+            calls.append(num_chunks)  # FSDP2 would unshard parameters for this call
+            return {}
+
+    with pytest.raises(ValueError, match="attention must be one of"):
+        cpshard.prepare_cp_forward(Hooked(), None, _batch(4), attention="flash")
+    assert calls == []
+    cpshard.prepare_cp_forward(Hooked(), None, _batch(4))
+    assert calls == [1]
+
+
 def _custom_sharder(ctx_of: object) -> cpshard.CPSharder:
     """A third-party sharder of dense rows at cp=1: identity map, ``ctx_of(facts)`` as context."""
 
