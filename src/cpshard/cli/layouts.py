@@ -30,7 +30,7 @@ from cpshard.layouts.index import consecutive_runs
 from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
 from cpshard.tools.launch import run_local_ranks
 
-__all__ = ["DENSE_LAYOUTS", "DESCRIPTION", "PACKED_LAYOUTS", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 DESCRIPTION = __doc__
 _TRAILING_PADS = 2

@@ -169,7 +169,7 @@ def _rank_main(
             except BaseException:
                 _send(conn, (task_id, False, traceback.format_exc()))
             else:
-                conn.send_bytes(pickle.dumps((task_id, True, result)))
+                _send(conn, (task_id, True, result))
     finally:
         _comm.destroy_process_group()
 
