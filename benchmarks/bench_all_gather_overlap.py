@@ -93,9 +93,11 @@ def _rank(mesh: Any, s: int, hq: int, hkv: int, layout: str, rounds: int, old: s
 
 
 def main() -> None:
+    from cpshard.names import PACKED_LAYOUTS  # here, like torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="file with the earlier all_gather_attention")
-    parser.add_argument("--layout", default="packed", choices=("packed", "balanced"))
+    parser.add_argument("--layout", default="packed", choices=PACKED_LAYOUTS)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--heads", default="8/8")
     parser.add_argument("--seq", type=int, default=16384)

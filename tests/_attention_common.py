@@ -14,6 +14,9 @@ from cpshard.sharding.meta import TokenMeta, pad_document_ids
 # The dense layouts plus "random": a test-only rank map that stands in for the data-dependent
 # packed / balanced layouts (any permutation of the padded stream must work).
 LAYOUTS = (*DENSE_LAYOUTS, "random")
+# The layouts the sliding-window tests run: round_robin cuts windows at rank boundaries like
+# contiguous and more, random cuts them anywhere, so contiguous would only add run time.
+WINDOW_LAYOUTS = tuple(lay for lay in LAYOUTS if lay != "contiguous")
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 

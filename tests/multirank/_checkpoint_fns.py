@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
+from _attention_fns import tiny_hf_model
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -46,11 +47,15 @@ def _tiny(ckpt_kwargs: dict[str, Any] | None) -> TinyDecoder:
 
 
 def _grads(model: nn.Module, cp_mesh: DeviceMesh | None, backward_inside: bool) -> dict[str, Any]:
+    """Parameter gradients of the global mean loss on ``_batch()``, CP-synced (TinyDecoder or HF:
+    an output with ``.logits``). ``backward_inside=False``: the recomputation of a checkpoint
+    runs outside ``ctx()`` and must still be CP attention."""
     batch = _batch()
     ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, batch)
     n = count_tokens(batch["labels"])
     with ctx():
-        logits = model(local["input_ids"], local["position_ids"])
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+        logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)
         if backward_inside:
             loss.backward()
@@ -78,45 +83,25 @@ def tiny_checkpointed_without_context(cp_mesh: DeviceMesh) -> str:
     return str(info.value)
 
 
-def _llama() -> Any:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, use_cache=False,
-        attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _hf_grads(model: nn.Module, cp_mesh: DeviceMesh | None) -> dict[str, Any]:
-    batch = _batch()
-    ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, batch)
-    with ctx():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-    loss = cp_cross_entropy(logits, local["labels"], num_tokens=count_tokens(batch["labels"]))
-    loss.backward()  # outside ctx(): the recomputation must still be CP attention
-    cpshard.sync_grads(model, cp_mesh)
-    return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-
-
 def hf_checkpointed(cp_mesh: DeviceMesh, case: str) -> str:
     """HF gradient checkpointing: with checkpoint_context_fn equal to cp=1, else a clear error."""
-    model = _llama()
+    pytest.importorskip("transformers")
+    model = tiny_hf_model("llama")
     model.train()
     if case == "context_fn":
-        want = _hf_grads(_llama(), None)
+        want = _grads(tiny_hf_model("llama"), None, False)
+        attn = model.config._attn_implementation
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={
                 "use_reentrant": False,
                 "context_fn": cpshard.attention.checkpoint_context_fn,
             }
         )
-        got = _hf_grads(model, cp_mesh)
+        got = _grads(model, cp_mesh, False)
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)
-        assert model.config._attn_implementation == "eager"  # restored after the recompute
+        assert model.config._attn_implementation == attn  # restored after the recompute
         return "ok"
     kwargs = {"use_reentrant": True} if case == "reentrant" else {"use_reentrant": False}
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

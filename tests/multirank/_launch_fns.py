@@ -1,27 +1,12 @@
-"""Rank functions for the launcher tests (top-level, so ranks can import them)."""
+"""Launcher-only rank functions (top-level, so ranks can import them); the ones shared with
+the pool's self-tests are in ``_harness_fns.py``."""
 
 from __future__ import annotations
 
 import os
 
-import torch
+from _harness_fns import rank_sum_and_threads
 from torch.distributed.device_mesh import DeviceMesh
-
-from cpshard import _comm
-
-
-def rank_sum_and_threads(cp_mesh: DeviceMesh) -> tuple[int, int, float, int]:
-    """(rank, world, sum of rank + 1 over ranks, torch threads of this rank)."""
-    x = torch.tensor([float(cp_mesh.get_local_rank() + 1)])
-    _comm.all_reduce_sum_(x, _comm.cp_group(cp_mesh))
-    return cp_mesh.get_local_rank(), cp_mesh.size(), float(x), torch.get_num_threads()
-
-
-def exit_on_rank(cp_mesh: DeviceMesh, bad: int) -> None:
-    """Rank ``bad`` vanishes without a word; the others wait in a collective."""
-    if cp_mesh.get_local_rank() == bad:
-        os._exit(7)
-    _comm.all_reduce_sum_(torch.ones(1), _comm.cp_group(cp_mesh))
 
 
 def blob_len(cp_mesh: DeviceMesh, blob: bytes) -> int:

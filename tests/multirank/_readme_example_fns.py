@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,16 +10,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.testing import assert_close
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from _readme import README, fenced_block
+
 PAD_ID = 0
 
 
 def readme_example_code() -> str:
     """The first ```python block of the README's "## Example" section."""
-    text = README.read_text()
-    section = text[text.index("## Example") :]
-    start = section.index("```python\n") + len("```python\n")
-    return section[start : section.index("```\n", start)]
+    return fenced_block(README.read_text(), "## Example")
 
 
 def _model() -> Any:

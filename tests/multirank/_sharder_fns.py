@@ -12,7 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing import assert_close
 
 import cpshard
+from cpshard._comm import cp_rank_and_size
 from cpshard.layouts.closed_form import ContiguousLayout, NoneLayout, RoundRobinLayout
+from cpshard.layouts.index import padded_length
 
 DTYPES = {
     "float32": torch.float32,
@@ -232,7 +234,7 @@ def original_len_needs_fill(cp_mesh: DeviceMesh) -> None:
 
 
 def _rr_indices(mesh: DeviceMesh | None, padded: int, device: torch.device) -> torch.Tensor:
-    rank, world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+    rank, world = cp_rank_and_size(mesh)
     return cpshard.round_robin_local_indices(rank, world, padded, device)
 
 
@@ -249,8 +251,8 @@ def _third_party_shard(kind: str) -> Any:
         padding_token_id: int = 0,
     ) -> Any:
         ids = batch["input_ids"]
-        world = 1 if cp_mesh is None else cp_mesh.size()
-        padded = -(-ids.shape[1] // (2 * world)) * 2 * world
+        world = cp_rank_and_size(cp_mesh)[1]
+        padded = padded_length(ids.shape[1], 2 * world)
         out = {
             "input_ids": _pad_ids(ids, padded).index_select(
                 1, _rr_indices(cp_mesh, padded, ids.device)
@@ -282,7 +284,7 @@ def third_party_sharders(cp_mesh: DeviceMesh) -> None:
         sharder = cpshard.CPSharder(_third_party_shard(kind), _rr_indices)
         for seq in (7, 12):
             ids = torch.arange(1, 2 * seq + 1).reshape(2, seq)
-            padded = -(-seq // (2 * world)) * 2 * world
+            padded = padded_length(seq, 2 * world)
             ctx, local, again = cpshard.make_cp_batch_and_ctx(
                 cp_mesh, {"input_ids": ids}, cp_sharder=sharder
             )

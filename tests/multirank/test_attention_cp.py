@@ -6,7 +6,7 @@ import pytest
 import torch
 from _attention_fns import cp_attention_case, cp_attention_error
 
-from _attention_common import LAYOUTS, inputs, make_case, reference_with_grads
+from _attention_common import LAYOUTS, WINDOW_LAYOUTS, inputs, make_case, reference_with_grads
 from _ranks import Ranks
 from cpshard.names import METHOD_NAMES as METHODS
 
@@ -62,9 +62,8 @@ def test_causal_documents_fp64(ranks: Ranks, world: int, method: str, layout: st
     _check(ranks, world, method, layout)
 
 
-# windows across rank boundaries: round_robin cuts like contiguous and more, random cuts anywhere
-# (contiguous would only add run time)
-@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay != "contiguous"])
+# windows across rank boundaries (WINDOW_LAYOUTS says why contiguous is left out)
+@pytest.mark.parametrize("layout", WINDOW_LAYOUTS)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sliding_window_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:

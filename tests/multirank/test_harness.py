@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from _harness_fns import hang, raise_on_rank, rank_and_sum
+from _harness_fns import hang, raise_on_rank, rank_sum_and_threads
 
 from _ranks import RankFailure, Ranks
 
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.multirank
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ranks_run_collectives(ranks: Ranks, world: int) -> None:
-    out = ranks(world, rank_and_sum)
+    out = ranks(world, rank_sum_and_threads)
     total = world * (world + 1) / 2
-    assert out == [(r, world, total) for r in range(world)]
+    assert out == [(r, world, total, 1) for r in range(world)]
 
 
 def test_failing_rank_fails_fast_with_tracebacks(ranks: Ranks) -> None:
@@ -25,7 +25,7 @@ def test_failing_rank_fails_fast_with_tracebacks(ranks: Ranks) -> None:
         ranks(3, raise_on_rank, 1)
     assert time.monotonic() - t0 < 15
     # the pool is rebuilt for the next test
-    assert ranks(3, rank_and_sum)[0] == (0, 3, 6.0)
+    assert ranks(3, rank_sum_and_threads)[0] == (0, 3, 6.0, 1)
 
 
 def test_hung_rank_fails_within_timeout(ranks: Ranks) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness_fns import raise_on_rank
-from _launch_fns import big_result, blob_len, exit_on_rank, rank_sum_and_threads
+from _harness_fns import exit_on_rank, raise_on_rank, rank_sum_and_threads
+from _launch_fns import big_result, blob_len
 
 from _ranks import Ranks
 from cpshard.launch import run_local_ranks

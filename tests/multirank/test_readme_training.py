@@ -8,25 +8,17 @@ import pytest
 from _readme_fns import readme_grpo_step, readme_train_step
 
 from _ranks import Ranks
+from _readme import README, fenced_block
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _block(text: str, begin: str, end: str) -> str:
-    return text[text.index(begin) + len(begin) : text.index(end)].strip("\n")
-
-
 def test_readme_section_is_the_example_verbatim() -> None:
     example = (ROOT / "examples" / "training_loops.py").read_text()
-    code = _block(
-        example,
-        "# --- README: training loops (begin)\n",
-        "# --- README: training loops (end)\n",
-    )
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Training loops") :]
-    assert _block(section, "```python\n", "```\n") == code
+    begin, end = "# --- README: training loops (begin)\n", "# --- README: training loops (end)\n"
+    code = example[example.index(begin) + len(begin) : example.index(end)].strip("\n")
+    assert fenced_block(README.read_text(), "## Training loops").strip("\n") == code
     assert "def train_step" in code and "def grpo_step" in code
 
 

@@ -7,17 +7,14 @@ single number shown for it (``[--steps 3]``, ``[--timeout 120]``) must be its de
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+from _readme import README, fenced_block
 from cpshard.cli.main import _build
-
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def synopsis_flags(readme: str) -> list[tuple[str, str, str | None]]:
     """``(sub-command, flag, shown value)`` for every bracketed option of the synopsis block."""
-    section = readme.split("## The `cpshard` command", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    block = fenced_block(readme, "## The `cpshard` command", "```bash")
     out: list[tuple[str, str, str | None]] = []
     command = ""
     for line in block.splitlines():
