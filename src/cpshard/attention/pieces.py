@@ -362,26 +362,19 @@ def tasks_of(
     grouped[fit_idx] = count[inverse.reshape(-1)] > 1
     # direct calls: every piece that is not in a cell with others
     direct = np.flatnonzero(~grouped)
-    rows: list[tuple[int, int, int, int, int, int]] = []  # q0, q1, k0, k1, kind, source
-    for j in direct.tolist():
-        rows.append((int(p.qi[j]), int(p.qi[j] + p.nq[j]), int(p.ki[j]), int(p.ki[j] + p.nk[j]),
-                     int(p.kind[j]), j))  # fmt: skip
-    computed = 0
+    q0s, k0s = p.qi[direct], p.ki[direct]
+    q1s, k1s = q0s + p.nq[direct], k0s + p.nk[direct]
+    kinds = p.kind[direct]
+    dq, dk = p.nq[direct], p.nk[direct]
+    computed = int(np.where(kinds == CAUSAL, dq * (dq + 1) // 2, dq * dk).sum())
     masks: list[npt.NDArray[np.bool_]] = []
     mask_of: dict[int, int] = {}
-    for i, (_, _, _, _, kind, j) in enumerate(rows):
-        nq, nk = int(p.nq[j]), int(p.nk[j])
-        if kind == FULL:
-            computed += nq * nk
-        elif kind == CAUSAL:
-            computed += nq * (nq + 1) // 2
-        else:
-            computed += nq * nk
-            if kind == EDGE:
-                mask_of[i] = len(masks)
-                masks.append(_pattern(p, j, window))
+    for i in np.flatnonzero(kinds == EDGE).tolist():
+        mask_of[i] = len(masks)
+        masks.append(_pattern(p, int(direct[i]), window))
     # masked tiles: the cells holding several pieces
     members = fit_idx[grouped[fit_idx]]
+    tiles: list[tuple[int, int, int, int]] = []
     if members.size:
         cells = cell[members]
         order = np.argsort(cells, kind="stable")
@@ -395,33 +388,37 @@ def tasks_of(
                 r, c = int(p.qi[j]) - q0, int(p.ki[j]) - k0
                 mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])] |= _pattern(p, j, window)
             computed += mask.size
-            mask_of[len(rows)] = len(masks)
+            mask_of[direct.size + len(tiles)] = len(masks)
             masks.append(mask)
-            rows.append((q0, q1, k0, k1, -1, -1))
+            tiles.append((q0, q1, k0, k1))
+    if tiles:
+        t = np.array(tiles, dtype=np.int64)
+        q0s, q1s = np.concatenate([q0s, t[:, 0]]), np.concatenate([q1s, t[:, 1]])
+        k0s, k1s = np.concatenate([k0s, t[:, 2]]), np.concatenate([k1s, t[:, 3]])
+        kinds = np.concatenate([kinds, np.full(len(tiles), -1, dtype=np.int64)])
     # one host->device transfer for every mask; tasks hold views
-    dev_masks: list[torch.Tensor] = []
+    dev_masks: list[torch.Tensor | None] = [None] * q0s.size
     if masks:
         buf = np.zeros((len(masks), TILE, TILE), dtype=bool)
         for i, m in enumerate(masks):
             buf[i, : m.shape[0], : m.shape[1]] = m
         big = torch.from_numpy(buf).to(device)
-        dev_masks = [big[i : i + 1, : m.shape[0], : m.shape[1]] for i, m in enumerate(masks)]
-    eye = torch.eye(TILE, dtype=torch.bool, device=device)[None] if (p.kind == IDENT).any() else None
-    q0s = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-    k0s = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
-    q1s = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
+        for i, m_i in mask_of.items():
+            dev_masks[i] = big[m_i : m_i + 1, : masks[m_i].shape[0], : masks[m_i].shape[1]]
+    ident = np.flatnonzero(kinds == IDENT)
+    if ident.size:
+        eye = torch.eye(TILE, dtype=torch.bool, device=device)[None]
+        for i in ident.tolist():
+            dev_masks[i] = eye[:, : int(q1s[i] - q0s[i]), : int(k1s[i] - k0s[i])]
     order = np.lexsort((k0s, q0s))
     reach = np.maximum.accumulate(q1s[order])
     firsts = np.ones(order.size, dtype=bool)
     firsts[1:] = reach[:-1] <= q0s[order][1:]
-    tasks = []
-    for pos_, i in enumerate(order.tolist()):
-        q0, q1, k0, k1, kind, _ = rows[i]
-        mask: torch.Tensor | None = None
-        if i in mask_of:
-            mask = dev_masks[mask_of[i]]
-        elif kind == IDENT:
-            assert eye is not None
-            mask = eye[:, : q1 - q0, : k1 - k0]
-        tasks.append(Task(q0, q1, k0, k1, kind == CAUSAL, mask, bool(firsts[pos_])))
+    tasks = [
+        Task(a, b, c, d, kind == CAUSAL, dev_masks[i], f)
+        for i, a, b, c, d, kind, f in zip(
+            order.tolist(), q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(),
+            k1s[order].tolist(), kinds[order].tolist(), firsts.tolist(), strict=True,
+        )
+    ]  # fmt: skip
     return tuple(tasks), computed, needed

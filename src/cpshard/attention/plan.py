@@ -124,6 +124,18 @@ def _merge_pads(pos: np.ndarray, doc: np.ndarray) -> bool:
     return bool(np.array_equal(doc[neg], -1 - pos[neg]))
 
 
+def _sort_order(pos: np.ndarray) -> np.ndarray:
+    """Slots sorted by position (a scatter when the positions are a permutation of
+    ``0..N-1``, the stream of every built-in layout; else a stable sort)."""
+    n = pos.shape[0]
+    if n and int(pos.min()) == 0 and int(pos.max()) == n - 1:
+        order = np.full(n, -1, dtype=np.int64)
+        order[pos] = np.arange(n, dtype=np.int64)
+        if bool((order >= 0).all()):
+            return order
+    return np.argsort(pos, kind="stable").astype(np.int64)
+
+
 def _plan_of(
     per_group: list[Pieces],
     rows: list[list[int]] | None,
@@ -342,7 +354,7 @@ class AttentionPlan:
             for g in range(self._pos.shape[0]):
                 pos, doc = self._pos[g], self._doc[g]
                 runs = run_table(pos, doc, self._merge)
-                order = np.argsort(pos, kind="stable")
+                order = _sort_order(pos)
                 sorted_runs = run_table(pos[order], doc[order], self._merge)
                 if 2 * sorted_runs.n.size <= runs.n.size:
                     orders.append(order.astype(np.int64))
