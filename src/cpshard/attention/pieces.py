@@ -41,6 +41,7 @@ __all__ = [
     "cut_pairs",
     "pair_runs",
     "run_table",
+    "tasks_by_key",
     "tasks_of",
 ]
 
@@ -81,12 +82,13 @@ class Task(NamedTuple):
 class RunTable(NamedTuple):
     """The runs of one slot set, as columns: run ``i`` is slots ``[start[i], start[i] + n[i])``
     with positions ``[pos[i], pos[i] + n[i])`` in class ``cls[i]`` (document id, or
-    :data:`PAD_CLASS`)."""
+    :data:`PAD_CLASS`) of row group ``grp[i]`` (runs of different groups never meet)."""
 
     start: _I64
     n: _I64
     pos: _I64
     cls: _I64
+    grp: _I64
 
 
 class Pieces(NamedTuple):
@@ -117,30 +119,35 @@ class Pieces(NamedTuple):
 
 
 def run_table(pos: _I64, doc: _I64, merge_pads: bool, breaks: int = 0) -> RunTable:
-    """The runs of one slot set.
+    """The runs of one slot set per row group.
 
     Args:
-        pos: ``[N]`` positions.
-        doc: ``[N]`` document ids.
+        pos: ``[G, N]`` positions, one row per row group (the slots are numbered row-major:
+            slot ``g * N + i``).
+        doc: ``[G, N]`` document ids.
         merge_pads: Slots with ``doc == -1 - pos`` form pad runs (class :data:`PAD_CLASS`) instead
             of one one-token document each (only valid when every negative id is such a pad).
         breaks: Also end runs at every multiple of ``breaks`` slots (the rank blocks of the
-            stream), or ``0``.
+            stream; a divisor of ``N``), or ``0``.
     """
-    n = pos.shape[0]
-    if n == 0:
+    g, n = pos.shape
+    flat_pos, flat_doc = pos.reshape(-1), doc.reshape(-1)
+    if flat_pos.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return RunTable(z, z, z, z)
-    cls = doc
+        return RunTable(z, z, z, z, z)
+    cls = flat_doc
     if merge_pads:
-        cls = np.where(doc == -1 - pos, PAD_CLASS, doc)
-    brk = np.ones(n, dtype=bool)
-    brk[1:] = (pos[1:] != pos[:-1] + 1) | (cls[1:] != cls[:-1])
+        cls = np.where(flat_doc == -1 - flat_pos, PAD_CLASS, flat_doc)
+    brk = np.empty(flat_pos.size, dtype=bool)
+    brk[0] = True
+    np.not_equal(flat_pos[1:], flat_pos[:-1] + 1, out=brk[1:])
+    brk[1:] |= cls[1:] != cls[:-1]
+    brk[:: breaks if breaks else n] = True
     if breaks:
-        brk[::breaks] = True
+        brk[::n] = True
     starts = np.flatnonzero(brk)
-    lens = np.diff(np.append(starts, n))
-    return RunTable(starts, lens, pos[starts], cls[starts])
+    lens = np.diff(np.append(starts, flat_pos.size))
+    return RunTable(starts, lens, flat_pos[starts], cls[starts], starts // n)
 
 
 def pair_runs(
@@ -157,12 +164,13 @@ def pair_runs(
     if not q.n.size or not k.n.size:
         z = np.zeros(0, dtype=np.int64)
         return z, z
-    order = np.lexsort((k.pos, k.cls))
-    kc, kp, kn = k.cls[order], k.pos[order], k.n[order]
+    _, inv = np.unique(np.concatenate([q.cls, k.cls]), return_inverse=True)
+    groups = int(max(q.grp.max(), k.grp.max())) + 1
+    inv = inv.reshape(-1).astype(np.int64) * groups
+    qc, kc_all = inv[: q.cls.size] + q.grp, inv[q.cls.size :] + k.grp
+    order = np.lexsort((k.pos, kc_all))
+    kcr, kp, kn = kc_all[order], k.pos[order], k.n[order]
     kend = kp + kn
-    _, inv = np.unique(np.concatenate([q.cls, kc]), return_inverse=True)
-    inv = inv.reshape(-1).astype(np.int64)
-    qc, kcr = inv[: q.cls.size], inv[q.cls.size :]
     w = 0 if window is None else window
     lo = int(min(q.pos.min(), kp.min())) - w - 2
     hi = int(max((q.pos + q.n).max(), kend.max())) + 2
@@ -337,36 +345,54 @@ def _pattern(p: Pieces, j: int, window: int | None) -> npt.NDArray[np.bool_]:
     return vis
 
 
+KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
+
+
 def tasks_of(
     pieces: Pieces, window: int | None, device: torch.device
 ) -> tuple[tuple[Task, ...], int, int]:
-    """Kernel calls for the pieces: ``(tasks, computed pairs, needed pairs)``.
+    """Kernel calls for the pieces of one pair: ``(tasks, computed pairs, needed pairs)``."""
+    return tasks_by_key(pieces, np.zeros(pieces.qi.size, dtype=np.int64), 1, window, device)[0]
 
-    Large FULL / CAUSAL pieces are direct calls; the small ones, window borders and pad diagonals
-    of one aligned :data:`TILE` cell become one masked tile (a lone small FULL / CAUSAL piece
-    stays a direct call; a lone pad diagonal shares one identity mask).
+
+def tasks_by_key(
+    pieces: Pieces, keys: _I64, n_keys: int, window: int | None, device: torch.device
+) -> KeyedTasks:
+    """Kernel calls of several pairs at once: ``(tasks, computed, needed)`` per key.
+
+    ``keys[i]`` in ``[0, n_keys)`` names the pair of piece ``i`` (a row group, a ring block);
+    slots are those of that pair's tensors. Large FULL / CAUSAL pieces are direct calls; the
+    small ones, window borders and pad diagonals of one aligned :data:`TILE` cell of one pair
+    become one masked tile (a lone small FULL / CAUSAL piece stays a direct call; a lone pad
+    diagonal shares one identity mask). Every mask is made in one host buffer and moved to
+    ``device`` in one transfer; tasks hold views of it.
     """
     p = _split_ident(pieces)
+    if p.qi.size != pieces.qi.size:  # pad diagonals were cut: their keys repeat
+        keys = _split_keys(pieces, keys)
+    out: KeyedTasks = [((), 0, 0)] * n_keys
     if not p.qi.size:
-        return (), 0, 0
-    needed = int(_pairs(p, window).sum())
+        return out
+    needed_k = np.bincount(keys, weights=_pairs(p, window), minlength=n_keys)
     small = (p.kind >= EDGE) | (p.nq * p.nk <= SMALL_PAIRS)
     cq, ck = p.qi // TILE, p.ki // TILE
     fits = small & ((p.qi + p.nq - 1) // TILE == cq) & ((p.ki + p.nk - 1) // TILE == ck)
-    cell = np.where(fits, cq * (int(ck.max()) + 1) + ck, -1)
+    span_k = int(ck.max()) + 1
+    span_q = int(cq.max()) + 1
+    cell = np.where(fits, (keys * span_q + cq) * span_k + ck, -1)
     fit_idx = np.flatnonzero(fits)
-    _, first_of, inverse, count = np.unique(
-        cell[fit_idx], return_index=True, return_inverse=True, return_counts=True
-    )
+    _, inverse, count = np.unique(cell[fit_idx], return_inverse=True, return_counts=True)
     grouped = np.zeros(p.qi.size, dtype=bool)
     grouped[fit_idx] = count[inverse.reshape(-1)] > 1
     # direct calls: every piece that is not in a cell with others
     direct = np.flatnonzero(~grouped)
     q0s, k0s = p.qi[direct], p.ki[direct]
     q1s, k1s = q0s + p.nq[direct], k0s + p.nk[direct]
-    kinds = p.kind[direct]
+    kinds, tkeys = p.kind[direct], keys[direct]
     dq, dk = p.nq[direct], p.nk[direct]
-    computed = int(np.where(kinds == CAUSAL, dq * (dq + 1) // 2, dq * dk).sum())
+    computed_k = np.bincount(
+        tkeys, weights=np.where(kinds == CAUSAL, dq * (dq + 1) // 2, dq * dk), minlength=n_keys
+    )
     masks: list[npt.NDArray[np.bool_]] = []
     mask_of: dict[int, int] = {}
     for i in np.flatnonzero(kinds == EDGE).tolist():
@@ -374,7 +400,7 @@ def tasks_of(
         masks.append(_pattern(p, int(direct[i]), window))
     # masked tiles: the cells holding several pieces
     members = fit_idx[grouped[fit_idx]]
-    tiles: list[tuple[int, int, int, int]] = []
+    tiles: list[tuple[int, int, int, int, int]] = []
     if members.size:
         cells = cell[members]
         order = np.argsort(cells, kind="stable")
@@ -387,16 +413,17 @@ def tasks_of(
             for j in grp.tolist():
                 r, c = int(p.qi[j]) - q0, int(p.ki[j]) - k0
                 mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])] |= _pattern(p, j, window)
-            computed += mask.size
+            key = int(keys[grp[0]])
+            computed_k[key] += mask.size
             mask_of[direct.size + len(tiles)] = len(masks)
             masks.append(mask)
-            tiles.append((q0, q1, k0, k1))
+            tiles.append((q0, q1, k0, k1, key))
     if tiles:
         t = np.array(tiles, dtype=np.int64)
         q0s, q1s = np.concatenate([q0s, t[:, 0]]), np.concatenate([q1s, t[:, 1]])
         k0s, k1s = np.concatenate([k0s, t[:, 2]]), np.concatenate([k1s, t[:, 3]])
+        tkeys = np.concatenate([tkeys, t[:, 4]])
         kinds = np.concatenate([kinds, np.full(len(tiles), -1, dtype=np.int64)])
-    # one host->device transfer for every mask; tasks hold views
     dev_masks: list[torch.Tensor | None] = [None] * q0s.size
     if masks:
         buf = np.zeros((len(masks), TILE, TILE), dtype=bool)
@@ -410,10 +437,14 @@ def tasks_of(
         eye = torch.eye(TILE, dtype=torch.bool, device=device)[None]
         for i in ident.tolist():
             dev_masks[i] = eye[:, : int(q1s[i] - q0s[i]), : int(k1s[i] - k0s[i])]
-    order = np.lexsort((k0s, q0s))
-    reach = np.maximum.accumulate(q1s[order])
+    # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
+    order = np.lexsort((k0s, q0s, tkeys))
+    shift = (int(q1s.max()) + 1) * tkeys[order]  # pairs never see each other's rows
+    reach = np.maximum.accumulate(q1s[order] + shift)
     firsts = np.ones(order.size, dtype=bool)
-    firsts[1:] = reach[:-1] <= q0s[order][1:]
+    firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
+    sorted_keys = tkeys[order]
+    cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
     tasks = [
         Task(a, b, c, d, kind == CAUSAL, dev_masks[i], f)
         for i, a, b, c, d, kind, f in zip(
@@ -421,4 +452,14 @@ def tasks_of(
             k1s[order].tolist(), kinds[order].tolist(), firsts.tolist(), strict=True,
         )
     ]  # fmt: skip
-    return tuple(tasks), computed, needed
+    for key in range(n_keys):
+        lo, hi = int(cuts[key]), int(cuts[key + 1])
+        out[key] = (tuple(tasks[lo:hi]), int(computed_k[key]), int(needed_k[key]))
+    return out
+
+
+def _split_keys(pieces: Pieces, keys: _I64) -> _I64:
+    """The keys of :func:`_split_ident`'s output, in its order."""
+    long = (pieces.kind == IDENT) & (pieces.nq > TILE)
+    parts = (pieces.nq[long] + TILE - 1) // TILE
+    return np.concatenate([keys[~long], np.repeat(keys[long], parts)])

@@ -52,7 +52,7 @@ from cpshard.attention.pieces import (
     cut_pairs,
     pair_runs,
     run_table,
-    tasks_of,
+    tasks_by_key,
 )
 from cpshard.sharding.meta import TokenMeta
 
@@ -124,6 +124,24 @@ def _merge_pads(pos: np.ndarray, doc: np.ndarray) -> bool:
     return bool(np.array_equal(doc[neg], -1 - pos[neg]))
 
 
+def _row_groups(pos: np.ndarray, doc: np.ndarray) -> list[list[int]]:
+    """Batch rows with equal (positions, documents), in order of first appearance: rows are
+    bucketed by a weighted sum (one pass) and compared exactly inside a bucket."""
+    w = np.random.default_rng(0).integers(1, 1 << 61, size=pos.shape[1], dtype=np.int64)
+    with np.errstate(over="ignore"):
+        h = (pos * w).sum(axis=1) * 3 + (doc * w[::-1]).sum(axis=1)
+    groups: list[list[int]] = []
+    for r in range(pos.shape[0]):
+        for g in groups:
+            f = g[0]
+            if h[f] == h[r] and np.array_equal(pos[f], pos[r]) and np.array_equal(doc[f], doc[r]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
+
+
 def _sort_order(pos: np.ndarray) -> np.ndarray:
     """Slots sorted by position (a scatter when the positions are a permutation of
     ``0..N-1``, the stream of every built-in layout; else a stable sort)."""
@@ -137,17 +155,28 @@ def _sort_order(pos: np.ndarray) -> np.ndarray:
 
 
 def _plan_of(
-    per_group: list[Pieces],
+    pieces: Pieces,
+    group_of: np.ndarray,
     rows: list[list[int]] | None,
     window: int | None,
     device: torch.device,
     orders: list[np.ndarray | None] | None = None,
 ) -> PairPlan:
-    """Tasks of every row group's pieces, as one :class:`PairPlan`."""
+    """One :class:`PairPlan` from pieces whose slots are relative to their row group."""
+    n_groups = 1 if rows is None else len(rows)
+    keyed = tasks_by_key(pieces, group_of, n_groups, window, device)
+    return _assemble(keyed, rows, device, orders)
+
+
+def _assemble(
+    keyed: list[tuple[tuple[Task, ...], int, int]],
+    rows: list[list[int]] | None,
+    device: torch.device,
+    orders: list[np.ndarray | None] | None = None,
+) -> PairPlan:
     groups = []
     computed = needed = 0
-    for g, pieces in enumerate(per_group):
-        tasks, c, n = tasks_of(pieces, window, device)
+    for g, (tasks, c, n) in enumerate(keyed):
         weight = 1 if rows is None else len(rows[g])
         computed += c * weight
         needed += n * weight
@@ -197,16 +226,17 @@ def pair_plan(
         The :class:`PairPlan`.
     """
     merge = _merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc)
-    per_group = []
-    for g in range(q_pos.shape[0]):
-        q = run_table(q_pos[g], q_doc[g], merge)
-        k = run_table(k_pos[g], k_doc[g], merge)
-        pieces = _pieces(q, k, causal, window)
-        if skip_keys is not None:
-            s, e = skip_keys
-            pieces = pieces.take((pieces.ki + pieces.nk <= s) | (pieces.ki >= e))
-        per_group.append(pieces)
-    return _plan_of(per_group, rows, window, device)
+    nq, nk = q_pos.shape[1], k_pos.shape[1]
+    q = run_table(q_pos, q_doc, merge)
+    k = run_table(k_pos, k_doc, merge)
+    pieces = _pieces(q, k, causal, window)
+    group = pieces.qi // max(nq, 1)
+    pieces = pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk)
+    if skip_keys is not None:
+        s, e = skip_keys
+        keep = (pieces.ki + pieces.nk <= s) | (pieces.ki >= e)
+        pieces, group = pieces.take(keep), group[keep]
+    return _plan_of(pieces, group, rows, window, device)
 
 
 @dataclass(frozen=True)
@@ -244,11 +274,9 @@ class AttentionPlan:
             same_pos = bool((pos == pos[:1]).all())
             same_doc = bool((doc == doc[:1]).all())
             if not (same_pos and same_doc):
-                groups: dict[bytes, list[int]] = {}
-                for r in range(pos.shape[0]):
-                    groups.setdefault(pos[r].tobytes() + b"|" + doc[r].tobytes(), []).append(r)
-                firsts = [g[0] for g in groups.values()]
-                rows = None if len(groups) == 1 else list(groups.values())
+                groups = _row_groups(pos, doc)
+                firsts = [g[0] for g in groups]
+                rows = None if len(groups) == 1 else groups
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_pos", np.ascontiguousarray(pos[firsts]))
         object.__setattr__(self, "_doc", np.ascontiguousarray(doc[firsts]))
@@ -276,49 +304,81 @@ class AttentionPlan:
             self._cache[key] = hit
         return hit
 
-    def _local_pieces(self, causal: bool, window: int | None) -> list[Pieces]:
-        """Per row group: local queries against the whole stream, runs cut at rank blocks."""
+    def _local_pieces(self, causal: bool, window: int | None) -> tuple[Pieces, np.ndarray]:
+        """Local queries of every row group against the whole stream (runs cut at the rank
+        blocks), paired once; slots relative to the group. Returns ``(pieces, group)``."""
 
-        def build() -> list[Pieces]:
+        def build() -> tuple[Pieces, np.ndarray]:
             n, r = self.local_len, self.rank
-            out = []
-            for g in range(self._pos.shape[0]):
-                pos, doc = self._pos[g], self._doc[g]
-                q = run_table(pos[r * n : (r + 1) * n], doc[r * n : (r + 1) * n], self._merge)
-                k = run_table(pos, doc, self._merge, breaks=n)
-                out.append(_pieces(q, k, causal, window))
-            return out
+            pos, doc = self._pos, self._doc
+            q = run_table(pos[:, r * n : (r + 1) * n], doc[:, r * n : (r + 1) * n], self._merge)
+            k = run_table(pos, doc, self._merge, breaks=n)
+            pieces = _pieces(q, k, causal, window)
+            group = pieces.qi // max(n, 1)
+            stream = pos.shape[1]
+            return pieces._replace(qi=pieces.qi - group * n, ki=pieces.ki - group * stream), group
 
-        pieces: list[Pieces] = self._cached(("pieces", causal, window), build)
-        return pieces
+        got: tuple[Pieces, np.ndarray] = self._cached(("pieces", causal, window), build)
+        return got
 
-    def _block(self, causal: bool, window: int | None, device: torch.device,
-               block: int | None, skip: int | None) -> PairPlan:  # fmt: skip
-        """Local queries against rank ``block``'s keys (slots relative to it), or against the
-        whole stream with rank ``skip``'s block left out (``block=None``)."""
+    def _blocks(self, causal: bool, window: int | None, device: torch.device) -> list[PairPlan]:
+        """Local queries against every rank's block (key slots relative to the block): the
+        ring's plans, made together (one mask transfer)."""
+
+        def build() -> list[PairPlan]:
+            n, c = self.local_len, self.world_size
+            pieces, group = self._local_pieces(causal, window)
+            block = pieces.ki // max(n, 1)
+            rel = pieces._replace(ki=pieces.ki - block * n)
+            n_groups = 1 if self._rows is None else len(self._rows)
+            keyed = tasks_by_key(rel, block * n_groups + group, c * n_groups, window, device)
+            return [
+                _assemble(keyed[b * n_groups : (b + 1) * n_groups], self._rows, device)
+                for b in range(c)
+            ]
+
+        plans: list[PairPlan] = self._cached(("blocks", causal, window, str(device)), build)
+        own = self._cache.get(("own", causal, window, str(device)))
+        if own is not None:  # the all-gather's own-block plan came first: one object for both
+            plans[self.rank] = own
+        return plans
+
+    def _own_block(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
+        """Local queries against this rank's own block (the ring's plan of this rank)."""
+        ring = self._cache.get(("blocks", causal, window, str(device)))
+        if ring is not None:
+            own: PairPlan = ring[self.rank]
+            return own
+
+        def build() -> PairPlan:
+            n, r = self.local_len, self.rank
+            pieces, group = self._local_pieces(causal, window)
+            keep = pieces.ki // max(n, 1) == r
+            pieces, group = pieces.take(keep), group[keep]
+            return _plan_of(pieces._replace(ki=pieces.ki - r * n), group, self._rows, window,
+                            device)  # fmt: skip
+
+        plan: PairPlan = self._cached(("own", causal, window, str(device)), build)
+        return plan
+
+    def _stream(self, causal: bool, window: int | None, device: torch.device,
+                skip: int | None) -> PairPlan:  # fmt: skip
+        """Local queries against the whole stream, rank ``skip``'s block left out (or none)."""
 
         def build() -> PairPlan:
             n = self.local_len
-            per_group = []
-            for pieces in self._local_pieces(causal, window):
-                kb = pieces.ki // n if n else pieces.ki
-                if block is not None:
-                    sel = pieces.take(kb == block)
-                    sel = sel._replace(ki=sel.ki - block * n)
-                elif skip is not None:
-                    sel = pieces.take(kb != skip)
-                else:
-                    sel = pieces
-                per_group.append(sel)
-            return _plan_of(per_group, self._rows, window, device)
+            pieces, group = self._local_pieces(causal, window)
+            if skip is not None:
+                keep = pieces.ki // max(n, 1) != skip
+                pieces, group = pieces.take(keep), group[keep]
+            return _plan_of(pieces, group, self._rows, window, device)
 
-        key = ("block", causal, window, str(device), block, skip)
-        plan: PairPlan = self._cached(key, build)
+        plan: PairPlan = self._cached(("stream", causal, window, str(device), skip), build)
         return plan
 
     def all_gather(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
         """Local queries against the whole gathered stream."""
-        return self._block(causal, window, device, None, None)
+        return self._stream(causal, window, device, None)
 
     def all_gather_split(
         self, causal: bool, window: int | None, device: torch.device
@@ -331,15 +391,13 @@ class AttentionPlan:
         Together they cover exactly the pairs of :meth:`all_gather`.
         """
         return (
-            self._block(causal, window, device, self.rank, None),
-            self._block(causal, window, device, None, self.rank),
+            self._own_block(causal, window, device),
+            self._stream(causal, window, device, self.rank),
         )
 
     def ring(self, causal: bool, window: int | None, device: torch.device) -> tuple[PairPlan, ...]:
         """Local queries against each rank's block, index ``r`` for rank ``r``."""
-        return tuple(
-            self._block(causal, window, device, r, None) for r in range(self.world_size)
-        )
+        return tuple(self._blocks(causal, window, device))
 
     def ulysses(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
         """The whole stream against itself (each rank holds a slice of the heads).
@@ -349,20 +407,27 @@ class AttentionPlan:
         """
 
         def build() -> PairPlan:
-            per_group = []
-            orders: list[np.ndarray | None] = []
-            for g in range(self._pos.shape[0]):
-                pos, doc = self._pos[g], self._doc[g]
-                runs = run_table(pos, doc, self._merge)
-                order = _sort_order(pos)
-                sorted_runs = run_table(pos[order], doc[order], self._merge)
-                if 2 * sorted_runs.n.size <= runs.n.size:
-                    orders.append(order.astype(np.int64))
-                    runs = sorted_runs
-                else:
-                    orders.append(None)
-                per_group.append(_pieces(runs, runs, causal, window))
-            return _plan_of(per_group, self._rows, window, device, orders)
+            pos, doc = self._pos, self._doc
+            stream = pos.shape[1]
+            runs = run_table(pos, doc, self._merge)
+            order = np.stack([_sort_order(row) for row in pos])
+            spos = np.take_along_axis(pos, order, axis=1)
+            sdoc = np.take_along_axis(doc, order, axis=1)
+            sorted_runs = run_table(spos, sdoc, self._merge)
+            # per row group: sort where that at least halves the runs
+            per = np.bincount(runs.grp, minlength=pos.shape[0])
+            per_sorted = np.bincount(sorted_runs.grp, minlength=pos.shape[0])
+            use = 2 * per_sorted <= per
+            if use.all():
+                runs = sorted_runs
+            elif use.any():
+                mpos, mdoc = np.where(use[:, None], spos, pos), np.where(use[:, None], sdoc, doc)
+                runs = run_table(mpos, mdoc, self._merge)
+            orders = [order[g] if use[g] else None for g in range(pos.shape[0])]
+            pieces = _pieces(runs, runs, causal, window)
+            group = pieces.qi // max(stream, 1)
+            pieces = pieces._replace(qi=pieces.qi - group * stream, ki=pieces.ki - group * stream)
+            return _plan_of(pieces, group, self._rows, window, device, orders)
 
         plan: PairPlan = self._cached(("ulysses", causal, window, str(device)), build)
         return plan
