@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cpshard.attention.pieces import PAD_TILE
 from cpshard.attention.plan import AttentionPlan, PairPlan
 from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
@@ -131,13 +132,13 @@ def test_plan_matches_dense_reference(world: int, kind: str) -> None:
 
 
 def test_pad_stretch_is_one_run_not_one_document_per_token() -> None:
-    """4096 pads against themselves: 64 identity tiles sharing one mask, not 4096 documents."""
+    """4096 pads against themselves: 16 identity tiles sharing one mask, not 4096 documents."""
     n = 8192
     docs = pad_document_ids(torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None] >= 4096)
     plan = AttentionPlan(TokenMeta(0, 1, torch.arange(n)[None], docs))
     (_, tasks), = plan.all_gather(True, None, CPU).groups  # fmt: skip
     masked = [t for t in tasks if t.mask is not None]
-    assert len(tasks) == 1 + 4096 // 64 and len(masked) == 4096 // 64
+    assert len(tasks) == 1 + 4096 // PAD_TILE and len(masked) == 4096 // PAD_TILE
     assert len({t.mask.untyped_storage().data_ptr() for t in masked if t.mask is not None}) == 1
 
 

@@ -13,7 +13,7 @@ into *pieces* whose pairs are all visible:
 * ``FULL``: every key at or before every query (and inside the window) -> kernel without a mask;
 * ``CAUSAL``: the same positions on both sides -> the kernel's own ``is_causal``;
 * ``EDGE``: a bounded piece on the border of a sliding window (at most :data:`TILE` square);
-* ``IDENT``: a stretch of padding against itself (the diagonal; at most :data:`TILE` long).
+* ``IDENT``: a stretch of padding against itself (the diagonal; at most :data:`PAD_TILE` long).
 
 Small pieces (at most :data:`SMALL_PAIRS` pairs), window borders and pad diagonals that lie in the
 same aligned :data:`TILE` x :data:`TILE` cell of (query slot, key slot) are grouped into one
@@ -34,6 +34,7 @@ import torch
 
 __all__ = [
     "SMALL_PAIRS",
+    "PAD_TILE",
     "TILE",
     "Pieces",
     "RunTable",
@@ -50,6 +51,10 @@ TILE = 64
 
 SMALL_PAIRS = 32 * 32
 """Pieces with at most this many query-key pairs are grouped into masked tiles."""
+
+PAD_TILE = 256
+"""Longest pad diagonal of one kernel call (its identity mask costs ``PAD_TILE`` pairs per pad:
+long pad stretches take few calls, at a small extra cost)."""
 
 FULL, CAUSAL, EDGE, IDENT = 0, 1, 2, 3
 
@@ -307,15 +312,15 @@ def cut_pairs(
 
 
 def _split_ident(p: Pieces) -> Pieces:
-    """Cut pad diagonals longer than :data:`TILE` into diagonals of at most :data:`TILE`."""
-    long = (p.kind == IDENT) & (p.nq > TILE)
+    """Cut pad diagonals longer than :data:`PAD_TILE` into diagonals of at most that."""
+    long = (p.kind == IDENT) & (p.nq > PAD_TILE)
     if not long.any():
         return p
     lp = p.take(long)
-    parts = (lp.nq + TILE - 1) // TILE
+    parts = (lp.nq + PAD_TILE - 1) // PAD_TILE
     idx = np.repeat(np.arange(lp.nq.size), parts)
-    off = (np.arange(idx.size) - np.repeat(np.cumsum(parts) - parts, parts)) * TILE
-    n = np.minimum(lp.nq[idx] - off, TILE)
+    off = (np.arange(idx.size) - np.repeat(np.cumsum(parts) - parts, parts)) * PAD_TILE
+    n = np.minimum(lp.nq[idx] - off, PAD_TILE)
     cut = Pieces(lp.qi[idx] + off, lp.qp[idx] + off, n, lp.ki[idx] + off, lp.kp[idx] + off, n,
                  lp.kind[idx])  # fmt: skip
     return Pieces.concat([p.take(~long), cut])
@@ -434,7 +439,7 @@ def tasks_by_key(
             dev_masks[i] = big[m_i : m_i + 1, : masks[m_i].shape[0], : masks[m_i].shape[1]]
     ident = np.flatnonzero(kinds == IDENT)
     if ident.size:
-        eye = torch.eye(TILE, dtype=torch.bool, device=device)[None]
+        eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
         for i in ident.tolist():
             dev_masks[i] = eye[:, : int(q1s[i] - q0s[i]), : int(k1s[i] - k0s[i])]
     # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
@@ -460,6 +465,6 @@ def tasks_by_key(
 
 def _split_keys(pieces: Pieces, keys: _I64) -> _I64:
     """The keys of :func:`_split_ident`'s output, in its order."""
-    long = (pieces.kind == IDENT) & (pieces.nq > TILE)
-    parts = (pieces.nq[long] + TILE - 1) // TILE
+    long = (pieces.kind == IDENT) & (pieces.nq > PAD_TILE)
+    parts = (pieces.nq[long] + PAD_TILE - 1) // PAD_TILE
     return np.concatenate([keys[~long], np.repeat(keys[long], parts)])

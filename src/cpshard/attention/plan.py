@@ -120,21 +120,24 @@ def check_window(window: int | None, causal: bool) -> None:
 def _merge_pads(pos: np.ndarray, doc: np.ndarray) -> bool:
     """Whether every negative document id is a pad of the convention ``-1 - position`` (then a
     stretch of padding is one run); otherwise every negative id stays its own document."""
-    neg = doc < 0
-    return bool(np.array_equal(doc[neg], -1 - pos[neg]))
+    return bool(np.all((doc >= 0) | (doc == -1 - pos)))
 
 
-def _row_groups(pos: np.ndarray, doc: np.ndarray) -> list[list[int]]:
-    """Batch rows with equal (positions, documents), in order of first appearance: rows are
-    bucketed by a weighted sum (one pass) and compared exactly inside a bucket."""
-    w = np.random.default_rng(0).integers(1, 1 << 61, size=pos.shape[1], dtype=np.int64)
+def _row_groups(pos: np.ndarray | None, doc: np.ndarray) -> list[list[int]]:
+    """Batch rows with equal (positions, documents), in order of first appearance (``pos=None``:
+    every row has the same positions): rows are bucketed by a weighted sum (one pass) and
+    compared exactly inside a bucket."""
+    w = np.random.default_rng(0).integers(1, 1 << 61, size=doc.shape[1], dtype=np.int64)
     with np.errstate(over="ignore"):
-        h = (pos * w).sum(axis=1) * 3 + (doc * w[::-1]).sum(axis=1)
+        h = (doc * w).sum(axis=1)
+        if pos is not None:
+            h = h * 3 + (pos * w[::-1]).sum(axis=1)
     groups: list[list[int]] = []
-    for r in range(pos.shape[0]):
+    for r in range(doc.shape[0]):
         for g in groups:
             f = g[0]
-            if h[f] == h[r] and np.array_equal(pos[f], pos[r]) and np.array_equal(doc[f], doc[r]):
+            same_pos = pos is None or np.array_equal(pos[f], pos[r])
+            if h[f] == h[r] and same_pos and np.array_equal(doc[f], doc[r]):
                 g.append(r)
                 break
         else:
@@ -263,8 +266,8 @@ class AttentionPlan:
     )
 
     def __post_init__(self) -> None:
-        pos = self.meta.positions.detach().cpu().numpy().astype(np.int64)
-        doc = self.meta.document_ids.detach().cpu().numpy().astype(np.int64)
+        pos = self.meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+        doc = self.meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
         if pos.shape[0] != doc.shape[0]:
             pos = np.broadcast_to(pos, doc.shape)
             doc = np.broadcast_to(doc, pos.shape)
@@ -274,7 +277,7 @@ class AttentionPlan:
             same_pos = bool((pos == pos[:1]).all())
             same_doc = bool((doc == doc[:1]).all())
             if not (same_pos and same_doc):
-                groups = _row_groups(pos, doc)
+                groups = _row_groups(None if same_pos else pos, doc)
                 firsts = [g[0] for g in groups]
                 rows = None if len(groups) == 1 else groups
         object.__setattr__(self, "_rows", rows)
