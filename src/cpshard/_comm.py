@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "CommRecorder",
     "GradMode",
     "all_gather_dim0",
     "all_gather_fixed",
@@ -533,3 +535,77 @@ def ring_shift_start(
         ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
     works = dist.batch_isend_irecv(ops)
     return Transfer(list(works), recvs, sends, targets)
+
+
+# --- counting collectives (tests, benchmarks) -------------------------------------------------
+
+
+class CommRecorder(TorchDispatchMode):
+    """Records every c10d collective and point-to-point op issued while it is active.
+
+    A scoped dispatch mode, nothing global: ``with CommRecorder() as rec: ...`` then read
+    :attr:`events` or :meth:`count` / :meth:`bytes_sent`. Each event is ``(kind, bytes)``:
+    ``kind`` one of ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``all_reduce``,
+    ``broadcast``, ``send``, ``recv``, ``barrier`` or the c10d op name; ``bytes`` the payload this
+    rank hands to the op as input (what it sends; ``0`` for a receive). Host-staged collectives
+    are recorded once, as the host op they run.
+    """
+
+    _KINDS = (
+        ("allgather", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("alltoall", "all_to_all"),
+        ("allreduce", "all_reduce"),
+        ("broadcast", "broadcast"),
+        ("recv", "recv"),
+        ("send", "send"),
+        ("barrier", "barrier"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    @classmethod
+    def _kind(cls, name: str) -> str:
+        op = name.split(".")[1] if "." in name else name
+        for key, kind in cls._KINDS:
+            if key in op:
+                return kind
+        return op
+
+    @staticmethod
+    def _nbytes(x: object) -> int:
+        items = x if isinstance(x, list | tuple) else [x]
+        return sum(
+            t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor)
+        )
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if name.startswith("c10d."):
+            kind = self._kind(name)
+            if kind in ("send", "all_reduce", "broadcast"):  # (tensors, ...): the payload first
+                sent = self._nbytes(args[0]) if args else 0
+            elif kind in ("recv", "barrier"):
+                sent = 0
+            else:  # (output, input, ...)
+                sent = self._nbytes(args[1]) if len(args) > 1 else 0
+            self.events.append((kind, sent))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of recorded ops (of ``kind``; every kind for ``None``)."""
+        return sum(1 for k, _ in self.events if kind is None or k == kind)
+
+    def bytes_sent(self, kind: str | None = None) -> int:
+        """Bytes handed to the recorded ops as input (of ``kind``)."""
+        return sum(b for k, b in self.events if kind is None or k == kind)
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """``{kind: (ops, bytes)}`` of everything recorded."""
+        out: dict[str, tuple[int, int]] = {}
+        for k, b in self.events:
+            n, total = out.get(k, (0, 0))
+            out[k] = (n + 1, total + b)
+        return out
