@@ -45,7 +45,9 @@ def _batches(b: int, s: int) -> dict[str, dict[str, Any]]:
     for n in real.tolist():
         lens, total = [], 0
         while total < n:
-            d = min(n - total, max(1, round(float(np.exp(rng.normal(LOGNORMAL_MU, LOGNORMAL_SIGMA))))))
+            d = min(
+                n - total, max(1, round(float(np.exp(rng.normal(LOGNORMAL_MU, LOGNORMAL_SIGMA)))))
+            )
             lens.append(d)
             total += d
         seq_lens.append(lens)
@@ -66,14 +68,12 @@ def _bench(cp_mesh: DeviceMesh, b: int, s: int, repeat: int) -> list[dict[str, A
         flat = {k: v.reshape(1, -1) if name == "packed" else v for k, v in batch.items()
                 if isinstance(v, torch.Tensor)}  # fmt: skip
 
-        def bare() -> None:
+        def bare(flat: dict[str, torch.Tensor] = flat, local: torch.Tensor = local) -> None:
             for v in flat.values():
                 v.index_select(1, local.clamp(max=v.shape[1] - 1))
 
-        def ours(check: bool) -> None:
-            cpshard.make_cp_batch_and_ctx(
-                cp_mesh, batch, layout=layout, check_consistency=check
-            )
+        def ours(check: bool, batch: dict[str, Any] = batch, layout: str = layout) -> None:
+            cpshard.make_cp_batch_and_ctx(cp_mesh, batch, layout=layout, check_consistency=check)
 
         t_off, t_on, t_bare = paired_median_times(
             [lambda: ours(False), lambda: ours(True), bare],

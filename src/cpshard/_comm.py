@@ -540,7 +540,7 @@ def ring_shift_start(
 # --- counting collectives (tests, benchmarks) -------------------------------------------------
 
 
-class CommRecorder(TorchDispatchMode):
+class CommRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Records every c10d collective and point-to-point op issued while it is active.
 
     A scoped dispatch mode, nothing global: ``with CommRecorder() as rec: ...`` then read
@@ -563,7 +563,7 @@ class CommRecorder(TorchDispatchMode):
     )
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.events: list[tuple[str, int]] = []
 
     @classmethod
@@ -577,9 +577,7 @@ class CommRecorder(TorchDispatchMode):
     @staticmethod
     def _nbytes(x: object) -> int:
         items = x if isinstance(x, list | tuple) else [x]
-        return sum(
-            t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor)
-        )
+        return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)

@@ -107,9 +107,9 @@ def _check(meta: TokenMeta, causal: bool, window: int | None) -> None:
         uly = plan.ulysses(causal, window, CPU)
         assert torch.equal(_coverage(uly, row, c * n, c * n), want_all), ("ulysses", row)
     rows = meta.positions.shape[0]
+    pos, doc = meta.positions, meta.document_ids
     needed = sum(
-        int(_visible(meta.positions[b, lq], meta.document_ids[b, lq], meta.positions[b],
-                     meta.document_ids[b], causal, window).sum())  # fmt: skip
+        int(_visible(pos[b, lq], doc[b, lq], pos[b], doc[b], causal, window).sum())
         for b in range(rows)
     )
     assert whole.needed == needed

@@ -33,8 +33,8 @@ import numpy.typing as npt
 import torch
 
 __all__ = [
-    "SMALL_PAIRS",
     "PAD_TILE",
+    "SMALL_PAIRS",
     "TILE",
     "Pieces",
     "RunTable",
@@ -135,7 +135,7 @@ def run_table(pos: _I64, doc: _I64, merge_pads: bool, breaks: int = 0) -> RunTab
         breaks: Also end runs at every multiple of ``breaks`` slots (the rank blocks of the
             stream; a divisor of ``N``), or ``0``.
     """
-    g, n = pos.shape
+    n = pos.shape[1]
     flat_pos, flat_doc = pos.reshape(-1), doc.reshape(-1)
     if flat_pos.size == 0:
         z = np.zeros(0, dtype=np.int64)
@@ -155,9 +155,7 @@ def run_table(pos: _I64, doc: _I64, merge_pads: bool, breaks: int = 0) -> RunTab
     return RunTable(starts, lens, flat_pos[starts], cls[starts], starts // n)
 
 
-def pair_runs(
-    q: RunTable, k: RunTable, causal: bool, window: int | None
-) -> tuple[_I64, _I64]:
+def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tuple[_I64, _I64]:
     """Index pairs ``(query run, key run)`` with at least one visible pair, by sorted intervals.
 
     Same class and, for causal attention, a key at or before a query (inside the window); pad runs

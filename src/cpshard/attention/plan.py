@@ -127,11 +127,12 @@ def _row_groups(pos: np.ndarray | None, doc: np.ndarray) -> list[list[int]]:
     """Batch rows with equal (positions, documents), in order of first appearance (``pos=None``:
     every row has the same positions): rows are bucketed by a weighted sum (one pass) and
     compared exactly inside a bucket."""
-    w = np.random.default_rng(0).integers(1, 1 << 61, size=doc.shape[1], dtype=np.int64)
+    w = np.random.default_rng(0).integers(1, 1 << 61, size=(doc.shape[1],), dtype=np.int64)
     with np.errstate(over="ignore"):
-        h = (doc * w).sum(axis=1)
+        sums = (doc * w).sum(axis=1)
         if pos is not None:
-            h = h * 3 + (pos * w[::-1]).sum(axis=1)
+            sums = sums * 3 + (pos * w[::-1]).sum(axis=1)
+    h: list[int] = np.asarray(sums).tolist()
     groups: list[list[int]] = []
     for r in range(doc.shape[0]):
         for g in groups:
@@ -187,15 +188,11 @@ def _assemble(
         groups.append((idx, tasks))
     slot_order: tuple[torch.Tensor | None, ...] = ()
     if orders is not None and any(o is not None for o in orders):
-        slot_order = tuple(
-            None if o is None else torch.from_numpy(o).to(device) for o in orders
-        )
+        slot_order = tuple(None if o is None else torch.from_numpy(o).to(device) for o in orders)
     return PairPlan(tuple(groups), computed, needed, all(not t for _, t in groups), slot_order)
 
 
-def _pieces(
-    q: RunTable, k: RunTable, causal: bool, window: int | None
-) -> Pieces:
+def _pieces(q: RunTable, k: RunTable, causal: bool, window: int | None) -> Pieces:
     qi, ki = pair_runs(q, k, causal, window)
     return cut_pairs(q, k, qi, ki, causal, window)
 

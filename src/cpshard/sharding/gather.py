@@ -53,8 +53,8 @@ class _HeaderGather(torch.autograd.Function):
         buf[: raw.numel()] = raw
         n = t.numel() * t.element_size() if with_payload else 0
         if n:
-            buf[HEADER_BYTES : HEADER_BYTES + n] = t.detach().contiguous().reshape(-1).view(
-                torch.uint8
+            buf[HEADER_BYTES : HEADER_BYTES + n] = (
+                t.detach().contiguous().reshape(-1).view(torch.uint8)
             )
         got = _comm.all_gather_stacked(buf, group)  # [C, HEADER_BYTES + slot]
         headers = got[:, :HEADER_BYTES].contiguous().view(torch.long)
