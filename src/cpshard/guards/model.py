@@ -43,6 +43,11 @@ from typing import Any
 from torch import nn
 
 from cpshard.attention.context import active_mode, checkpoint_context_fn
+from cpshard.attention.hf import (
+    ATTENTION_NAME,
+    check_cp_attention_support,
+    interface_attention_modules,
+)
 from cpshard.sharding.facts import batch_tag, same_shard
 
 __all__ = ["check_gradient_checkpointing", "install_model_guard"]
@@ -57,17 +62,49 @@ _LOSS_FIX = (
 class _ModelGuard:
     """The forward pre/post hooks of one prepared model."""
 
-    def __init__(self) -> None:
+    def __init__(self, hf: bool) -> None:
         self.in_flight = False  # a forward under a multi-rank ctx() started and did not finish
+        self.hf = hf  # an HF model whose attention cpshard switches inside ctx()
+        self.calls: list[int] = []  # CP attention calls seen at each open attention module
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _check_call(module, args, kwargs)
+        if self.hf and not kwargs.get("_pre_embed_only"):
+            _check_switched(module)
         mode = active_mode()
         if mode is not None and mode.group is not None:
             self.in_flight = True
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.in_flight = False
+
+    def attention_pre(self, module: nn.Module, args: Any) -> None:
+        """Before an attention module: remember the context's CP attention count."""
+        mode = active_mode()
+        self.calls.append(-1 if mode is None else mode.attention_calls)
+
+    def attention_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After it: under ctx() with cpshard selected, it must have called CP attention.
+
+        The backstop for an attention that bypassed the registry in this call (a branch of its
+        own, e.g. an alibi path). Every rank runs the same modules in the same order, so every
+        rank raises here, at the same module, before any later collective.
+        """
+        before = self.calls.pop() if self.calls else -1
+        mode = active_mode()
+        if mode is None or before < 0 or mode.attention_calls > before:
+            return
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+            return
+        self.in_flight = False  # every rank stops here: nothing is left in flight
+        raise ValueError(
+            f"{type(module).__name__} ran inside ctx() without calling cpshard's CP attention "
+            "(it computed attention on a path of its own, over this rank's shard only: silently "
+            "wrong). This model (or this configuration of it, e.g. alibi) cannot run under "
+            "cpshard CP; train it without cpshard (cp=1, no prepare_cp_forward) or configure "
+            "it so that its attention goes through transformers' AttentionInterface"
+        )
 
 
 def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -109,6 +146,22 @@ def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "it would number this rank's tokens 0..L-1 (RoPE / position embeddings silently "
             "wrong, for packed rows at cp=1 too). Pass the sharded batch's global positions, "
             "e.g. model(input_ids=local['input_ids'], position_ids=local['position_ids'])"
+        )
+
+
+def _check_switched(model: nn.Module) -> None:
+    """Inside ctx() an HF model must run with cpshard's attention selected."""
+    mode = active_mode()
+    if mode is None:
+        return
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", ATTENTION_NAME)
+    if impl != ATTENTION_NAME:
+        raise ValueError(
+            f"{type(model).__name__} runs inside ctx() with attn_implementation={impl!r}, not "
+            f"{ATTENTION_NAME!r}: its attention would only see this rank's shard (silently "
+            "wrong). Do not change the attention implementation inside ctx(); call the model "
+            "inside the ctx() returned by prepare_cp_forward for it"
         )
 
 
@@ -160,7 +213,9 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
         RuntimeError: the model's previous forward under a multi-rank ``ctx()`` raised on this
             rank and the exception was caught (only at ``cp_size > 1``).
         ValueError: HF gradient checkpointing that would recompute attention outside CP (see
-            :func:`check_gradient_checkpointing`).
+            :func:`check_gradient_checkpointing`); an HF model whose attention does not run
+            through cpshard's registered attention
+            (:func:`cpshard.attention.hf.check_cp_attention_support`).
     """
     check_gradient_checkpointing(model)
     for hook in model._forward_pre_hooks.values():
@@ -176,6 +231,15 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
                     "timeout) and restart from a checkpoint"
                 )
             return
-    guard = _ModelGuard()
+    hf = hasattr(model, "set_attn_implementation") and not hasattr(
+        model, "prepare_model_inputs_for_cp"
+    )
+    if hf:  # before any collective, the same verdict on every rank
+        check_cp_attention_support(model)
+    guard = _ModelGuard(hf)
     model.register_forward_pre_hook(guard.pre, with_kwargs=True)
     model.register_forward_hook(guard.post, with_kwargs=True)
+    if hf:
+        for attention in interface_attention_modules(model):
+            attention.register_forward_pre_hook(guard.attention_pre)
+            attention.register_forward_hook(guard.attention_post)
