@@ -107,9 +107,11 @@ _SIZES = {
     # vocab / positions
     "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
     # sequence mixers
-    "state_size": 8, "mamba_d_state": 8, "ssm_state_size": 8, "mamba_n_heads": 4,
+    "state_size": 8, "mamba_d_state": 8, "ssm_state_size": 8, "mamba_n_heads": 8,
     "mamba_d_head": 8, "mamba_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "chunk_size": 4,
+    # sparse-attention indexers (DSA): a top-k below the sequence length, so it selects
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4,
 }  # fmt: skip
 
 _DROPOUT_HINT = ("dropout", "drop_rate", "pdrop")
@@ -124,6 +126,14 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
             out[key] = min(value, _SIZES[key]) if key != "head_dim" else _SIZES[key]
         elif any(h in key for h in _DROPOUT_HINT) and isinstance(value, float):
             out[key] = 0.0
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+            out[key] = VOCAB - 1
+    if "kv_lora_rank" in defaults:  # multi-head latent attention: one kv head per head
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+        if "qk_head_dim" in defaults:
+            out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+        if "head_dim" in defaults:
+            out["head_dim"] = out["qk_rope_head_dim"]
     out["use_cache"] = False
     return out
 

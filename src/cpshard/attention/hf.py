@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -263,6 +264,18 @@ def uses_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in src or "_attn_implementation" in src
 
 
+_READS_MASK = re.compile(r"attention_mask\s*\[|attention_mask\.(?!shape\b|dim\b)\w+\(")
+
+
+def _reads_mask(cls: type) -> bool:
+    """Whether ``cls.forward`` reads the mask's values itself (indexes it, calls its methods)."""
+    try:
+        src = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return False
+    return _READS_MASK.search(src) is not None
+
+
 def interface_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The submodules whose forward calls the attention registry (one call each per forward)."""
     return [m for m in model.modules() if uses_attention_interface(type(m))]
@@ -286,11 +299,13 @@ def _off_interface(model: torch.nn.Module) -> list[str]:
 def check_cp_attention_support(model: torch.nn.Module) -> None:
     """Raise unless every attention of the HF ``model`` runs through cpshard's registered one.
 
-    Three facts, all local (no collective, the same verdict on every rank): transformers'
+    Four facts, all local (no collective, the same verdict on every rank): transformers'
     ``_can_set_attn_implementation`` of every sub-model (it reads whether the model's attention
     classes dispatch through ``AttentionInterface``), the attention-like submodules that bypass
-    it, and a trial switch: after ``set_attn_implementation("cpshard")`` every (sub-)config must
-    report ``"cpshard"`` (it is switched back at once).
+    it, interface attention modules that read the mask's values themselves (sparse indexers:
+    under CP there is no mask) or configs whose alibi bias rides on the mask, and a trial
+    switch: after ``set_attn_implementation("cpshard")`` every (sub-)config must report
+    ``"cpshard"`` (it is switched back at once).
 
     Raises:
         ValueError: naming the module class(es), why, and what to do.
@@ -310,6 +325,29 @@ def check_cp_attention_support(model: torch.nn.Module) -> None:
                 "a model whose attention goes through the interface (e.g. the Llama-style "
                 "families), or train this one without cpshard (cp=1, no prepare_cp_forward)"
             )
+    for sub in subs:
+        cfg = sub.config
+        if getattr(cfg, "alibi", False) is True or "alibi" in str(
+            getattr(cfg, "position_embedding_type", "")
+        ):
+            raise ValueError(
+                f"{type(model).__name__}: config {type(cfg).__name__} enables alibi, whose "
+                "position bias the model adds to the attention mask it builds; under CP there "
+                "is no mask (CP attention takes visibility from the token meta), so the bias "
+                "would be silently dropped. Feature: alibi carried by the mask. Use a RoPE "
+                "configuration of the model, or train it without cpshard (cp=1, no "
+                "prepare_cp_forward)"
+            )
+    readers = sorted({type(m).__name__ for m in interface_attention_modules(model)
+                      if _reads_mask(type(m))})  # fmt: skip
+    if readers:
+        raise ValueError(
+            f"{type(model).__name__}: {', '.join(readers)} reads the attention mask itself (e.g. "
+            "a sparse-attention indexer that selects keys from it, or a mask it edits), but "
+            "under CP there is no mask over the sequence (visibility comes from the token meta "
+            "inside CP attention), so it cannot run exactly. Feature: a mask-reading attention. "
+            "Train this model without cpshard (cp=1, no prepare_cp_forward)"
+        )
     with _selected(model):
         wrong = [
             f"{type(sub).__name__} ({sub.config._attn_implementation!r})"
