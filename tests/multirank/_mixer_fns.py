@@ -22,7 +22,7 @@ from _mixer_models import tiny_hybrid
 from cpshard._comm import cp_group
 from cpshard.mixers import CPMixerWarning
 
-__all__ = ["hybrid_dense", "hybrid_packed", "hybrid_refusals"]
+__all__ = ["hybrid_checkpointed", "hybrid_dense", "hybrid_packed", "hybrid_refusals"]
 
 _SEQ_LENS = [5, 1, 4, 3]  # one packed row of 13 tokens: a 1-token document too
 
@@ -41,10 +41,24 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _cp_step(
-    cp_mesh: DeviceMesh, arch: str, batch: dict[str, Any], layout: str, method: str, n: int
+    cp_mesh: DeviceMesh,
+    arch: str,
+    batch: dict[str, Any],
+    layout: str,
+    method: str,
+    n: int,
+    checkpointed: bool = False,
 ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     """Gathered logits ``[B, S, V]``, the loss and the grads summed over the CP group."""
     model = tiny_hybrid(arch)
+    if checkpointed:  # HF gradient checkpointing: the mixers are recomputed in backward()
+        model.train()
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={
+                "use_reentrant": False,
+                "context_fn": cpshard.attention.checkpoint_context_fn,
+            }
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ctx, local, sharder = cpshard.prepare_cp_forward(
@@ -88,7 +102,9 @@ def _compare(
         assert_close(grads[name], g, msg=lambda m, k=name: f"{what} grad {k}: {m}")
 
 
-def hybrid_dense(cp_mesh: DeviceMesh, arch: str, layout: str, method: str) -> None:
+def hybrid_dense(
+    cp_mesh: DeviceMesh, arch: str, layout: str, method: str, checkpointed: bool = False
+) -> None:
     """Dense ``[2, 13]`` batch: CP == one process, forward and backward, in fp64."""
     ids = _ids(2, 13, 7)
     labels = cpshard.shift_labels(ids)
@@ -98,8 +114,14 @@ def hybrid_dense(cp_mesh: DeviceMesh, arch: str, layout: str, method: str) -> No
     ref_loss = _loss(ref_logits, labels, n)
     ref_loss.backward()
     want = (ref_logits.detach(), float(ref_loss), _grads(ref))
-    got = _cp_step(cp_mesh, arch, {"input_ids": ids, "labels": labels}, layout, method, n)
+    batch = {"input_ids": ids, "labels": labels}
+    got = _cp_step(cp_mesh, arch, batch, layout, method, n, checkpointed)
     _compare(got, want, f"{arch} {layout} {method}")
+
+
+def hybrid_checkpointed(cp_mesh: DeviceMesh, arch: str) -> None:
+    """HF gradient checkpointing: the recomputation in backward() runs the mixers exactly."""
+    hybrid_dense(cp_mesh, arch, "round_robin", "all_gather", checkpointed=True)
 
 
 def hybrid_packed(cp_mesh: DeviceMesh, arch: str, layout: str) -> None:

@@ -8,7 +8,7 @@ and cp=3 on a few); ``pytest -m mixers_matrix`` runs every family x layout x CP 
 from __future__ import annotations
 
 import pytest
-from _mixer_fns import hybrid_dense, hybrid_packed, hybrid_refusals
+from _mixer_fns import hybrid_checkpointed, hybrid_dense, hybrid_packed, hybrid_refusals
 
 from _mixer_models import HYBRIDS
 from _ranks import Ranks
@@ -39,6 +39,10 @@ def test_hybrid_dense_exact(ranks: Ranks, arch: str, world: int, layout: str, me
 )
 def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -> None:
     ranks(world, hybrid_packed, arch, layout, timeout=240)
+
+
+def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks) -> None:
+    ranks(2, hybrid_checkpointed, "qwen3_next", timeout=240)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -117,8 +117,9 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
-        bigger = best is None or len(module) > len(best[1])
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and bigger:
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if best is None or len(module) > len(best[1]):
             best = (name, module)
     return best
 
