@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,7 +23,13 @@ from _mixer_models import tiny_hybrid
 from cpshard._comm import cp_group
 from cpshard.mixers import CPMixerWarning
 
-__all__ = ["hybrid_checkpointed", "hybrid_dense", "hybrid_packed", "hybrid_refusals"]
+__all__ = [
+    "hybrid_checkpointed",
+    "hybrid_dense",
+    "hybrid_packed",
+    "hybrid_refusals",
+    "mamba_without_prepare",
+]
 
 _SEQ_LENS = [5, 1, 4, 3]  # one packed row of 13 tokens: a 1-token document too
 
@@ -167,3 +174,31 @@ def hybrid_refusals(cp_mesh: DeviceMesh, arch: str) -> list[str]:
             got = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
         assert_close(got, model(input_ids=ids).logits)
     return messages
+
+
+def mamba_without_prepare(cp_mesh: DeviceMesh) -> None:
+    """``make_cp_batch_and_ctx(model=...)`` runs a pure SSM exactly (no attention to switch)."""
+    ids = _ids(2, 11, 4)
+    ref = tiny_hybrid("mamba")
+    want = ref(input_ids=ids).logits
+    want.sum().backward()
+    model = tiny_hybrid("mamba")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CPMixerWarning)
+        ctx, local, sharder = cpshard.make_cp_batch_and_ctx(
+            cp_mesh, {"input_ids": ids}, model=model, layout="contiguous"
+        )
+    with ctx():
+        logits = model(input_ids=local["input_ids"]).logits
+    (logits * (local["input_ids"] != 0)[..., None]).sum().backward()  # pads carry no loss
+    assert_close(sharder.gather_token_tensor(logits.detach(), trim=True), want.detach())
+    group = cp_group(cp_mesh)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        g = p.grad.clone()
+        if group is not None:
+            dist.all_reduce(g, group=group)
+        ref_grad = dict(ref.named_parameters())[name].grad
+        assert_close(g, ref_grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=name: f"{k}: {m}")
+    with pytest.raises(ValueError, match="strict=True"):
+        cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids}, model=model, strict=True)

@@ -8,7 +8,13 @@ and cp=3 on a few); ``pytest -m mixers_matrix`` runs every family x layout x CP 
 from __future__ import annotations
 
 import pytest
-from _mixer_fns import hybrid_checkpointed, hybrid_dense, hybrid_packed, hybrid_refusals
+from _mixer_fns import (
+    hybrid_checkpointed,
+    hybrid_dense,
+    hybrid_packed,
+    hybrid_refusals,
+    mamba_without_prepare,
+)
 
 from _mixer_models import HYBRIDS
 from _ranks import Ranks
@@ -43,6 +49,10 @@ def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -
 
 def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks) -> None:
     ranks(2, hybrid_checkpointed, "qwen3_next", timeout=240)
+
+
+def test_make_cp_batch_and_ctx_with_a_model(ranks: Ranks) -> None:
+    ranks(3, mamba_without_prepare, timeout=240)
 
 
 @pytest.mark.parametrize("world", [1, 2])
