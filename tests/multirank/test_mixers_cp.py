@@ -65,6 +65,13 @@ def test_strict_refuses_on_every_rank(ranks: Ranks, world: int) -> None:
         assert ("packed" in text) == (world == 1)
 
 
+@pytest.fixture
+def matrix_only(request: pytest.FixtureRequest) -> None:
+    """The matrix runs only when selected: ``pytest -m mixers_matrix``."""
+    if "mixers_matrix" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full hybrid matrix runs with -m mixers_matrix")
+
+
 _DENSE = [("round_robin", "ring"), ("contiguous", "all_gather"), ("round_robin", "ulysses")]
 
 
@@ -72,7 +79,9 @@ _DENSE = [("round_robin", "ring"), ("contiguous", "all_gather"), ("round_robin",
 @pytest.mark.parametrize("arch", HYBRIDS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize(("layout", "method"), _DENSE)
-def test_hybrid_matrix_dense(ranks: Ranks, arch: str, world: int, layout: str, method: str) -> None:
+def test_hybrid_matrix_dense(
+    ranks: Ranks, matrix_only: None, arch: str, world: int, layout: str, method: str
+) -> None:
     if method == "ulysses" and world == 3:
         pytest.skip("the tiny models have 2 KV heads")
     ranks(world, hybrid_dense, arch, layout, method, timeout=600)
@@ -82,5 +91,7 @@ def test_hybrid_matrix_dense(ranks: Ranks, arch: str, world: int, layout: str, m
 @pytest.mark.parametrize("arch", HYBRIDS)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("layout", ["packed", "balanced"])
-def test_hybrid_matrix_packed(ranks: Ranks, arch: str, world: int, layout: str) -> None:
+def test_hybrid_matrix_packed(
+    ranks: Ranks, matrix_only: None, arch: str, world: int, layout: str
+) -> None:
     ranks(world, hybrid_packed, arch, layout, timeout=600)
