@@ -117,6 +117,18 @@ RULES: tuple[Rule, ...] = (
         for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
     ),
     Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),
+    Rule(
+        "cpshard.mixers",
+        ("cpshard.dispatch", "cpshard.guards"),
+        "the dispatcher calls the mixer verdict and composes its hooks into ctx",
+    ),
+    Rule(
+        "cpshard.mixers.detect",
+        ("cpshard",),
+        "detection reads module structure and config facts only",
+        allow=("cpshard.mixers.detect",),
+    ),
+    Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
 )
 
 
