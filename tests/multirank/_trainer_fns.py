@@ -77,16 +77,23 @@ def prompt_dataset(n: int = 16) -> Any:
 def _common_args(out: str, steps: int, per_device: int, ga: int) -> dict[str, Any]:
     return {
         "output_dir": out, "max_steps": steps, "per_device_train_batch_size": per_device,
-        "gradient_accumulation_steps": ga, "learning_rate": 3e-2, "lr_scheduler_type": "constant",
+        "gradient_accumulation_steps": ga, "learning_rate": 0.5, "lr_scheduler_type": "constant", "optim": "sgd",
         "logging_steps": 1, "save_strategy": "no", "report_to": "none", "use_cpu": True,
         "disable_tqdm": True, "seed": 0, "bf16": False, "dataloader_num_workers": 0,
     }  # fmt: skip
 
 
+LOGGED = ("loss", "entropy", "reward")
+
+
 def _result(trainer: Any) -> dict[str, Any]:
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    """Per step: the logged loss (and GRPO's entropy / reward); the final weights and how far
+    they moved from the initial ones (a parity test on weights that never moved proves nothing)."""
+    logs = {k: [h[k] for h in trainer.state.log_history if k in h] for k in LOGGED}
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {"losses": losses, "weights": weights}
+    init = model().state_dict()
+    moved = max(float((weights[k] - init[k]).abs().max()) for k in init)
+    return {"logs": logs, "losses": logs["loss"], "weights": weights, "moved": moved}
 
 
 def run_sft(
@@ -230,3 +237,33 @@ def in_one_process(what: str, *args: Any) -> dict[str, Any]:
         return fn(None, *args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def bad_cp_size_raises_on_every_rank(mesh: DeviceMesh) -> str:
+    """cp_size=3 on 4 ranks: the same ValueError on every rank, before any collective."""
+    import pytest
+
+    with accelerate_on_this_group(mesh), pytest.raises(ValueError, match="cp_size=3") as info:
+        run_trainer(3, 2, 1, 1)
+    return str(info.value)
+
+
+def ddp_over_a_subgroup_raises(mesh: DeviceMesh) -> str:
+    """A DDP whose group is a pair of the 4 ranks (not the world): named before any step."""
+    import pytest
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from cpshard._comm import dp_cp_mesh
+    from cpshard.integrations.hf_trainer import CPSetup, check_ddp_over_world
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 2), process_group=pairs[dist.get_rank() // 2])
+    cp = CPSetup(2, 4, dist.get_rank(), dp_cp_mesh("cpu", 2), 0, "all_gather", "auto")
+    with pytest.raises(ValueError, match="process_group.*whole world \\(4 ranks\\)"):
+        check_ddp_over_world(ddp, cp)
+    world = DistributedDataParallel(torch.nn.Linear(2, 2))
+    check_ddp_over_world(world, cp)  # the trainer's own DDP passes
+    with pytest.raises(ValueError, match="model wrapper.*DistributedDataParallel over the world"):
+        check_ddp_over_world(torch.nn.Linear(2, 2), cp)
+    return "ok"

@@ -61,7 +61,13 @@ from cpshard.layouts.documents import PackSpec
 from cpshard.loss import count_tokens, cp_cross_entropy
 from cpshard.sharding.labels import shift_labels, shift_labels_packed
 
-__all__ = ["CPSetup", "CPTrainer", "CPTrainerMixin", "cp_batch_from_trainer_inputs"]
+__all__ = [
+    "CPDataMixin",
+    "CPSetup",
+    "CPTrainer",
+    "CPTrainerMixin",
+    "cp_batch_from_trainer_inputs",
+]
 
 # Keys of a Trainer / TRL batch that cpshard understands (the rest is refused under CP).
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -365,8 +371,11 @@ def _checkpoint_under_cp(args: Any) -> None:
         setattr(args, name, kwargs)
 
 
-class CPTrainerMixin:
-    """Adds ``cp_size`` to a ``transformers.Trainer`` (sub)class; put it first in the bases.
+class CPDataMixin:
+    """The CP setup, the dp-sharded dataloader and the token-count divisor of a CP trainer.
+
+    Shared by :class:`CPTrainerMixin` (which adds the CP loss) and the GRPO mixin (whose loss
+    TRL computes from CP log-probabilities).
 
     Args (keywords, besides the trainer's own):
         cp_size: CP ranks per data-parallel replica (``1``: the base trainer unchanged).
@@ -401,6 +410,14 @@ class CPTrainerMixin:
         if self.cp is not None:
             shard_dataloader_by_dp(dataloader, self.cp)
         return dataloader
+
+
+
+class CPTrainerMixin(CPDataMixin):
+    """Adds ``cp_size`` to a ``transformers.Trainer`` (sub)class; put it first in the bases.
+
+    Keywords as :class:`CPDataMixin`; the loss is cpshard's (see the module docstring).
+    """
 
     def compute_loss(
         self,

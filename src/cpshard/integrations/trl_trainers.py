@@ -52,6 +52,7 @@ from trl.trainer.utils import RepeatSampler
 from cpshard import _comm
 from cpshard.dispatch import prepare_cp_forward
 from cpshard.integrations.hf_trainer import (
+    CPDataMixin,
     CPTrainerMixin,
     _setting_error,
     check_ddp_over_world,
@@ -82,7 +83,7 @@ class CPSFTTrainer(CPSFTMixin, SFTTrainer):  # type: ignore[misc]
     """TRL ``SFTTrainer`` with ``cp_size`` (see the module docstring)."""
 
 
-class CPGRPOMixin(CPTrainerMixin):
+class CPGRPOMixin(CPDataMixin):
     """Adds ``cp_size`` to TRL's ``GRPOTrainer`` (put it first in the bases)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
