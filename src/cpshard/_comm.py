@@ -321,9 +321,7 @@ def dp_cp_mesh(mesh_device: str, cp_size: int) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    return init_device_mesh(
-        mesh_device, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp")
-    )
+    return init_device_mesh(mesh_device, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
 
 
 def broadcast_objects(objs: list[Any], group: ProcessGroup) -> list[Any]:

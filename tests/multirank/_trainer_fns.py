@@ -77,7 +77,8 @@ def prompt_dataset(n: int = 16) -> Any:
 def _common_args(out: str, steps: int, per_device: int, ga: int) -> dict[str, Any]:
     return {
         "output_dir": out, "max_steps": steps, "per_device_train_batch_size": per_device,
-        "gradient_accumulation_steps": ga, "learning_rate": 0.5, "lr_scheduler_type": "constant", "optim": "sgd",
+        "gradient_accumulation_steps": ga, "learning_rate": 0.5, "optim": "sgd",
+        "lr_scheduler_type": "constant",
         "logging_steps": 1, "save_strategy": "no", "report_to": "none", "use_cpu": True,
         "disable_tqdm": True, "seed": 0, "bf16": False, "dataloader_num_workers": 0,
     }  # fmt: skip

@@ -20,9 +20,8 @@ from _ranks import Ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
-import trl.trainer.grpo_trainer  # noqa: E402,F401  # before the pool forks: its ranks inherit it
-
-from _trainer_fns import (  # noqa: E402
+import trl.trainer.grpo_trainer  # noqa: F401  # before the pool forks: its ranks inherit it
+from _trainer_fns import (
     bad_cp_size_raises_on_every_rank,
     ddp_over_a_subgroup_raises,
     in_one_process,

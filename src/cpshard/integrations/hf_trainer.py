@@ -134,7 +134,10 @@ def check_cp_size(cp_size: object, world_size: int) -> int:
 
 def _pad_id(trainer: Any) -> int:
     """The pad id: the tokenizer's, else the model config's, else 0 (pads are masked anyway)."""
-    for owner in (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)):
+    for owner in (
+        getattr(trainer, "processing_class", None),
+        getattr(trainer.model, "config", None),
+    ):
         tok = getattr(owner, "tokenizer", owner)  # a processor holds its tokenizer
         pad = getattr(tok, "pad_token_id", None)
         if isinstance(pad, int) and pad >= 0:
@@ -321,19 +324,19 @@ def cp_batch_from_trainer_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     if packed:
         # The documents as seq_lens: the dispatcher then picks a packed layout (restarting
         # position_ids alone would read as one dense row) and numbers positions per document.
-        docs = (
-            {"position_ids": pos} if pos is not None else {"cu_seqlens": inputs["cu_seq_lens_q"]}
-        )
+        docs = {"position_ids": pos} if pos is not None else {"cu_seqlens": inputs["cu_seq_lens_q"]}
         spec = PackSpec.from_documents((ids.shape[0], ids.shape[1]), **docs)
         batch["seq_lens"] = [list(row) for row in spec.doc_lens]
-        labels = given if given is not None else shift_labels_packed(raw, spec)
+        labels = given if given is not None else shift_labels_packed(cast(torch.Tensor, raw), spec)
     else:
         pad = None if mask is None else mask == 0
         if mask is not None:
             batch["attention_mask"] = mask
         if pos is not None:
             batch["position_ids"] = pos
-        labels = given if given is not None else shift_labels(raw, padding_mask=pad)
+        labels = (
+            given if given is not None else shift_labels(cast(torch.Tensor, raw), padding_mask=pad)
+        )
     batch["labels"] = labels
     return batch
 
@@ -410,7 +413,6 @@ class CPDataMixin:
         if self.cp is not None:
             shard_dataloader_by_dp(dataloader, self.cp)
         return dataloader
-
 
 
 class CPTrainerMixin(CPDataMixin):

@@ -46,7 +46,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from trl import GRPOTrainer, SFTTrainer
+from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.sft_trainer import SFTTrainer
 from trl.trainer.utils import RepeatSampler
 
 from cpshard import _comm
@@ -112,7 +113,7 @@ class CPGRPOMixin(CPDataMixin):
             return completion_ids, logprobs
         group = _comm.cp_group(self.cp.cp_mesh)
         assert group is not None
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         completion_ids, logprobs, cpu_rng, cuda_rng = _comm.broadcast_objects(
             [completion_ids, logprobs, torch.get_rng_state(), cuda], group
         )
@@ -226,7 +227,8 @@ def _check_grpo(trainer: Any, cp_size: int) -> None:
     if args.generation_batch_size % (cp_size * trainer.num_generations):
         raise _setting_error(
             "generation_batch_size",
-            f"must be a multiple of cp_size * num_generations = {cp_size * trainer.num_generations}",
+            "must be a multiple of cp_size * num_generations = "
+            f"{cp_size * trainer.num_generations}",
             args.generation_batch_size,
             "adjust per_device_train_batch_size or steps_per_generation",
         )
