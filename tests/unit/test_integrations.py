@@ -183,3 +183,24 @@ def test_grpo_settings_that_contradict_cp_are_named(setting: str, value: Any) ->
     _check_grpo(_grpo(), 2)
     with pytest.raises(ValueError, match=f"CP trainer: {setting}="):
         _check_grpo(_grpo(**{setting: value}), 2)
+
+
+def test_evaluation_under_cp_is_refused_by_name() -> None:
+    from cpshard.integrations.hf_trainer import CPDataMixin
+
+    trainer = object.__new__(CPDataMixin)
+    trainer.cp = _cp(4, 0, 2)
+    with pytest.raises(ValueError, match=r"evaluate\(\)='cp_size=2' is not sharded"):
+        trainer.get_eval_dataloader()
+
+
+def test_a_trl_without_the_overridden_methods_is_refused() -> None:
+    from cpshard.integrations.trl_trainers import CPGRPOMixin
+
+    class Renamed:  # a TRL release whose GRPO methods have other names
+        def __init__(self, **_: Any) -> None:
+            pass
+
+    cls = type("Drifted", (CPGRPOMixin, Renamed), {})
+    with pytest.raises(TypeError, match="_generate_single_turn.*install trl 1.16"):
+        cls(cp_size=2)

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from cpshard import _comm
 from cpshard.attention import checkpoint_context_fn
@@ -398,7 +398,8 @@ class CPDataMixin:
         self.cp: CPSetup | None = None
         check_cp_size(cp_size, _comm.world_rank_and_size()[1])  # before the (slow) base init
         if cp_size > 1:
-            _checkpoint_under_cp(args[1] if len(args) > 1 else kwargs.get("args"))
+            given = (*args, *kwargs.values())
+            _checkpoint_under_cp(next((a for a in given if isinstance(a, TrainingArguments)), None))
         cast(Any, super()).__init__(*args, **kwargs)
         self.cp = setup_cp(self, cp_size, cp_attention, cp_layout)
 
@@ -406,6 +407,18 @@ class CPDataMixin:
     def get_cp_size(self) -> int:
         """``C``: the Trainer divides the world-summed token count by it."""
         return self.cp.cp_size if self.cp is not None else cast(Any, super()).get_cp_size()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Evaluation is not sharded under CP: a clear error instead of duplicated metrics."""
+        if self.cp is not None:
+            raise _setting_error(
+                "evaluate()",
+                "is not sharded by the cpshard trainers (every CP rank would evaluate the same "
+                "batches and the metrics would count them C times)",
+                f"cp_size={self.cp.cp_size}",
+                "evaluate with the base trainer (cp_size=1) on the saved model",
+            )
+        return cast(Any, super()).get_eval_dataloader(eval_dataset)
 
     def get_train_dataloader(self) -> Any:
         """The trainer's dataloader, sharded over the dp replicas instead of every rank."""

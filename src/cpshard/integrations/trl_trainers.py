@@ -87,7 +87,18 @@ class CPSFTTrainer(CPSFTMixin, SFTTrainer):  # type: ignore[misc]
 class CPGRPOMixin(CPDataMixin):
     """Adds ``cp_size`` to TRL's ``GRPOTrainer`` (put it first in the bases)."""
 
+    # TRL methods this mixin overrides: if a TRL release renames one, the override would be
+    # dead code and CP silently wrong, so their presence is checked at init.
+    _OVERRIDES = ("_generate_single_turn", "_get_per_token_logps_and_entropies")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bases = [k for k in type(self).__mro__ if not issubclass(CPGRPOMixin, k)]
+        missing = [m for m in self._OVERRIDES if not any(m in vars(k) for k in bases)]
+        if missing:
+            raise TypeError(
+                f"CPGRPOTrainer: this TRL version has no {missing}, which cpshard's GRPO "
+                "integration overrides (written against trl 1.16); install trl 1.16"
+            )
         super().__init__(*args, **kwargs)
         if self.cp is not None:
             _check_grpo(cast(Any, self), self.cp.cp_size)
