@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _ranks import CALL_DEADLINE_S
 from cpshard.cli.main import main
 
 pytestmark = pytest.mark.multirank
@@ -130,7 +131,9 @@ def test_parity_under_torchrun_on_two_gloo_ranks(tmp_path: Path) -> None:
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "cpshard", "parity"]
     cmd += ["--ranks", "2", "--model", "tiny", "--steps", "2", "--seq-len", "32"]
     cmd += ["--methods", "ring", "--layouts", "round_robin,packed", "--json", str(js)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=CALL_DEADLINE_S, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("| model |") == 1  # only rank 0 prints the table
     assert "2 gloo ranks (torchrun)" in proc.stdout
