@@ -162,9 +162,12 @@ def make_cp_batch_and_ctx(
             ``cp_sharder``'s too); a shard with its own context keeps it.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
-            (one all-gather of a few int64 values) and raise on every rank if they differ; also
-            makes ``gather_token_tensor`` check dtype and shape across ranks. Pass ``False`` only
-            if the loop guarantees identical batches on every CP rank.
+            (one all-gather of a few int64 values; what it covers:
+            :mod:`cpshard.guards.consistency`) and raise on every rank if they differ; also
+            makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
+            the hashing of the values (not the all-gather: names, shapes, arguments and the flag
+            itself are still compared); pass it only if the loop guarantees identical batches
+            on every CP rank.
 
     Returns:
         ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
@@ -175,12 +178,13 @@ def make_cp_batch_and_ctx(
             id that is not a non-negative int, ranks given different batches.
     """
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
-    if check_consistency:
-        _check_consistency(
-            cp_mesh, batch, layout, attention, padding_token_id,
-            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
-             "extra_token_keys": extra_token_keys},
-        )  # fmt: skip
+    # Always the one collective; check_consistency=False only skips the hashing (ranks that
+    # disagree on the flag then raise alike instead of mismatching collectives).
+    _check_consistency(
+        cp_mesh, batch, layout, attention, padding_token_id,
+        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
+         "extra_token_keys": extra_token_keys}, check_consistency is not False,
+    )  # fmt: skip
     _check_method(attention)
     return _dispatch(
         cp_mesh,
@@ -437,12 +441,11 @@ def prepare_cp_forward(
     model = unwrap_model(model)
     # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.
     install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
-    if check_consistency:
-        _check_consistency(
-            cp_mesh, batch, layout, attention, padding_token_id,
-            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
-             "extra_token_keys": extra_token_keys},
-        )  # fmt: skip
+    _check_consistency(  # one collective either way; False skips only the hashing
+        cp_mesh, batch, layout, attention, padding_token_id,
+        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
+         "extra_token_keys": extra_token_keys}, check_consistency is not False,
+    )  # fmt: skip
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:
