@@ -213,25 +213,19 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
         model(input_ids=ids)
 
 
-def _splitmix(x: int) -> int:
-    m = (1 << 64) - 1
-    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & m
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
-    return x ^ (x >> 31)
-
-
 @pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
 def test_content_hash_is_a_nonlinear_sum_over_every_element(shape: tuple[int, ...]) -> None:
-    """sum_k mix(mix(x_k) ^ k * G) + numel mod 2**64, checked against plain Python integers."""
+    """sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel mod 2**64, w_k = k * G, checked against
+    plain Python integers."""
     from cpshard.guards.consistency import _content_hash
 
     x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
     m = (1 << 64) - 1
     total = x.numel()
     for k, v in enumerate(x.reshape(-1).tolist()):
-        total += _splitmix(_splitmix(v & m) ^ ((k * 0x9E3779B97F4A7C15) & m))
-    total &= m
-    assert int(_content_hash(x)) & m == total
+        w = (k * 0x9E3779B97F4A7C15) & m
+        total += ((v & m) ^ w) * (((v + w) & m) | 1)
+    assert int(_content_hash(x)) & m == total & m
 
 
 def test_content_hash_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:

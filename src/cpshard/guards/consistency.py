@@ -20,11 +20,11 @@ What it covers, exactly (with ``check_consistency=True``, the default):
 * the arguments: layout, attention method, pad id, ``pad_multiple``, ``num_chunks``,
   ``extra_token_keys``, a given sharder's type, and ``loss_mask`` by content.
 
-Content hash (:func:`_content_hash`): ``sum_k mix(mix(x_k) ^ k * G)`` mod ``2**64`` over every
-element (``x_k`` the value, or the bits of a float; ``k`` its flat index; ``mix`` the splitmix64
-finalizer). Non-linear per element, so the compensating changes that fool a weighted sum (and any
-swap of values) change it; a collision needs a 64-bit coincidence. It reads each element once
-(about 10 int64 passes over the batch; see ``BENCHMARKS.md``), in bounded chunks.
+Content hash (:func:`_content_hash`): ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1)`` mod ``2**64``
+over every element (``x_k`` the value, or the bits of a float; ``w_k = k * G`` a per-position
+key). Non-linear per element, so the compensating changes that fool a weighted sum, and swaps of
+values, change it. It reads each element once (four int64 passes; the cost is in
+``BENCHMARKS.md``), in bounded chunks.
 
 Not covered: tensors handed only to the token verbs (``sharder.shard_token_tensor(advantages)``
 has no collective to ride; ``gather_token_tensor`` compares dtype, shape and arguments, not
@@ -118,23 +118,8 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-_M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64)
-_M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
-_LOW = {29: (1 << 35) - 1, 27: (1 << 37) - 1, 31: (1 << 33) - 1}
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
 _CHUNK = 1 << 20  # elements hashed at a time: int64 temporaries stay at 8 MB
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> n) & _LOW[n]
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finalizer, elementwise on int64 (a bijection; wraps mod ``2**64``)."""
-    x = (x ^ _shr(x, 31)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
 
 
 def _as_int64_bits(x: torch.Tensor) -> torch.Tensor:
@@ -148,30 +133,31 @@ def _as_int64_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _content_hash(t: torch.Tensor) -> torch.Tensor:
-    """0-d int64 tensor: ``sum_k mix(mix(x_k) ^ (k * G)) + numel`` over every value, mod ``2**64``.
+    """0-d int64 tensor: ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel``, mod ``2**64``.
 
     Every element of every tensor is hashed: ``x_k`` are the values (integers and bools) or the
-    bits (floating point, so ``-0.0`` and each NaN payload count as different values), ``k`` the
-    flat index, ``mix`` the splitmix64 finalizer (non-linear: no weighted-sum trick, no
-    permutation and no pair of compensating changes leaves the sum unchanged short of a 64-bit
-    collision). The flat values go through in chunks of :data:`_CHUNK` elements, so the int64
-    temporaries stay small for ``inputs_embeds``.
+    bits (floating point, so ``-0.0`` and each NaN payload count as different values),
+    ``w_k = k * G`` a per-position key (``G`` the odd 64-bit golden ratio). Each term is a product
+    of two different functions of the value, i.e. non-linear: the compensating changes that fool
+    a weighted sum (``+3`` here, ``-1`` there) and swaps of values change it. Four int64 passes
+    over the values, in chunks of :data:`_CHUNK` elements, so the temporaries stay small for
+    ``inputs_embeds``.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
     flat = t.detach()
-    total = torch.zeros((), dtype=torch.long, device=flat.device)
-    if flat.is_floating_point() or flat.is_complex():
-        flat = flat.reshape(-1)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(-1)
-    else:
-        flat = flat.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1)
     n = flat.numel()
+    total = torch.zeros((), dtype=torch.long, device=flat.device)
     for start in range(0, n, _CHUNK):
-        part = _as_int64_bits(flat[start : start + _CHUNK])
-        index = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.long)
-        total = total + _mix(_mix(part) ^ (index * _GOLDEN)).sum()
+        x = _as_int64_bits(flat[start : start + _CHUNK])
+        w = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.long)
+        w.mul_(_GOLDEN)
+        a = x ^ w
+        w.add_(x).bitwise_or_(1)
+        total = total + a.mul_(w).sum()
     return total + n
 
 
