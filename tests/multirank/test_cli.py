@@ -119,6 +119,18 @@ def test_parity_reports_indivisible_heads_for_ulysses(capsys: pytest.CaptureFixt
     assert "skipped: heads 8/4 not divisible by 3 ranks" in out
 
 
+def test_parity_with_every_cp_row_skipped_fails_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 17: it printed PASS and exited 0 when no cp=N run was compared at all."""
+    argv = ["parity", "--model", "tiny", "--ranks", "3", "--steps", "1", "--seq-len", "30"]
+    argv += ["--methods", "ulysses", "--layouts", "contiguous", "--no-progress"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: every CP row was skipped (skipped: heads 8/4 not divisible by 3 ranks)" in out
+    assert "PASS" not in out
+
+
 def test_parity_under_torchrun_on_two_gloo_ranks(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     if not Path(torchrun).exists():

@@ -18,7 +18,8 @@ the call itself carries (the local batch tensors carry the identity of the shard
 
 Calls on unsharded tensors outside ``ctx()`` (evaluation, generation) are not affected.
 
-HF gradient checkpointing is checked at prepare: its recomputation runs in ``backward()``, outside
+HF gradient checkpointing is checked at prepare and again at every forward under ``ctx()`` (it
+may be enabled after the prepare): its recomputation runs in ``backward()``, outside
 any CP context, so it must be non-reentrant with
 ``context_fn=cpshard.attention.checkpoint_context_fn`` (else attention would be recomputed as local
 attention: silently wrong gradients) -> ``ValueError`` with the fix.
@@ -63,6 +64,8 @@ class _ModelGuard:
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _check_call(module, args, kwargs)
         mode = active_mode()
+        if mode is not None and module.training:  # enabled after prepare: checked here too
+            check_gradient_checkpointing(module)
         if mode is not None and mode.group is not None:
             self.in_flight = True
 
