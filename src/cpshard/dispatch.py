@@ -31,7 +31,7 @@ from cpshard.attention.context import cp_attention_context
 from cpshard.attention.hf import cp_attention_scope
 from cpshard.attention.plan import attention_plan
 from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
-from cpshard.guards.model import install_model_guard
+from cpshard.guards.model import install_model_guard, remember_shard
 from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.layouts.closed_form import (
     ClosedFormLayout,
@@ -469,6 +469,7 @@ def prepare_cp_forward(
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
     )
+    remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
     if sharder is not None:
         check_model_sharder(bound)
     elif hasattr(model, "set_attn_implementation"):

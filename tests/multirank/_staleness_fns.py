@@ -16,8 +16,8 @@ from cpshard.attention import cp_attention
 B, S, H, D = 2, 16, 2, 8
 
 
-def _batch(pad_last: int) -> dict[str, Any]:
-    ids = torch.randint(1, 64, (B, S), generator=torch.Generator().manual_seed(1))
+def _batch(pad_last: int, seed: int = 1) -> dict[str, Any]:
+    ids = torch.randint(1, 64, (B, S), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones(B, S, dtype=torch.long)
     if pad_last:
         mask[1, -pad_last:] = 0
@@ -49,3 +49,32 @@ def hf_checkpointing_enabled_after_prepare(cp_mesh: DeviceMesh) -> str:
     with ctx(), pytest.raises(ValueError, match="gradient_checkpointing_kwargs") as info:
         model(input_ids=local["input_ids"], position_ids=local["position_ids"])
     return str(info.value)
+
+
+def copies_keep_batch_identity(cp_mesh: DeviceMesh, copy: str) -> list[str]:
+    """Local tensors copied by .clone() / .to() lose the tag but not the batch identity: a
+    forgotten ctx() (cp > 1) and a stale ctx raise; the copy under its own ctx() equals the
+    original."""
+    from cpshard.models import TinyDecoder, TinyDecoderConfig
+
+    world = cp_mesh.size()
+    model = TinyDecoder(TinyDecoderConfig(vocab_size=64))
+    ctx1, local1, _ = cpshard.prepare_cp_forward(model, cp_mesh, _batch(0))
+    ctx2, local2, _ = cpshard.prepare_cp_forward(model, cp_mesh, _batch(5, seed=2))
+
+    def dup(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if copy == "clone" else t.to(torch.float64).to(t.dtype)
+
+    ids2, pos2 = dup(local2["input_ids"]), dup(local2["position_ids"])
+    with ctx2():
+        want = model(local2["input_ids"], local2["position_ids"])
+        torch.testing.assert_close(model(ids2, pos2), want)  # a copy under its own ctx: fine
+    msgs = []
+    with ctx1(), pytest.raises(ValueError, match="stale ctx") as info:
+        model(ids2, pos2)  # batch 2's copies under batch 1's ctx (same shapes, other tokens)
+    msgs.append(str(info.value))
+    if world > 1:
+        with pytest.raises(ValueError, match=r"outside its ctx\(\) on a copy") as info:
+            model(ids2, pos2)
+        msgs.append(str(info.value))
+    return msgs

@@ -60,6 +60,7 @@ __all__ = [
     "check_batch_consistency",
     "check_dispatch_consistency",
     "check_verb_consistency",
+    "content_hash",
     "mismatch_message",
 ]
 
@@ -159,6 +160,9 @@ def _content_hash(t: torch.Tensor) -> torch.Tensor:
         w.add_(x).bitwise_or_(1)
         total = total + a.mul_(w).sum()
     return total + n
+
+
+content_hash = _content_hash  # public: the sharder's batch record hashes its local tensors too
 
 
 def _wrap(x: int | torch.Tensor) -> int | torch.Tensor:

@@ -30,6 +30,7 @@ from cpshard.sharding.facts import (
     ShardBatchFn,
     ShardFacts,
     batch_tag,
+    local_record,
     same_shard,
     tag_tensor,
 )
@@ -229,6 +230,8 @@ class CPSharder:
             for key, value in out.items():
                 if isinstance(value, torch.Tensor) and value is not batch.get(key):
                     tag_tensor(value, facts.token_meta)
+            # ... and a content record that survives .clone() / .to() of the local tensors
+            facts.token_meta.local_record.update(local_record(out))
         return CPContext(factory, facts), out
 
     # ------------------------------------------------------------------ captured facts
