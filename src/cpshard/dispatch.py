@@ -92,7 +92,24 @@ def closed_form_sharder(
 
 
 def _is_packed(batch: Mapping[str, Any]) -> bool:
-    return any(batch.get(k) is not None for k in _PACK_KEYS)
+    return any(batch.get(k) is not None for k in _PACK_KEYS) or _restarting_positions(batch)
+
+
+def _restarting_positions(batch: Mapping[str, Any]) -> bool:
+    """Whether a batch without ``seq_lens`` / ``cu_seqlens`` declares documents the way HF does:
+    ``[B, S]`` ``position_ids`` that do not step by +1 inside a row, and no mask.
+
+    That is padding-free packing as TRL's collator emits it. HF's own masks then read the rows
+    as documents (block-diagonal; only when no ``attention_mask`` is given), so a dense layout
+    would let them attend to each other: silently unlike one process. With an
+    ``attention_mask`` (or ``padding_mask``) HF keeps the rows dense, and so does cpshard.
+    """
+    pos = batch.get("position_ids")
+    if batch.get("attention_mask") is not None or batch.get("padding_mask") is not None:
+        return False
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.is_floating_point():
+        return False
+    return bool((pos.detach().diff(dim=1) != 1).any())
 
 
 def _resolve(
@@ -110,9 +127,13 @@ def _resolve(
     if layout in PACKED_LAYOUTS:
         return packed_sharder(layout, extra_token_keys=extra_token_keys)
     if packed:
+        keys = [k for k in _PACK_KEYS if batch.get(k) is not None] or [
+            "position_ids that restart inside a row, without a mask"
+        ]
         raise ValueError(
-            f"the batch describes packed documents ({[k for k in _PACK_KEYS if k in batch]}), "
-            f"which layout={layout!r} cannot express; use layout='balanced' or 'packed'"
+            f"the batch describes packed documents ({keys}), which layout={layout!r} cannot "
+            "express (its documents would attend to each other); use layout='balanced' or "
+            "'packed', or pass position_ids that run 0..S-1 per row for one sequence per row"
         )
     closed: ClosedFormLayout
     if layout == "contiguous":

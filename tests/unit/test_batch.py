@@ -211,3 +211,33 @@ def test_four_d_mask_that_is_not_causal_padding_is_refused(kind: str) -> None:
         mask[0, 0, 3, 0] = -0.5
     with pytest.raises(ValueError, match="honoured only as causal padding"):
         attention_mask_to_padding_mask(mask)
+
+
+def test_restarting_position_ids_are_documents() -> None:
+    """Padding-free packing without seq_lens (position_ids restarting at 0 inside a row and no
+    mask, as TRL's collator emits and as HF's masks read it): the batch is packed (documents
+    kept apart), exactly as with seq_lens; a dense layout refuses it; 0..n-1 rows and rows with
+    an attention_mask (HF keeps those dense too) stay dense."""
+    ids = torch.arange(1, 11).reshape(1, 10)
+    restart = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    _, by_pos, sh_pos = cpshard.make_cp_batch_and_ctx(
+        None, {"input_ids": ids, "position_ids": restart}
+    )
+    _, by_len, sh_len = cpshard.make_cp_batch_and_ctx(
+        None, {"input_ids": ids, "seq_lens": [[4, 3, 3]]}
+    )
+    assert sh_pos.layout == sh_len.layout == "balanced"
+    assert torch.equal(by_pos["position_ids"], by_len["position_ids"])
+    with pytest.raises(ValueError, match="restart inside a row"):
+        cpshard.make_cp_batch_and_ctx(
+            None, {"input_ids": ids, "position_ids": restart}, layout="round_robin"
+        )
+    left = {
+        "input_ids": ids,
+        "position_ids": torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4, 5, 6]]),
+        "attention_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]]),
+    }
+    _, _, sh_left = cpshard.make_cp_batch_and_ctx(None, left)
+    plain = {"input_ids": ids, "position_ids": torch.arange(10).reshape(1, 10)}
+    _, _, sh_plain = cpshard.make_cp_batch_and_ctx(None, plain)
+    assert sh_left.layout == sh_plain.layout == "none"
