@@ -96,6 +96,22 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+_PADDING_KEYS = ("attention_mask", "padding_mask")
+
+
+def _describe_entry(key: object, value: Any) -> str:
+    """:func:`_describe`, except that a bool and an integer padding mask of the same shape
+    describe alike (their 0/1 values hash alike too): equal masks are the same batch."""
+    if (
+        key in _PADDING_KEYS
+        and isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+    ):
+        return f"Mask({tuple(value.shape)}, {value.device.type})"
+    return _describe(value)
+
+
 def _content_hash(t: torch.Tensor) -> torch.Tensor:
     """0-d int64 tensor: ``sum_k x_k * (2k + 1) + numel`` over the flat values, mod ``2**64``.
 
@@ -177,7 +193,9 @@ def batch_fingerprint(
         return _pack(slots)
     keys = sorted(str(k) for k in batch)
     slots["keys"] = _str_hash(",".join(keys))
-    slots["dtypes and shapes"] = _str_hash(";".join(f"{k}:{_describe(batch[k])}" for k in batch))
+    slots["dtypes and shapes"] = _str_hash(
+        ";".join(f"{k}:{_describe_entry(k, batch[k])}" for k in batch)
+    )
     primary = batch.get("input_ids")
     if primary is None:
         primary = batch.get("inputs_embeds")

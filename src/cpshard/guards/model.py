@@ -23,11 +23,8 @@ any CP context, so it must be non-reentrant with
 ``context_fn=cpshard.attention.checkpoint_context_fn`` (else attention would be recomputed as local
 attention: silently wrong gradients) -> ``ValueError`` with the fix.
 
-It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
-raised and the loop caught the exception, this rank is out of step with its peers (they wait in
-that forward's collectives): the next :func:`cpshard.prepare_cp_forward` then raises on this rank
-before any collective, so the run ends (the peers fail within the process-group timeout) instead
-of pairing unrelated collectives.
+Whether every rank ran every phase of its step (an exception caught inside the forward, a
+skipped backward or ``sync_grads``) is the step record's job (:mod:`cpshard.guards.step`).
 
 Imports the shard identity (:mod:`cpshard.sharding.facts`) and the active attention mode
 (:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),
@@ -55,19 +52,10 @@ _LOSS_FIX = (
 
 
 class _ModelGuard:
-    """The forward pre/post hooks of one prepared model."""
-
-    def __init__(self) -> None:
-        self.in_flight = False  # a forward under a multi-rank ctx() started and did not finish
+    """The forward pre-hook of one prepared model."""
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _check_call(module, args, kwargs)
-        mode = active_mode()
-        if mode is not None and mode.group is not None:
-            self.in_flight = True
-
-    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        self.in_flight = False
 
 
 def _check_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -154,11 +142,9 @@ def check_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def install_model_guard(model: nn.Module, cp_size: int) -> None:
-    """Register the call-time guard on ``model`` once; raise if this rank is out of step.
+    """Register the call-time guard on ``model`` once.
 
     Raises:
-        RuntimeError: the model's previous forward under a multi-rank ``ctx()`` raised on this
-            rank and the exception was caught (only at ``cp_size > 1``).
         ValueError: HF gradient checkpointing that would recompute attention outside CP (see
             :func:`check_gradient_checkpointing`).
     """
@@ -166,16 +152,6 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
     for hook in model._forward_pre_hooks.values():
         guard = getattr(hook, "__self__", None)
         if isinstance(guard, _ModelGuard):
-            if guard.in_flight and cp_size > 1:
-                raise RuntimeError(
-                    f"the previous forward of {type(model).__name__} under a CP ctx() raised on "
-                    "this rank and the exception was caught: the CP ranks are now out of step "
-                    "(the others wait in that forward's collectives), and continuing would pair "
-                    "unrelated collectives. Do not continue a CP loop after an exception inside "
-                    "a step: re-raise it (the other ranks then fail within the process-group "
-                    "timeout) and restart from a checkpoint"
-                )
             return
     guard = _ModelGuard()
     model.register_forward_pre_hook(guard.pre, with_kwargs=True)
-    model.register_forward_hook(guard.post, with_kwargs=True)

@@ -368,9 +368,15 @@ class CPSharder:
         group = _comm.cp_group(facts.cp_mesh)
         if group is not None and facts.check_consistency:
             assert facts.cp_mesh is not None
+            same_dim = (  # seq_dim=1 and -2 of a 3-D tensor are the same dim on every rank
+                seq_dim % t.dim()
+                if isinstance(t, torch.Tensor) and isinstance(seq_dim, int)
+                and -t.dim() <= seq_dim < t.dim()
+                else seq_dim
+            )  # fmt: skip
             check_verb_consistency(
                 facts.cp_mesh, group, "gather_token_tensor", t,
-                seq_dim=seq_dim, trim=trim, fill=fill, grad=grad,
+                seq_dim=same_dim, trim=trim, fill=fill, grad=grad,
             )  # fmt: skip
         t = _check_tensor(t, "gather_token_tensor")
         self._check_tag(t, "gather_token_tensor")
