@@ -26,19 +26,23 @@ timeout with messages that do not name the cause. This module keeps, per rank an
   the next header, not locally.
 
 What the headers also carry (compared across the ranks, so a mismatch raises on every rank before
-any data collective): the ``check_consistency`` flag of a prepare; at a prepare with a model, a
-fingerprint of its trainable parameters (a strided sample of at most :data:`PARAM_SAMPLE` values
-per parameter, the names and the trainable pattern: parameters that differ across the CP ranks
-mean a missing :func:`cpshard.sync_grads` before an optimizer step, or a model built, loaded or
-frozen differently on some ranks); at a sync, the names and shapes of the trainable parameters;
-at the first CP attention call of a forward, its dtype, head counts, head dim and length.
+any data collective): the ``check_consistency`` flag of a prepare; at a prepare with a model (and
+``check_consistency``), the names, shapes, dtypes and trainable pattern of its parameters (a model
+built or frozen differently on some ranks), plus each rank's own report of an optimizer step on
+unsynced gradients (below); at a sync, the names, shapes and dtypes of the trainable parameters;
+at the first CP attention call of a forward, its dtypes, head counts, head dims and lengths.
 
-Gradient sync records (per mesh, local, no collective): the number of CP backward passes since the
-last :func:`cpshard.sync_grads`. A sync with no CP backward since the last one (doubled) raises;
-so does a sync on a mesh on which no CP backward ran while the model was prepared on another
-(the dp mesh passed by mistake). Accumulating over micro-batches (several backward passes, one
-sync) is legal. Undetectable: averaging instead of summing (a scale-invariant optimizer such as
-AdamW hides it from the loss); ``cpshard parity``'s gradient check shows it.
+Gradient sync records (per mesh, local, no collective): the identity and version of the
+gradients the last :func:`cpshard.sync_grads` summed. A sync whose gradients are those very
+tensors, unchanged, is doubled; one whose gradients are those tensors advanced by exactly one
+in-place add per backward since (no ``zero_grad`` in between) sums already summed gradients again
+(a sync per micro-batch): both raise. Accumulating over micro-batches (several backward passes,
+one sync) is legal. A sync on another mesh than the one the model was prepared on (the dp mesh)
+raises. A forgotten sync shows at the next prepare: the model's trainable parameters changed since
+its previous prepare while a CP backward since the last sync was never synced (an optimizer step on
+partial gradients). Undetectable: averaging instead of summing (a scale-invariant optimizer such as
+AdamW hides it from the loss); ``cpshard parity --grad-sync mean`` shows it in the gradients.
+Gradients zeroed through ``.data`` (no version bump) read as not zeroed: use ``zero_grad()``.
 
 Not tracked: forwards traced by ``torch.compile`` (no header, no backward record), model-owned
 contexts (a ``shard_batch`` that returns its own context factory: the forward is tracked as a
