@@ -315,3 +315,16 @@ def seq_dim_spelled_differently(cp_mesh: DeviceMesh) -> list[float]:
     seq_dim = -2 if cp_mesh.get_local_rank() == ODD_RANK else 1
     full = sharder.gather_token_tensor(t, seq_dim=seq_dim)
     return [float(v) for v in full[0, :, 0]]
+
+
+def position_ids_of_two_sections(cp_mesh: DeviceMesh) -> str:
+    """3-D position ids ``[2, B, S]`` are not mRoPE ``[3, B, S]``: the same ValueError on every
+    rank."""
+    batch = dense_batch(2, 32, seed=0)
+    pos = torch.arange(32).expand(2, 32)
+    batch["position_ids"] = torch.stack([pos, pos])
+    try:
+        cpshard.make_cp_batch_and_ctx(cp_mesh, batch, padding_token_id=PAD_ID)
+    except ValueError as e:
+        return str(e)
+    return "no error"

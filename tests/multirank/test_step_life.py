@@ -21,6 +21,7 @@ from _step_fns import (
     leave_the_step,
     mask_dtypes_differ,
     mesh_without_this_rank,
+    position_ids_of_two_sections,
     seq_dim_spelled_differently,
     sync_misuse,
     sync_on_dp_mesh,
@@ -140,3 +141,9 @@ def test_long_and_bool_attention_masks_with_equal_values(ranks: Ranks) -> None:
 def test_seq_dim_spelled_differently_across_ranks(ranks: Ranks) -> None:
     out = ranks(2, seq_dim_spelled_differently, timeout=WAIT_S)
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_position_ids_of_two_sections_are_not_mrope(ranks: Ranks, world: int) -> None:
+    out = ranks(world, position_ids_of_two_sections, timeout=WAIT_S)
+    assert len(set(out)) == 1 and "first dim must be 3" in out[0], out
