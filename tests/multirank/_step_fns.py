@@ -54,37 +54,40 @@ def _raise(*_: Any) -> None:
 
 
 def leave_the_step(cp_mesh: DeviceMesh, case: str) -> dict[str, Any]:
-    """One rank leaves step 1 at a phase boundary; every rank must raise the same error, then a
-    full step must work on every rank (the ranks are in step again)."""
-    rank = cp_mesh.get_local_rank()
-    odd = rank == ODD_RANK
+    """One rank leaves step 1 at a phase boundary and goes on, as a skip-bad-batch loop does.
+    Every rank must raise (the same error where both meet a header), and then a full step must
+    work on every rank: the ranks are in step again."""
+    odd = cp_mesh.get_local_rank() == ODD_RANK
     model = _model()
     _full_step(model, cp_mesh, 0)
     message = ""
     try:
         batch = dense_batch(2, 32, seed=1)
         ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, batch, padding_token_id=PAD_ID)
-        try:
-            with ctx():
-                logits = model(local["input_ids"], local["position_ids"])
-                if odd and case == "raise_in_ctx_after_forward":
-                    raise Injected("after the forward, inside ctx()")
-            if odd and case == "backward_error":
-                logits.register_hook(_raise)  # raises before any CP backward on this rank
-            n = count_tokens(batch["labels"])
-            loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)
-            if not (odd and case == "skip_backward"):
-                loss.backward()
-            if not (odd and case == "skip_sync"):
-                cpshard.sync_grads(model, cp_mesh)
-        except Injected:
-            pass  # a skip-bad-batch loop: carry on with the next step
-        model.zero_grad(set_to_none=True)
-        _full_step(model, cp_mesh, 2)
+        with ctx():
+            logits = model(local["input_ids"], local["position_ids"])
+            if odd and case == "raise_in_ctx_after_forward":
+                raise Injected("after the forward, inside ctx()")
+        if odd and case == "backward_error":
+            logits.register_hook(_raise)  # raises before any CP backward on this rank
+        n = count_tokens(batch["labels"])
+        loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)
+        if not (odd and case == "skip_backward"):
+            loss.backward()
+        if not (odd and case == "skip_sync"):
+            cpshard.sync_grads(model, cp_mesh)
+    except Injected:
+        pass  # a skip-bad-batch loop: carry on with the next step
     except RuntimeError as e:
         message = str(e)
-    model.zero_grad(set_to_none=True)
-    after = _full_step(model, cp_mesh, 3)
+    after = None
+    for _ in range(2):  # the next step; a rank whose header met a peer's error retries it once
+        model.zero_grad(set_to_none=True)
+        try:
+            after = _full_step(model, cp_mesh, 2)
+            break
+        except RuntimeError as e:
+            message = message or str(e)
     return {"message": message, "after": after}
 
 
@@ -327,4 +330,31 @@ def position_ids_of_two_sections(cp_mesh: DeviceMesh) -> str:
         cpshard.make_cp_batch_and_ctx(cp_mesh, batch, padding_token_id=PAD_ID)
     except ValueError as e:
         return str(e)
+    return "no error"
+
+
+class _Opaque(nn.Module):
+    """A model whose vocabulary cpshard cannot read (no config, no get_input_embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(input_ids, position_ids)
+        return out
+
+
+def pad_id_outside_vocabulary(cp_mesh: DeviceMesh) -> str:
+    """A pad id outside the vocabulary: only the ranks with CP pad slots fail in the embedding."""
+    model = _Opaque()
+    batch = dense_batch(2, 31, seed=0)  # 31 tokens: round_robin pads one slot on one rank
+    try:
+        ctx, local, _ = cpshard.prepare_cp_forward(
+            model, cp_mesh, batch, padding_token_id=VOCAB_SIZE + 5
+        )
+        with ctx():
+            model(local["input_ids"], local["position_ids"])
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"

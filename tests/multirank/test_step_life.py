@@ -21,6 +21,7 @@ from _step_fns import (
     leave_the_step,
     mask_dtypes_differ,
     mesh_without_this_rank,
+    pad_id_outside_vocabulary,
     position_ids_of_two_sections,
     seq_dim_spelled_differently,
     sync_misuse,
@@ -38,6 +39,7 @@ WAIT_S = 120.0  # generous: only a true hang (or today's abort) exceeds it
 
 BACKWARD = "rank 0 runs the backward's first CP attention call"
 NEW_STEP = f"rank {ODD_RANK} started a new step"
+FAILED = f"rank {ODD_RANK} raised an exception inside ctx()"
 
 
 @pytest.mark.parametrize(
@@ -46,7 +48,6 @@ NEW_STEP = f"rank {ODD_RANK} started a new step"
         # the odd rank skips the backward but not the sync: it meets its peer's backward there
         ("skip_backward", f"{BACKWARD}; rank {ODD_RANK} runs cpshard.sync_grads"),
         ("backward_error", f"{BACKWARD}; {NEW_STEP}"),
-        ("raise_in_ctx_after_forward", f"{BACKWARD}; {NEW_STEP}"),
         ("skip_sync", f"rank 0 runs cpshard.sync_grads; {NEW_STEP}"),
     ],
 )
@@ -57,6 +58,27 @@ def test_a_rank_that_leaves_the_step_raises_with_its_peers(case: str, doing: str
     assert len(set(messages)) == 1, messages  # the same error on every rank
     assert "out of step" in messages[0] and doing in messages[0], messages[0]
     assert out[0]["after"] == pytest.approx(out[1]["after"])  # in step again: a full step works
+
+
+def test_an_exception_leaving_ctx_after_the_forward_tells_the_peers_at_once() -> None:
+    """The odd rank's exception leaves ctx() after its forward: its peer raises in its backward,
+    naming it; the odd rank gets its own exception (its loop catches it), and both are in step."""
+    with LocalRanks(2, pg_timeout_s=PG_TIMEOUT_S) as pool:
+        out = pool.run(leave_the_step, "raise_in_ctx_after_forward", timeout_s=WAIT_S)
+    assert out[ODD_RANK]["message"] == "", out  # its own exception, caught by its loop
+    other = out[1 - ODD_RANK]["message"]
+    assert "out of step" in other and f"{BACKWARD}; {FAILED}" in other, other
+    assert out[0]["after"] == pytest.approx(out[1]["after"])
+
+
+def test_a_pad_id_outside_an_unreadable_vocabulary_fails_every_rank_fast() -> None:
+    """The ranks holding CP pad slots fail in the embedding; the others raise at once, naming
+    them, instead of waiting in the forward's first CP collective."""
+    with LocalRanks(2, pg_timeout_s=PG_TIMEOUT_S) as pool:
+        out = pool.run(pad_id_outside_vocabulary, timeout_s=WAIT_S)
+    kinds = sorted(m.split(":")[0] for m in out)
+    assert kinds == ["IndexError", "OutOfStepError"], out
+    assert "raised an exception inside ctx()" in next(m for m in out if "OutOfStep" in m), out
 
 
 @pytest.mark.parametrize(

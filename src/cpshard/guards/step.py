@@ -73,6 +73,9 @@ __all__ = [
     "HEADER_SIZE",
     "PARAM_SAMPLE",
     "ForwardTracker",
+    "OutOfStepError",
+    "StepHeaderError",
+    "StepMismatchError",
     "StepState",
     "begin_prepare",
     "begin_sync",
@@ -92,8 +95,9 @@ _MASK = (1 << 63) - 1
 # Slots of the header.
 _MAGIC, _KIND, _A, _B, _C, _D, _E, _F = range(HEADER_SIZE)
 _MAGIC_VALUE = 0x5C5EED
-PREPARE, FORWARD, BACKWARD, SYNC = 1, 2, 3, 4
+PREPARE, FORWARD, BACKWARD, SYNC, FAILED = 1, 2, 3, 4, 5
 _KIND_TEXT = {
+    FAILED: "raised an exception inside ctx() (its own traceback names it)",
     PREPARE: "started a new step (prepare_cp_forward / make_cp_batch_and_ctx)",
     FORWARD: "runs the forward's first CP attention call",
     BACKWARD: "runs the backward's first CP attention call",
@@ -104,6 +108,18 @@ _RECOVER = (
     "backward, sync_grads) or none; a rank that catches an exception inside a step must not go "
     "on alone: re-raise it (every rank then stops) or make every rank skip the same step"
 )
+
+
+class StepHeaderError(Exception):
+    """Raised by a step header on every rank at once: the ranks stay in step."""
+
+
+class OutOfStepError(StepHeaderError, RuntimeError):
+    """The CP ranks entered different phases of their step (raised on every rank)."""
+
+
+class StepMismatchError(StepHeaderError, ValueError):
+    """The CP ranks entered the same phase with facts that differ (raised on every rank)."""
 
 
 def _str_hash(text: str) -> int:
@@ -215,7 +231,7 @@ def _exchange(
             f"rank {r} {_KIND_TEXT.get(k, f'is in another collective (header kind {k})')}"
             for r, k in enumerate(kinds)
         )
-        raise RuntimeError(
+        raise OutOfStepError(
             f"the CP ranks are out of step: {doing}. A rank that starts a new phase while its "
             "peers are still in the previous one skipped it (an exception caught in the forward "
             "or the backward, a skipped backward() or sync_grads). " + _RECOVER
@@ -229,7 +245,9 @@ def _exchange(
                 groups.setdefault(row[slot], []).append(r)
             ranks = " vs ".join(f"ranks {g}" for g in groups.values())
             parts.append(f"{names[slot]} ({ranks})")
-        raise ValueError(f"the CP ranks disagree on entering the same phase: {'; '.join(parts)}")
+        raise StepMismatchError(
+            f"the CP ranks disagree on entering the same phase: {'; '.join(parts)}"
+        )
     return rows
 
 
@@ -422,19 +440,36 @@ def tracked_forward(
         with inner():
             yield
     except BaseException as e:
-        # Clean only if every CP call of this ctx() ran inside a model forward that completed
-        # (without a watched model, e.g. make_cp_batch_and_ctx, any CP call makes it unclean).
-        if outer and state.forward_calls > state.calls_in_done_forwards:
-            state.broken = (
-                f"an exception ({type(e).__name__}: {str(e)[:200]}) left ctx() in the middle of "
-                f"the model's forward, after {state.forward_calls} CP attention call(s); the "
-                "other ranks may wait in that forward's next collective"
-            )
+        if outer:
+            _left_ctx(state, cp_mesh, e)
         raise
     finally:
         state.in_ctx -= 1
         if outer:
             state.model_depth = 0
+
+
+def _left_ctx(state: StepState, cp_mesh: DeviceMesh, e: BaseException) -> None:
+    """Record how an exception left the outermost tracked ``ctx()``.
+
+    In the middle of the model's forward (a CP call of this ``ctx()`` ran in a forward that did
+    not complete): this rank may enter no collective again. At a phase boundary (before the
+    forward's first CP call, or after the forward completed): one ``FAILED`` header tells the
+    peers at once, so they raise naming this rank instead of waiting for it; when every rank
+    raised at the same point, they all send it and stay in step. This rank then re-raises its own
+    exception (an out-of-step error of the header is dropped: it names this rank's failure).
+    """
+    if state.forward_calls > state.calls_in_done_forwards:
+        state.broken = (
+            f"an exception ({type(e).__name__}: {str(e)[:200]}) left ctx() in the middle of "
+            f"the model's forward, after {state.forward_calls} CP attention call(s); the other "
+            "ranks may wait in that forward's next collective"
+        )
+        return
+    if not isinstance(e, Exception) or isinstance(e, StepHeaderError) or state.broken:
+        return  # KeyboardInterrupt and the like leave at once; a header's error is everyone's
+    with contextlib.suppress(RuntimeError, ValueError):
+        _exchange(state, cp_mesh, FAILED, {}, {})
 
 
 class _ModelWatch:
