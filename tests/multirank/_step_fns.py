@@ -358,3 +358,38 @@ def pad_id_outside_vocabulary(cp_mesh: DeviceMesh) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+class _Windowed(nn.Module):
+    """Sliding-window CP attention through cp_attention (as a Mistral-style layer would)."""
+
+    def __init__(self, sharder: Any) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.sharder = sharder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).unsqueeze(1)  # [B, 1, L, 8]
+        out: torch.Tensor = cpshard.attention.cp_attention(
+            h, h, h, sharder=self.sharder, causal=True, window=3
+        )
+        return out
+
+
+def window_first_met_compiled(cp_mesh: DeviceMesh) -> str:
+    """A window first met inside torch.compile(fullgraph=True): a clear error on every rank
+    (before any collective), naming the fix."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8)
+    ctx, local, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, {"inputs_embeds": x})
+    model = torch.compile(_Windowed(sharder), fullgraph=True, dynamic=False)
+    try:
+        with ctx():
+            model(local["inputs_embeds"])
+    except Exception as e:
+        text = str(e)
+        return text[text.index("CP attention with") :].split("\n")[0]
+    return "no error"

@@ -26,6 +26,7 @@ from _step_fns import (
     seq_dim_spelled_differently,
     sync_misuse,
     sync_on_dp_mesh,
+    window_first_met_compiled,
 )
 
 from _ranks import Ranks
@@ -169,3 +170,9 @@ def test_seq_dim_spelled_differently_across_ranks(ranks: Ranks) -> None:
 def test_position_ids_of_two_sections_are_not_mrope(ranks: Ranks, world: int) -> None:
     out = ranks(world, position_ids_of_two_sections, timeout=WAIT_S)
     assert len(set(out)) == 1 and "first dim must be 3" in out[0], out
+
+
+def test_a_window_first_met_under_fullgraph_compile(ranks: Ranks) -> None:
+    out = ranks(2, window_first_met_compiled, timeout=WAIT_S)
+    assert len(set(out)) == 1 and "first met inside a torch.compile'd region" in out[0], out
+    assert "for_method('all_gather', True, 3, device)" in out[0], out[0]

@@ -204,7 +204,7 @@ class AttentionPlan:
         device: torch.device,
         skip: int | None = None,
     ) -> PairPlan:
-        key = ("pair", q, k, causal, window, str(device), skip)
+        key = self._key(q, k, causal, window, device, skip)
         hit = self._cache.get(key)
         if hit is None:
             n = self.local_len
@@ -215,6 +215,31 @@ class AttentionPlan:
             self._cache[key] = hit
         assert isinstance(hit, PairPlan)
         return hit
+
+    @staticmethod
+    def _key(
+        q: int | None,
+        k: int | None,
+        causal: bool,
+        window: int | None,
+        device: torch.device,
+        skip: int | None,
+    ) -> tuple[Any, ...]:
+        return ("pair", q, k, causal, window, str(device), skip)
+
+    def planned(self, method: str, causal: bool, window: int | None, device: torch.device) -> bool:
+        """Whether :meth:`for_method` would only read cached plans (no host work to build one)."""
+        me = self.rank
+        if method == "ring":
+            keys = [self._key(me, r, causal, window, device, None) for r in range(self.world_size)]
+        elif method == "ulysses":
+            keys = [self._key(None, None, causal, window, device, None)]
+        else:
+            keys = [
+                self._key(me, me, causal, window, device, None),
+                self._key(me, None, causal, window, device, me),
+            ]
+        return all(key in self._cache for key in keys)
 
     def all_gather(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
         """Local queries against the whole gathered stream."""
