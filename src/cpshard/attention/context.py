@@ -96,10 +96,10 @@ class StepTracker(Protocol):
     def enter_call(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Before the call's first collective; returns the (marked) q, k, v."""
+        """Before the call's first collective (may exchange a step header); returns q, k, v."""
 
     def leave_call(self, out: torch.Tensor) -> torch.Tensor:
-        """After the call; returns the (marked) output."""
+        """After the call; returns the output (marked so its backward is recorded)."""
 
 
 class _CPSDPAMode(TorchFunctionMode):
