@@ -33,6 +33,14 @@ from cpshard.attention.plan import attention_plan
 from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
 from cpshard.guards.model import install_model_guard, remember_shard
 from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
+from cpshard.guards.step import (
+    ForwardTracker,
+    StepState,
+    begin_prepare,
+    step_state,
+    tracked_forward,
+    watch_model,
+)
 from cpshard.layouts.closed_form import (
     ClosedFormLayout,
     ContiguousLayout,
@@ -208,8 +216,11 @@ def make_cp_batch_and_ctx(
             id that is not a non-negative int, ranks given different batches, a model whose
             token mixers cannot run exactly (or need the generic path under ``strict``).
     """
-    cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
     mixers = _token_mixers(model, cp_mesh, batch, strict)  # before any collective
+    # The step header: always (whatever check_consistency says), before any other collective.
+    state = step_state(cp_mesh)
+    begin_prepare(state, cp_mesh, check_consistency=check_consistency, model=None)
     # Always the one collective; check_consistency=False only skips the hashing (ranks that
     # disagree on the flag then raise alike instead of mismatching collectives).
     _check_consistency(
@@ -230,8 +241,28 @@ def make_cp_batch_and_ctx(
         attention=attention,
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
+        state=state,
     )
-    return with_token_mixers(ctx, mixers, cp_mesh), out, sharder
+    ctx = with_token_mixers(ctx, mixers, cp_mesh)
+    return _tracked(ctx, state, cp_mesh), out, sharder
+
+
+def _check_member(cp_mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """``cp_mesh``, unless it does not contain this rank (checked before any collective)."""
+    if cp_mesh is not None and not _comm.mesh_contains_this_rank(cp_mesh):
+        raise ValueError(
+            f"cp_mesh is the mesh of ranks {cp_mesh.mesh.tolist()} (dims "
+            f"{cp_mesh.mesh_dim_names}), which does not contain this rank: pass the CP sub-mesh "
+            "this rank belongs to (e.g. mesh['cp'] of its own 2-D mesh)"
+        )
+    return cp_mesh
+
+
+def _tracked(ctx: CPContext, state: StepState | None, cp_mesh: DeviceMesh | None) -> CPContext:
+    """``ctx`` recording how this rank leaves it (:func:`cpshard.guards.step.tracked_forward`)."""
+    if state is None:
+        return ctx
+    return CPContext(functools.partial(tracked_forward, state, cp_mesh, ctx), ctx.facts)
 
 
 def _token_mixers(
@@ -270,9 +301,10 @@ def _dispatch(
     attention: str,
     tp_mesh: DeviceMesh | None,
     check_consistency: bool,
+    state: StepState | None,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """:func:`make_cp_batch_and_ctx` after its cross-rank fingerprint (validated ``cp_mesh``,
-    checked ``attention``)."""
+    checked ``attention``); ``state``: the step record whose tracker CP attention calls."""
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch)
     _, cp_size = _comm.cp_rank_and_size(cp_mesh)
@@ -287,10 +319,12 @@ def _dispatch(
         padding_token_id=pad_id,
         check_consistency=check_consistency,
     )
-    return _with_cp_attention(ctx, cp_mesh, attention), out, cp_sharder
+    return _with_cp_attention(ctx, cp_mesh, attention, state), out, cp_sharder
 
 
-def _with_cp_attention(ctx: CPContext, cp_mesh: DeviceMesh | None, method: str) -> CPContext:
+def _with_cp_attention(
+    ctx: CPContext, cp_mesh: DeviceMesh | None, method: str, state: StepState | None = None
+) -> CPContext:
     """The shard's own context, or CP attention over its token meta when it brings none.
 
     The attention plan is built here, once per batch at shard time (host work), so the layers
@@ -310,7 +344,9 @@ def _with_cp_attention(ctx: CPContext, cp_mesh: DeviceMesh | None, method: str) 
             "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
         )
     attention_plan(meta).for_method(method, True, None, meta.positions.device)
-    return CPContext(functools.partial(cp_attention_context, cp_mesh, meta, method), ctx.facts)
+    tracker = None if state is None or cp_mesh is None else ForwardTracker(state, cp_mesh)
+    factory = functools.partial(cp_attention_context, cp_mesh, meta, method, tracker=tracker)
+    return CPContext(factory, ctx.facts)
 
 
 def _forward_accepts(model: nn.Module, *names: str) -> bool:
@@ -489,18 +525,24 @@ def prepare_cp_forward(
     Raises:
         TypeError, ValueError: as :func:`make_cp_batch_and_ctx`, plus a pad id outside the
             model's vocabulary.
-        RuntimeError: this rank's previous forward under ``ctx()`` raised and was caught (the
-            CP ranks are out of step).
+        RuntimeError: this rank left its last step midway (locally, before any collective), or
+            the CP ranks are in different phases of their step (on every rank; see
+            :mod:`cpshard.guards.step`).
     """
-    cp_mesh = _comm.validate_cp_mesh(cp_mesh)
+    cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
     # DDP / DataParallel: the hook, the HF attention switch and the guard act on the model inside
     # (the wrapper forwards the call to it, so the guard still sees every forward).
     model = unwrap_model(model)
-    # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.
+    # Sharded batches run inside their own ctx(), without labels.
     install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
     # Token mixers outside attention: the verdict (or the error) on every rank, before any
     # collective; the ctx then runs them exactly (cpshard.mixers).
     mixers = _token_mixers(model, cp_mesh, batch, strict)
+    # The step header: a rank that left its last step midway stops here, before any collective;
+    # ranks in different phases, or with different parameters, raise together.
+    state = step_state(cp_mesh)
+    watch_model(model, state, cp_mesh)
+    begin_prepare(state, cp_mesh, check_consistency=check_consistency, model=model)
     _check_consistency(  # one collective either way; False skips only the hashing
         cp_mesh, batch, layout, attention, padding_token_id,
         {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
@@ -528,6 +570,7 @@ def prepare_cp_forward(
         attention=attention,
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
+        state=state,
     )
     remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
     if sharder is not None:
@@ -536,4 +579,5 @@ def prepare_cp_forward(
         # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
         # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
         ctx = CPContext(functools.partial(cp_attention_scope, model, ctx), ctx.facts)
-    return with_token_mixers(ctx, mixers, cp_mesh), out, bound
+    ctx = with_token_mixers(ctx, mixers, cp_mesh)
+    return _tracked(ctx, state, cp_mesh), out, bound

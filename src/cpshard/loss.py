@@ -14,8 +14,9 @@ Example:
     >>> loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)  # doctest: +SKIP
     >>> loss.backward(); sync_grads(model, cp_mesh)          # doctest: +SKIP
 
-Imports only torch and :mod:`cpshard._comm` (its collectives; ``DeviceMesh`` and ``DTensor`` as
-type names); nothing else of cpshard, so a training loop can use it with any sharder.
+Imports only torch, :mod:`cpshard._comm` (its collectives; ``DeviceMesh`` and ``DTensor`` as
+type names) and the step record (:mod:`cpshard.guards.step`); nothing else of cpshard, so a
+training loop can use it with any sharder.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cpshard import _comm
+from cpshard.guards.step import begin_sync, end_sync, prepared_mesh, step_state
 
 __all__ = [
     "count_tokens",
@@ -120,21 +122,45 @@ def sync_grads(
     ranks but not others gets a zero gradient first (one small all-reduce learns which), so every
     rank steps the same parameters. Without CP (``None`` or a size-1 mesh) this is a no-op.
 
+    Call it once per optimizer step, after the last backward: accumulating over micro-batches
+    (several ``backward()`` calls, then one ``sync_grads``) is the same sum. Checked (see
+    :mod:`cpshard.guards.step`): a second call with no CP backward since the last one raises; a
+    mesh other than the one ``module`` was prepared on (e.g. the dp mesh) raises; a new step
+    prepared without a sync after an optimizer step shows as parameters that differ across the
+    CP ranks at the next :func:`cpshard.prepare_cp_forward`; a rank that skips the call while its
+    peers make it raises together with them. Not detectable: averaging instead of summing under
+    a scale-invariant optimizer (AdamW hides it from the loss); ``cpshard parity`` compares the
+    gradients with a cp=1 run and shows it.
+
     Args:
         module: A module, or an iterable of its parameters.
         cp_mesh: The 1-D CP mesh, or ``None``.
 
     Raises:
-        TypeError, ValueError: ``cp_mesh`` is not a 1-D mesh, or does not contain this rank.
+        TypeError, ValueError: ``cp_mesh`` is not a 1-D mesh, does not contain this rank, or is
+            not the mesh ``module`` was prepared on; the CP ranks' trainable parameters differ.
+        RuntimeError: no CP backward since the last sync, this rank left its step midway, or the
+            CP ranks are in different phases of their step.
     """
     mesh = _comm.validate_cp_mesh(cp_mesh)
     if mesh is not None:
         _check_member(mesh, "sync_grads")
     group = _comm.cp_group(mesh)
-    params = list(module.parameters() if isinstance(module, nn.Module) else module)
+    named = (
+        list(module.named_parameters())
+        if isinstance(module, nn.Module)
+        else [(str(i), p) for i, p in enumerate(module)]
+    )
+    state = step_state(mesh)
+    begin_sync(
+        state,
+        mesh,
+        [(n, p) for n, p in named if p.requires_grad],
+        prepared_on=prepared_mesh(module) if isinstance(module, nn.Module) else None,
+    )
     if group is None:
         return
-    params = [p for p in params if p.requires_grad]
+    params = [p for _, p in named if p.requires_grad]
     with torch.no_grad():
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         _comm.all_reduce_sum_(has, group)
@@ -147,6 +173,7 @@ def sync_grads(
             g = p.grad
             grads.append(g.to_local() if isinstance(g, DTensor) else g)
         _comm.all_reduce_sum_coalesced_(grads, group)
+    end_sync(state, params)
 
 
 def cp_loss_scale(cp_mesh: DeviceMesh | None, grad_reduction: GradReduction = "sum") -> float:

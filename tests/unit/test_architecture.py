@@ -107,6 +107,18 @@ RULES: tuple[Rule, ...] = (
         ("cpshard.sharding", "cpshard.attention", "cpshard.dispatch"),
         "the pad-id rule is a leaf the dispatcher calls",
     ),
+    Rule(
+        "cpshard.guards.step",
+        ("cpshard",),
+        "the step record sits below attention, sharding and loss: it imports only _comm",
+        allow=("cpshard._comm", "cpshard.guards.step"),
+    ),
+    Rule(
+        "cpshard.loss",
+        ("cpshard",),
+        "the losses work with any sharder: only _comm and the step record",
+        allow=("cpshard._comm", "cpshard.guards.step"),
+    ),
     Rule("cpshard.sharding", ("cpshard.dispatch",), "the dispatcher calls the sharders"),
     Rule(
         "cpshard.attention",

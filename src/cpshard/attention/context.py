@@ -33,11 +33,10 @@ mesh); never :mod:`cpshard.dispatch` or :mod:`cpshard.guards`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,7 @@ from cpshard.sharding.facts import same_shard
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
+    "StepTracker",
     "active_cp_attention",
     "active_mode",
     "check_meta_of_active_context",
@@ -89,14 +89,35 @@ def _stale_error(where: str) -> ValueError:
     )
 
 
+class StepTracker(Protocol):
+    """Hooks around each CP attention call of a context (``cpshard.guards.step.ForwardTracker``):
+    the step headers and the backward record of the step's life. Handed in by the dispatcher;
+    this module never imports the guards."""
+
+    def enter_call(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before the call's first collective (may exchange a step header); returns q, k, v."""
+
+    def leave_call(self, out: torch.Tensor) -> torch.Tensor:
+        """After the call; returns the output (marked so its backward is recorded)."""
+
+
 class _CPSDPAMode(TorchFunctionMode):
     """Serves matching SDPA calls with :func:`cp_sdpa`; see the module docstring."""
 
-    def __init__(self, group: ProcessGroup | None, meta: TokenMeta, method: str) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        meta: TokenMeta,
+        method: str,
+        tracker: StepTracker | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
         self.meta = meta
         self.method = method
+        self.tracker = tracker  # None in a recomputation (its calls are not a new forward)
         self.suspended = 0  # > 0 inside suspend()
         self.warned = False
         self.checkpointed = 0  # > 0 inside the forward of a checkpoint_context_fn checkpoint
@@ -180,10 +201,18 @@ class _CPSDPAMode(TorchFunctionMode):
                 f"query has {hq} heads and key {hkv}: pass enable_gqa=True for GQA (as "
                 "scaled_dot_product_attention itself requires)"
             )
-        return cp_sdpa(
-            q, k, call["value"], group=self.group, meta=self.meta, method=self.method,
-            causal=bool(call["is_causal"]), scale=call["scale"],
-        )  # fmt: skip
+        return self.attend(q, k, call["value"], causal=bool(call["is_causal"]), scale=call["scale"])
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        """:func:`cp_sdpa` on this context's group, meta and method, inside the step tracker."""
+        tracker = self.tracker
+        if tracker is None or torch.compiler.is_compiling():  # compiled forwards: not tracked
+            return cp_sdpa(q, k, v, group=self.group, meta=self.meta, method=self.method, **kwargs)
+        q, k, v = tracker.enter_call(q, k, v)
+        out = cp_sdpa(q, k, v, group=self.group, meta=self.meta, method=self.method, **kwargs)
+        return tracker.leave_call(out)
 
 
 _CHECKPOINT_FIX = (
@@ -268,7 +297,7 @@ def active_cp_attention() -> Callable[..., torch.Tensor] | None:
     if mode is None:
         return None
     mode.check_checkpoint()
-    return functools.partial(cp_sdpa, group=mode.group, meta=mode.meta, method=mode.method)
+    return mode.attend
 
 
 @contextlib.contextmanager
@@ -345,19 +374,25 @@ def checkpoint_context_fn() -> tuple[
 
 
 @contextlib.contextmanager
-def _scope(cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str) -> Iterator[None]:
+def _scope(
+    cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str, tracker: StepTracker | None
+) -> Iterator[None]:
     if _modes():
         raise ValueError(
             "a CP context was entered inside another one (nested ctx() / with ctx:): the inner "
             "batch's attention would silently mix with the outer one; leave the first ctx "
             "before entering the next"
         )
-    with _CPSDPAMode(cp_group(cp_mesh), meta, method):
+    with _CPSDPAMode(cp_group(cp_mesh), meta, method, tracker):
         yield
 
 
 def cp_attention_context(
-    cp_mesh: DeviceMesh | None, meta: TokenMeta, method: str
+    cp_mesh: DeviceMesh | None,
+    meta: TokenMeta,
+    method: str,
+    *,
+    tracker: StepTracker | None = None,
 ) -> contextlib.AbstractContextManager[None]:
     """A context in which SDPA calls over the local shard become CP attention.
 
@@ -365,6 +400,7 @@ def cp_attention_context(
         cp_mesh: 1-D CP mesh, or ``None`` (then ``meta.world_size`` must be 1).
         meta: Token meta of the sharded batch.
         method: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
+        tracker: The step tracker of the dispatcher (:class:`StepTracker`), or ``None``.
 
     Returns:
         A context manager; use as ``with cp_attention_context(mesh, meta, "ring"): model(...)``.
@@ -378,4 +414,4 @@ def cp_attention_context(
         ...     out = model(**batch)
     """
     check_method(method)
-    return _scope(cp_mesh, meta, method)
+    return _scope(cp_mesh, meta, method, tracker)

@@ -196,9 +196,16 @@ def cp_sdpa(
     _check_sinks(sinks, q.shape[1])
     if group is not None and world == 1:
         group = None
-    plans = (attention_plan(meta) if plan is None else plan).for_method(
-        method, causal, window, q.device
-    )
+    planner = attention_plan(meta) if plan is None else plan
+    if torch.compiler.is_compiling() and not planner.planned(method, causal, window, q.device):
+        raise ValueError(
+            f"CP attention with causal={causal}, window={window} ({method}) was first met inside "
+            "a torch.compile'd region: its plan is host work (built once per batch) that dynamo "
+            "cannot trace. Build it before the compiled call, e.g. "
+            f"cpshard.attention.plan.attention_plan(meta).for_method({method!r}, {causal}, "
+            f"{window}, device) with the sharder's token_meta, or run one eager step first"
+        )
+    plans = planner.for_method(method, causal, window, q.device)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cap = None if softcap is None else float(softcap)
     if method == "ring":

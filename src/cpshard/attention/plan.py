@@ -442,6 +442,20 @@ class AttentionPlan:
             return self.ulysses(causal, window, device)
         return self.all_gather_split(causal, window, device)
 
+    def planned(self, method: str, causal: bool, window: int | None, device: torch.device) -> bool:
+        """Whether :meth:`for_method` would only read cached plans (no host work to build one)."""
+        dev = str(device)
+        if method == "ring":
+            keys = [("blocks", causal, window, dev)]
+        elif method == "ulysses":
+            keys = [("ulysses", causal, window, dev)]
+        else:  # the own block comes from the ring's plans when those were built first
+            own = ("own", causal, window, dev) in self._cache or (
+                ("blocks", causal, window, dev) in self._cache
+            )
+            return own and ("stream", causal, window, dev, self.rank) in self._cache
+        return all(key in self._cache for key in keys)
+
     def pair_counts(
         self, method: str, causal: bool = True, window: int | None = None
     ) -> tuple[int, int]:

@@ -125,6 +125,22 @@ _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
 _CHUNK = 1 << 20  # elements hashed at a time: int64 temporaries stay at 8 MB
 
 
+_PADDING_KEYS = ("attention_mask", "padding_mask")
+
+
+def _describe_entry(key: object, value: Any) -> str:
+    """:func:`_describe`, except that a bool and an integer padding mask of the same shape
+    describe alike (their 0/1 values hash alike too): equal masks are the same batch."""
+    if (
+        key in _PADDING_KEYS
+        and isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+    ):
+        return f"Mask({tuple(value.shape)}, {value.device.type})"
+    return _describe(value)
+
+
 def _as_int64_bits(x: torch.Tensor) -> torch.Tensor:
     """The values of ``x`` as int64: integers and bools by value, floats by their bits."""
     if x.is_complex():
@@ -279,7 +295,9 @@ def batch_fingerprint(
         return _pack(slots)
     keys = sorted(str(k) for k in batch)
     slots["keys"] = _str_hash(",".join(keys))
-    slots["dtypes and shapes"] = _str_hash(";".join(f"{k}:{_describe(batch[k])}" for k in batch))
+    slots["dtypes and shapes"] = _str_hash(
+        ";".join(f"{k}:{_describe_entry(k, batch[k])}" for k in batch)
+    )
     primary = batch.get("input_ids")
     if primary is None:
         primary = batch.get("inputs_embeds")

@@ -24,11 +24,8 @@ any CP context, so it must be non-reentrant with
 ``context_fn=cpshard.attention.checkpoint_context_fn`` (else attention would be recomputed as local
 attention: silently wrong gradients) -> ``ValueError`` with the fix.
 
-It also remembers whether the model's last forward under a multi-rank ``ctx()`` completed. If it
-raised and the loop caught the exception, this rank is out of step with its peers (they wait in
-that forward's collectives): the next :func:`cpshard.prepare_cp_forward` then raises on this rank
-before any collective, so the run ends (the peers fail within the process-group timeout) instead
-of pairing unrelated collectives.
+Whether every rank ran every phase of its step (an exception caught inside the forward, a
+skipped backward or ``sync_grads``) is the step record's job (:mod:`cpshard.guards.step`).
 
 Imports the shard identity (:mod:`cpshard.sharding.facts`) and the active attention mode
 (:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),
@@ -328,11 +325,9 @@ def check_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def install_model_guard(model: nn.Module, cp_size: int) -> None:
-    """Register the call-time guard on ``model`` once; raise if this rank is out of step.
+    """Register the call-time guard on ``model`` once.
 
     Raises:
-        RuntimeError: the model's previous forward under a multi-rank ``ctx()`` raised on this
-            rank and the exception was caught (only at ``cp_size > 1``).
         ValueError: HF gradient checkpointing that would recompute attention outside CP (see
             :func:`check_gradient_checkpointing`); an HF model whose attention does not run
             through cpshard's registered attention
@@ -342,15 +337,6 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
     for hook in model._forward_pre_hooks.values():
         guard = getattr(hook, "__self__", None)
         if isinstance(guard, _ModelGuard):
-            if guard.in_flight and cp_size > 1:
-                raise RuntimeError(
-                    f"the previous forward of {type(model).__name__} under a CP ctx() raised on "
-                    "this rank and the exception was caught: the CP ranks are now out of step "
-                    "(the others wait in that forward's collectives), and continuing would pair "
-                    "unrelated collectives. Do not continue a CP loop after an exception inside "
-                    "a step: re-raise it (the other ranks then fail within the process-group "
-                    "timeout) and restart from a checkpoint"
-                )
             return
     hf = hasattr(model, "set_attn_implementation") and not hasattr(
         model, "prepare_model_inputs_for_cp"

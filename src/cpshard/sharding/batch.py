@@ -224,6 +224,17 @@ def _seq_len_of(key: str, t: torch.Tensor, dim: int, batch_size: int, seq_len: i
         )
 
 
+def _check_mrope(position_ids: object) -> None:
+    """Raise unless 3-D ``position_ids`` are mRoPE's ``[3, B, S]`` (temporal, height, width)."""
+    t = position_ids
+    if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] != 3:
+        raise ValueError(
+            f"batch['position_ids'] is 3-D with shape {tuple(t.shape)}, which cpshard reads as "
+            "mRoPE [3, B, S] (temporal, height, width sections): its first dim must be 3, got "
+            f"{t.shape[0]}. Pass [B, S] positions, or mRoPE positions as [3, B, S]"
+        )
+
+
 def _check_pad_value(key: str, t: torch.Tensor, pad: float | int | bool) -> None:
     integral = not t.is_floating_point() and not t.is_complex()
     if integral and isinstance(pad, float) and not pad.is_integer():
@@ -334,6 +345,7 @@ def normalize_batch(
         if out.get(key) is not None:
             dims[key] = 1
     dims["position_ids"] = 2 if out["position_ids"].dim() == 3 else 1
+    _check_mrope(out["position_ids"])
     for key, spec in (extra_token_keys or {}).items():
         if key in KNOWN_TOKEN_KEYS:
             raise ValueError(

@@ -457,7 +457,13 @@ class CPSharder:
         checked = group is not None and facts.check_consistency
         if checked:  # the check rides in the data collective (see cpshard.sharding.gather)
             assert group is not None
-            carried = self._gather_checked(t, group, seq_dim, trim, fill, grad)
+            same_dim = (  # seq_dim=1 and -2 of a 3-D tensor are the same dim on every rank
+                seq_dim % t.dim()
+                if isinstance(t, torch.Tensor) and isinstance(seq_dim, int)
+                and -t.dim() <= seq_dim < t.dim()
+                else seq_dim
+            )  # fmt: skip
+            carried = self._gather_checked(t, group, same_dim, trim, fill, grad)
         t = _check_tensor(t, "gather_token_tensor")
         self._check_tag(t, "gather_token_tensor")
         if grad not in ("sum", "replicated"):

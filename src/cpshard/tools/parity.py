@@ -237,7 +237,6 @@ def train_steps(
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
-    group = _comm.cp_group(cp_mesh)
     rank, cp_size = _comm.cp_rank_and_size(cp_mesh)
     losses: list[float] = []
     errs: list[float] = []
@@ -249,9 +248,9 @@ def train_steps(
         if case.grad_sync == "sum":
             sync_grads(model, cp_mesh)  # the contract's gradient sync
         elif case.grad_sync == "mean":  # injected mistake: averaged, loss not rescaled
+            sync_grads(model, cp_mesh)  # (a sum the step record sees, then the DDP-habit mean)
             for p in params:
                 if p.grad is not None:
-                    _comm.all_reduce_sum_(p.grad, group)
                     p.grad.div_(cp_size)
         if shadow != "none" and rank == 0:
             ref = _shadow_grads(model, case, batch, shadow)
