@@ -273,7 +273,7 @@ def check_batch_consistency(
         padding_token_id=padding_token_id,
         options=options,
     )
-    table = _comm.all_gather_fixed(fp, group, cp_mesh.device_type)
+    table = _comm.all_gather_fixed(fp, group)
     message = mismatch_message(table)
     if message is not None:
         raise ValueError(message)
@@ -375,7 +375,7 @@ def check_verb_consistency(
             ``seq_dim`` / ``trim`` / ``fill`` / ``grad``.
     """
     desc = torch.tensor(_verb_descriptor(t, seq_dim, trim, fill, grad), dtype=torch.long)
-    rows = _comm.all_gather_fixed(desc, group, cp_mesh.device_type).tolist()
+    rows = _comm.all_gather_fixed(desc, group).tolist()
     parts = []
     for field, sl in _verb_field_slices():
         if len({tuple(row[sl]) for row in rows}) > 1:
