@@ -6,7 +6,9 @@ layers), ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS attention sinks), ``head_mask
 bookkeeping that does not change the result (``position_ids``, ``cu_seq_lens_*``,
 ``output_attentions``...). Under CP every argument that changes the result is honoured
 (window, soft-cap) or rejected with a ``ValueError`` naming it; never silently dropped. (Outside
-a CP context the "cpshard" name runs transformers' own sdpa function, which rejects ``softcap``.)
+a CP context the "cpshard" name runs transformers' own sdpa function, except for a ``softcap``,
+which that function ignores in some releases (5.17) and rejects in others: such a layer runs the
+soft-capped math of :mod:`cpshard.attention.softcap`; see :mod:`cpshard.attention.hf`.)
 
 Imports only the window and soft-cap checks and the routing context of this package.
 """
