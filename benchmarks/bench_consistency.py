@@ -60,7 +60,7 @@ def _bench(cp_mesh: DeviceMesh, b: int, s: int, repeat: int) -> list[dict[str, A
         t_fp, t_ex, t_check = paired_median_times(
             [
                 lambda: batch_fingerprint(batch, **kw),  # noqa: B023
-                lambda: _comm.all_gather_fixed(fp, group, "cpu"),  # noqa: B023
+                lambda: _comm.all_gather_fixed(fp, group),  # noqa: B023
                 lambda: check_batch_consistency(cp_mesh, batch, **kw),  # noqa: B023
             ],
             repeat=repeat,

@@ -234,7 +234,7 @@ def _rank_errs(mesh: Any, s: int, dev: str, force: bool) -> dict[str, float]:
 
         from cpshard import _comm
 
-        mock.patch.object(_comm, "_staged", return_value=True).start()
+        mock.patch.object(_comm, "_transport", return_value=torch.device("cpu")).start()
     rank, world = mesh.get_local_rank(), mesh.size()
     device = torch.device(dev)
     if device.type == "cuda":
@@ -263,11 +263,11 @@ def _rank_errs(mesh: Any, s: int, dev: str, force: bool) -> dict[str, float]:
 
 
 def bench_ranks(
-    world: int, s: int, device: torch.device, force: bool, timeout_s: float = 120.0
+    world: int, s: int, device: torch.device, force: bool, timeout_s: float = 60.0
 ) -> list[dict[str, Any]]:
     """Several gloo ranks on one device (spawned: CUDA cannot be forked), against one process."""
     try:
-        with LocalRanks(world, pg_timeout_s=60.0, start_method="spawn") as ranks:
+        with LocalRanks(world, pg_timeout_s=45.0, start_method="spawn") as ranks:
             got = ranks.run(_rank_errs, s, str(device), force, timeout_s=timeout_s)
     except RankFailure as e:
         errors = [
@@ -326,7 +326,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     if args.dry_run:
-        device, sizes, warmup, iters, rank_s = torch.device("cpu"), [512, 1024], 0, 1, 256
+        device, sizes, warmup, iters, rank_s = torch.device("cpu"), [256], 0, 1, 128
         name = "CPU dry run (numbers meaningless)"
     else:
         if not torch.cuda.is_available():

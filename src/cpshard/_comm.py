@@ -13,12 +13,22 @@ boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contigu
 a collective can silently produce wrong values (``dist.scatter``) or wrong gradients (the autograd
 all-gather of ``torch.distributed.nn``), and the CPU SDPA backward returns exactly such gradients.
 
-Host staging: NCCL refuses two ranks on one GPU, so several CP ranks sharing a GPU (tests,
-debugging) run their group on gloo, which cannot move CUDA tensors in every collective. When the
-group has no CUDA-capable backend for a tensor's device (see :func:`needs_host_staging`), every
-collective here copies its inputs to host memory, runs there, and copies the results back into
-device tensors. The CPU tests exercise the staged path by forcing :func:`_staged` to ``True`` (a
-test-side patch); the library itself reads no environment variable.
+Placement: a collective runs on a device its group serves. A group made with the plain
+``"nccl"`` backend serves CUDA tensors only (torch 2.11: "No backend type associated with device
+type cpu" for a CPU tensor), a gloo group serves CPU tensors (and moves CUDA tensors only in some
+collectives). Every collective here therefore looks up where its tensors must travel
+(:func:`transport_device_type`, from the group's backend) and, when the tensors live elsewhere,
+copies its inputs to :func:`group_device`, runs there, and copies the results back into tensors on
+the caller's device. So callers never place a tensor for the group: the small CPU tensors of the
+batch fingerprint, the verb checks, the rank-map gather and ``sync_grads``' flags go to the GPU of
+an NCCL group, and CUDA tensors of several CP ranks sharing one GPU (whose group is gloo, since
+NCCL refuses two ranks on one GPU) go through host memory ("host staging"). The library itself
+reads no environment variable.
+
+The CPU tests check this on gloo: ``tests/_nccl_like.py`` makes every group look NCCL-only to this
+module (``dist`` answers ``"nccl"`` and refuses every tensor that :func:`_move` did not put on the
+group's device), and the forced host-staging tests make :func:`_transport` copy CPU tensors through
+fresh host buffers.
 """
 
 from __future__ import annotations
@@ -42,48 +52,86 @@ __all__ = [
     "all_reduce_sum_mesh_",
     "cp_group",
     "cp_rank_and_size",
+    "group_device",
     "mesh_contains_this_rank",
-    "needs_host_staging",
+    "transport_device_type",
     "validate_cp_mesh",
 ]
 
 
-def needs_host_staging(backend: str, device_type: str, *, force: bool = False) -> bool:
-    """Whether a collective on ``device_type`` tensors must go through host memory.
+# Backends that serve one accelerator's tensors only (a group made with this name alone).
+_ACCELERATOR_OF = (("nccl", "cuda"), ("xccl", "xpu"), ("hccl", "hpu"))
+
+
+def _served(backend: str) -> dict[str, str] | None:
+    """Device type -> backend name of a group's backend string; ``None``: serves every device.
+
+    ``"gloo"`` serves the CPU, ``"nccl"`` CUDA only, ``"cpu:gloo,cuda:nccl"`` both; an unknown
+    single name (``"mpi"``, ``"ucc"``, ...) is taken to serve whatever it is given.
+    """
+    name = backend.lower()
+    if ":" in name:
+        return dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    if name == "gloo":
+        return {"cpu": "gloo"}
+    for backend_name, device_type in _ACCELERATOR_OF:
+        if name == backend_name:
+            return {device_type: name}
+    return None
+
+
+def _home_type(served: dict[str, str]) -> str:
+    """The device type a group's collectives run on when a tensor's own device is not served:
+    its accelerator served by a non-gloo backend, else the CPU."""
+    for device_type, name in served.items():
+        if device_type != "cpu" and name != "gloo":
+            return device_type
+    return "cpu"
+
+
+def transport_device_type(backend: str, device_type: str) -> str | None:
+    """Where a collective on ``device_type`` tensors runs in a group of ``backend``.
 
     Args:
         backend: The group's backend string, as ``dist.get_backend`` reports it: one name for
             every device (``"gloo"``, ``"nccl"``) or per device (``"cpu:gloo,cuda:nccl"``).
         device_type: The tensors' device type (``"cpu"``, ``"cuda"``, ...).
-        force: Stage even CPU tensors (tests of the staged path).
 
     Returns:
-        ``True`` for non-CPU tensors whose device has no backend in the group or only gloo (which
-        cannot move CUDA tensors in every collective); ``False`` for CPU tensors and for devices
-        served by another backend (NCCL, ...).
+        ``None`` when the group serves the tensors where they are (CPU tensors on a CPU backend,
+        accelerator tensors on a non-gloo backend of their device); otherwise the device type to
+        copy them to: the CPU for CUDA tensors on gloo (host staging), ``"cuda"`` for CPU tensors
+        on an NCCL-only group.
     """
-    if force:
-        return True
-    if device_type == "cpu":
-        return False
-    name = backend.lower()
-    if ":" not in name:
-        return name == "gloo"
-    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-    return per_device.get(device_type, "gloo") == "gloo"
+    served = _served(backend)
+    if served is None:
+        return None
+    name = served.get(device_type)
+    if name is not None and (device_type == "cpu" or name != "gloo"):
+        return None
+    home = _home_type(served)
+    return None if home == device_type else home
 
 
-def _staged(t: torch.Tensor, group: ProcessGroup) -> bool:
-    return needs_host_staging(str(dist.get_backend(group)), t.device.type)
+def group_device(group: ProcessGroup) -> torch.device:
+    """The device a group's collectives take tensors on when a tensor's own is not served.
+
+    ``cuda`` (the current CUDA device) for an NCCL-only group, ``cpu`` for gloo (and for groups
+    with a CPU backend beside their accelerator one).
+    """
+    served = _served(str(dist.get_backend(group)))
+    return torch.device("cpu" if served is None else _home_type(served))
 
 
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy (always a new buffer, also for CPU tensors under forced staging)."""
-    return x.to("cpu", copy=True).contiguous()
+def _transport(t: torch.Tensor, group: ProcessGroup) -> torch.device | None:
+    """The device a collective on ``t`` must run on, or ``None`` to run on ``t`` itself."""
+    kind = transport_device_type(str(dist.get_backend(group)), t.device.type)
+    return None if kind is None else torch.device(kind)
 
 
-def _host_like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+def _move(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous copy of ``x`` on ``device`` (always a new buffer, also on the same device)."""
+    return x.to(device, copy=True, memory_format=torch.contiguous_format)
 
 
 GradMode = Literal["sum", "replicated"]
@@ -135,13 +183,16 @@ _Into = Callable[[torch.Tensor, torch.Tensor, ProcessGroup], Any]
 
 
 def _into(direct: _Into, out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    """``direct(out, x, group)``, through host buffers when the group cannot move x's device."""
-    if _staged(x, group):
-        host = _host_like(out)
-        direct(host, _to_host(x), group)
-        out.copy_(host)
-    else:
+    """``direct(out, x, group)``, through buffers on the group's device when it does not serve
+    ``x``'s device (``out`` is on ``x``'s device)."""
+    device = _transport(x, group)
+    if device is None:
         direct(out, x, group)
+        return
+    moved = _move(x, device)
+    moved_out = moved.new_empty(out.shape, dtype=out.dtype)
+    direct(moved_out, moved, group)
+    out.copy_(moved_out)
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
@@ -223,25 +274,21 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup, grad_mode: GradMode) -
     return out
 
 
-def all_gather_fixed(x: torch.Tensor, group: ProcessGroup, device_type: str) -> torch.Tensor:
+def all_gather_fixed(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-gather an int64 vector of the same size on every rank, returned on the CPU.
 
-    It runs on the mesh's device (NCCL needs a CUDA tensor), whatever device ``x`` is on. Used by
-    the consistency checks, whose size never depends on data (they check that the ranks agree
-    before any data-sized collective runs), and for rank maps of an agreed length.
+    It runs on the group's device (an NCCL group: the current GPU), whatever device ``x`` is on.
+    Used by the consistency checks, whose size never depends on data (they check that the ranks
+    agree before any data-sized collective runs), and for rank maps of an agreed length.
 
     Args:
         x: LongTensor ``[N]``, the same ``N`` on every rank by construction.
         group: The CP process group.
-        device_type: The mesh's device type (``"cpu"``, ``"cuda"``): NCCL needs a CUDA tensor.
 
     Returns:
         LongTensor ``[C, N]`` on the CPU; row ``r`` is rank ``r``'s ``x``.
     """
-    device = torch.device(device_type)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return all_gather_stacked(x.to(device=device, dtype=torch.long), group).cpu()  # one sync
+    return all_gather_stacked(x.to(device="cpu", dtype=torch.long), group)  # one sync
 
 
 def init_local(
@@ -351,10 +398,11 @@ def destroy_process_group() -> None:
 def all_reduce_sum_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """In-place sum over ``group`` (no-op without a group); returns ``t``."""
     if group is not None:
-        if _staged(t, group):
-            host = _to_host(t)
-            dist.all_reduce(host, group=group)
-            t.copy_(host)
+        device = _transport(t, group)
+        if device is not None:
+            moved = _move(t, device)
+            dist.all_reduce(moved, group=group)
+            t.copy_(moved)
         else:
             dist.all_reduce(t, group=group)
     return t
@@ -377,7 +425,7 @@ def all_reduce_sum_coalesced_(tensors: Sequence[torch.Tensor], group: ProcessGro
         buckets.setdefault((t.dtype, t.device), []).append(t)
     for bucket in buckets.values():
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        all_reduce_sum_(flat, group)  # host-staged where the group cannot move this device
+        all_reduce_sum_(flat, group)  # on the group's device where it does not serve this one
         offset = 0
         for t in bucket:
             n = t.numel()
@@ -436,7 +484,7 @@ def reduce_scatter_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor
 def _start(
     direct: Callable[..., Any], out: torch.Tensor, x: torch.Tensor, group: ProcessGroup
 ) -> Transfer:
-    """``direct(out.view(n, ...), x, group, async_op=True)``, host-staged where needed
+    """``direct(out.view(n, ...), x, group, async_op=True)``, on the group's device where needed
     (synchronous while ``torch.compile`` traces: same result, nothing in flight).
 
     ``out`` is allocated in the shape the caller wants back: the collective writes it through a
@@ -446,10 +494,12 @@ def _start(
     if torch.compiler.is_compiling():  # dynamo cannot trace work handles: run it now
         _into(direct, out.view(flat), x, group)
         return Transfer([], [out], [])
-    if _staged(x, group):
-        host_in, host_out = _to_host(x), _host_like(out)
-        work = direct(host_out.view(flat), host_in, group, async_op=True)
-        return Transfer([work], [host_out], [host_in], [out])
+    device = _transport(x, group)
+    if device is not None:
+        moved_in = _move(x, device)
+        moved_out = moved_in.new_empty(out.shape, dtype=out.dtype)
+        work = direct(moved_out.view(flat), moved_in, group, async_op=True)
+        return Transfer([work], [moved_out], [moved_in], [out])
     return Transfer([direct(out.view(flat), x, group, async_op=True)], [out], [x])
 
 
@@ -518,7 +568,7 @@ class Transfer:
         self._works = works
         self._recv = recv
         self._send: list[torch.Tensor] | None = send  # kept alive until the sends complete
-        self._targets = targets  # device tensors the host-staged receives are copied into
+        self._targets = targets  # caller-device tensors the moved receives are copied into
 
     def wait(self) -> list[torch.Tensor]:
         """Block until the communication completed; return the received tensors in order.
@@ -563,10 +613,11 @@ def ring_shift_start(
     sends = [x.contiguous() for x in xs]
     recvs = [torch.empty_like(x) for x in sends]
     targets = None
-    if sends and _staged(sends[0], group):
+    device = _transport(sends[0], group) if sends else None
+    if device is not None:
         targets = recvs
-        sends = [_to_host(x) for x in sends]
-        recvs = [_host_like(x) for x in sends]
+        sends = [_move(x, device) for x in sends]
+        recvs = [torch.empty_like(x) for x in sends]
     ops = []
     for send, recv, tag in zip(sends, recvs, tags, strict=True):
         ops.append(dist.P2POp(dist.isend, send, nxt, group, tag))

@@ -1,5 +1,9 @@
 """Shared GPU-tier helpers: one CP case on CUDA, and spawned rank workers.
 
+Every wait is bounded by at most 60 s (``tests/unit/test_gpu_check.py`` checks it), so the short
+GPU run of ``benchmarks/gpu_check.sh`` can afford a hang: a process-group timeout, a call timeout
+for the launcher's pools and a timeout for the parity subprocess.
+
 Rank workers are *spawned* (never forked: a parent that has used CUDA cannot fork a child that
 uses it), so they live in this importable module. The gloo ranks come from the launcher
 (``LocalRanks(start_method="spawn")``), the NCCL ranks too (``backend="nccl"``, one GPU per rank).
@@ -13,6 +17,10 @@ from torch.testing import assert_close
 
 from _attention_common import WINDOW_LAYOUTS, inputs, make_case, make_meta, reference_with_grads
 from cpshard.attention import cp_sdpa
+
+PG_TIMEOUT_S = 45.0  # a rank blocked this long in a collective raises
+CALL_TIMEOUT_S = 60.0  # a pool's call that has not finished by then fails, naming the ranks
+PARITY_TIMEOUT_S = 60.0  # the torchrun parity subprocess
 
 TOL = {
     torch.float32: (2e-4, 2e-4),

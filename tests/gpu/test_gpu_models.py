@@ -1,6 +1,6 @@
 """GPU tier: the shipped model-owned models through prepare_cp_forward on CUDA (cp=1).
 
-Skipped without CUDA. Run on a GPU machine with ``pytest -m gpu tests/gpu``.
+Skipped without CUDA. Run on a GPU machine with ``python3 -m pytest tests/gpu``.
 """
 
 from __future__ import annotations

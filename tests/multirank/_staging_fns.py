@@ -13,7 +13,7 @@ from cpshard import _comm
 
 def _forced_staging() -> Any:
     """Force every collective of ``cpshard._comm`` through host memory (CPU tensors included)."""
-    return mock.patch.object(_comm, "_staged", return_value=True)
+    return mock.patch.object(_comm, "_transport", return_value=torch.device("cpu"))
 
 
 def _collectives(group: object, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ def staged_matches_direct(cp_mesh: DeviceMesh) -> dict[str, bool]:
     group = cp_mesh.get_group()
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     backend = str(torch.distributed.get_backend(group))
-    assert not _comm.needs_host_staging(backend, "cpu")
+    assert _comm.transport_device_type(backend, "cpu") is None
     x = torch.arange(6.0).view(2, 3) * (rank + 1)
     direct = _collectives(group, rank, world)
     direct["all_reduce_sum_mesh_"] = _comm.all_reduce_sum_mesh_(x.clone(), cp_mesh)

@@ -26,10 +26,11 @@ def _choose(
     masked: bool = False,
     nonsquare: bool = False,
     requested: str = "auto",
+    lk: int | None = None,
 ) -> ck.KernelChoice:
     return ck.choose_cuda_backend(
         dtype=dtype, head_dim=head_dim, capability=cap, masked=masked,
-        causal_nonsquare=nonsquare, requested=requested,
+        causal_nonsquare=nonsquare, requested=requested, lk=lk,
     )  # fmt: skip
 
 
@@ -48,6 +49,10 @@ def _choose(
         ({"dtype": FP32, "cap": V100}, "cuda_efficient"),
         ({"requested": "cudnn"}, "cudnn"),
         ({"requested": "cudnn", "masked": True}, "cuda_efficient"),
+        ({"requested": "cudnn", "lk": 2}, "cudnn"),
+        ({"requested": "cudnn", "lk": 1}, "cuda_flash"),  # cuDNN rejects a block of one key
+        ({"requested": "cudnn", "lk": 1, "head_dim": 100, "cap": (8, 0)}, "cuda_flash"),
+        ({"requested": "cudnn", "lk": 1, "masked": True}, "cuda_efficient"),
         ({"requested": "cuda_flash", "masked": True}, "cuda_efficient"),
         ({"requested": "cuda_efficient"}, "cuda_efficient"),
         ({"requested": "math"}, "math"),
@@ -65,17 +70,18 @@ def test_choice(kwargs: dict[str, object], backend: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "why"),
+    ("kwargs", "why", "runs_in"),
     [
-        ({"dtype": FP64}, "float64"),
-        ({"dtype": BF16, "cap": T4}, "bf16"),
-        ({"dtype": FP64, "masked": True}, "masked tile"),
+        ({"dtype": FP64}, "float64", "math kernel in fp64"),
+        ({"dtype": BF16, "cap": T4}, "bf16", "math kernel in fp32"),
+        ({"dtype": FP64, "masked": True}, "masked tile", "math kernel in fp64"),
     ],
 )
-def test_math_fallback_says_why(kwargs: dict[str, object], why: str) -> None:
+def test_math_fallback_says_why(kwargs: dict[str, object], why: str, runs_in: str) -> None:
     got = _choose(**kwargs)  # type: ignore[arg-type]
     assert got.backend == "math"
     assert why in got.reason
+    assert runs_in in got.reason  # the accumulation dtype of the math kernel, fp64 for fp64
     assert "fp32/fp16/bf16" in got.reason  # and the fix
 
 
@@ -179,3 +185,21 @@ def test_varlen_visible_keys_bottom_right() -> None:
     got = ck.varlen_visible_keys(cu_q, cu_k, 6, causal=True)
     assert got.tolist() == [3, 4, 5, 0, 1, 0]
     assert ck.varlen_visible_keys(cu_q, cu_k, 6, causal=False).tolist() == [5, 5, 5, 1, 1, 0]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_fp64_cpu_blocks_under_compile_avoid_the_broken_op(broken: bool) -> None:
+    """torch < 2.13 cannot compile the CPU flash op's fp64 backward: math (fp64) there instead."""
+    from unittest import mock
+
+    from cpshard.attention import kernels
+
+    q64, q32 = torch.zeros(1, 1, 2, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 4)
+    with (
+        mock.patch.object(kernels, "_FP64_COMPILE_BROKEN", broken),
+        mock.patch.object(torch.compiler, "is_compiling", return_value=True),
+    ):
+        assert pick_backend(q64) == ("math" if broken else "cpu_flash")
+        assert pick_backend(q32) == "cpu_flash"
+    with mock.patch.object(kernels, "_FP64_COMPILE_BROKEN", broken):
+        assert pick_backend(q64) == "cpu_flash"  # eager: always the fused op

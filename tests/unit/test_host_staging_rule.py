@@ -1,29 +1,30 @@
-"""When collectives must be staged through host memory (pure rule, no process group)."""
+"""Where a collective's tensors must travel for their group (pure rule, no process group)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cpshard._comm import needs_host_staging
+from cpshard._comm import transport_device_type
 
 
 @pytest.mark.parametrize(
     ("backend", "device", "want"),
     [
-        ("gloo", "cpu", False),
-        ("gloo", "cuda", True),  # several ranks on one GPU: gloo + staging
-        ("nccl", "cuda", False),
-        ("cpu:gloo,cuda:nccl", "cuda", False),
-        ("cpu:gloo,cuda:nccl", "cpu", False),
-        ("cpu:gloo,cuda:gloo", "cuda", True),
-        ("cpu:gloo", "cuda", True),  # no backend for CUDA: stage through the CPU one
-        ("GLOO", "cuda", True),
+        ("gloo", "cpu", None),
+        ("gloo", "cuda", "cpu"),  # several ranks on one GPU: gloo + host staging
+        ("nccl", "cuda", None),
+        ("nccl", "cpu", "cuda"),  # NCCL-only group (torch 2.11): no CPU backend at all
+        ("NCCL", "cpu", "cuda"),
+        ("cpu:gloo,cuda:nccl", "cuda", None),
+        ("cpu:gloo,cuda:nccl", "cpu", None),
+        ("cuda:nccl", "cpu", "cuda"),
+        ("cpu:gloo,cuda:gloo", "cuda", "cpu"),
+        ("cpu:gloo", "cuda", "cpu"),  # no backend for CUDA: through the CPU one
+        ("GLOO", "cuda", "cpu"),
+        ("xccl", "cpu", "xpu"),
+        ("mpi", "cpu", None),  # an unknown backend is taken to serve what it is given
+        ("mpi", "cuda", None),
     ],
 )
-def test_staging_rule(backend: str, device: str, want: bool) -> None:
-    assert needs_host_staging(backend, device) is want
-
-
-def test_forced_staging_covers_cpu() -> None:
-    assert needs_host_staging("gloo", "cpu", force=True)
-    assert needs_host_staging("nccl", "cuda", force=True)
+def test_transport_rule(backend: str, device: str, want: str | None) -> None:
+    assert transport_device_type(backend, device) == want

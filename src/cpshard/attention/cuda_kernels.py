@@ -18,7 +18,9 @@ Ops (schemas of torch 2.11-2.13; only positional arguments and ``scale=`` are us
   No GQA: it runs once per query group on a strided view of ``q`` (K/V are never repeated). Its LSE
   is ``[B, H, ceil(Lq / 32) * 32]``; the padding is cut off here and restored for the backward.
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (+ ``_backward``), fp16/bf16, sm80+,
-  head dim <= 128, no mask, square causal only; explicit request only (never chosen by ``auto``).
+  head dim <= 128, no mask, square causal only, at least 2 keys (cuDNN rejects a block of one
+  key: such blocks, e.g. of a 1-token document, go to flash or memory-efficient attention);
+  explicit request only (never chosen by ``auto``).
 * varlen: ``aten._flash_attention_forward`` / ``_flash_attention_backward`` with ``cum_seq_q`` /
   ``cum_seq_k`` (``int32 [n + 1]``), q/k/v as ``[T, H, D]``, LSE ``[H, Tq]`` fp32. Causal is
   aligned bottom-right *per run* (query ``i`` of a run with ``Lq`` queries and ``Lk`` keys sees
@@ -159,13 +161,15 @@ def choose_cuda_backend(
     masked: bool,
     causal_nonsquare: bool,
     requested: str,
+    lk: int | None = None,
 ) -> KernelChoice:
     """Pick the fused CUDA kernel for one block (a pure function of the call's properties).
 
     ``auto`` prefers flash, then memory-efficient attention, then the math fallback (with the
     reason). An explicit fused backend that cannot run this dtype/device at all is an error; a
     masked tile or a non-square causal tile, which flash/cuDNN cannot express, goes to
-    memory-efficient attention (the only fused op with an additive bias) instead.
+    memory-efficient attention (the only fused op with an additive bias) instead, and so does a
+    block of one key under ``cudnn`` (which rejects it), to flash where flash can run it.
 
     Args:
         dtype: Query dtype.
@@ -174,6 +178,7 @@ def choose_cuda_backend(
         masked: The call has a boolean visibility mask.
         causal_nonsquare: ``is_causal`` with ``Lq != Lk`` (top-left alignment needed).
         requested: ``"auto"``, ``"math"``, ``"cuda_flash"``, ``"cuda_efficient"`` or ``"cudnn"``.
+        lk: Key length of the block, when known (``1``: not for cuDNN).
 
     Returns:
         The :class:`KernelChoice`.
@@ -202,6 +207,10 @@ def choose_cuda_backend(
                 f"attention backend {requested!r} cannot run this call: {blocker}; "
                 "use backend='auto' (it picks a kernel that can) or 'math'"
             )
+        if requested == "cudnn" and lk == 1 and not needs_bias_kernel:  # cuDNN rejects it
+            if not _flash_blocker(dtype, head_dim, capability):
+                return KernelChoice("cuda_flash")
+            needs_bias_kernel = True  # to memory-efficient attention, as below
         if not needs_bias_kernel:
             return KernelChoice(requested)  # type: ignore[arg-type]
         # Masked / non-square causal tiles: flash and cuDNN cannot express them.
@@ -223,8 +232,9 @@ def choose_cuda_backend(
         why = flash
     return KernelChoice(
         "math",
-        f"no fused CUDA attention kernel for {why} ({eff}); running the fp32 math kernel, "
-        "which materialises the [Lq, Lk] scores: use fp32/fp16/bf16 inputs to get a fused kernel",
+        f"no fused CUDA attention kernel for {why} ({eff}); running the math kernel in "
+        f"{'fp64' if dtype == torch.float64 else 'fp32'}, which materialises the [Lq, Lk] "
+        "scores: use fp32/fp16/bf16 inputs to get a fused kernel",
     )
 
 

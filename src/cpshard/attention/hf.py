@@ -11,7 +11,9 @@ mask builder) and selects it on a model.
   packed-document boundaries and builds a wrong block mask.
 * Outside it the name behaves exactly like transformers' ``"sdpa"`` (its mask builder and its
   attention function), so a model prepared for CP still honours ``attention_mask`` when it runs
-  without CP (evaluation, generation).
+  without CP (evaluation, generation); a layer that passes ``softcap`` (Gemma 2) runs the
+  soft-capped math of :mod:`cpshard.attention.softcap` instead, because transformers' sdpa
+  function silently ignores ``softcap`` in some releases (5.17) and rejects it in others.
 
 transformers is imported lazily.
 
@@ -32,6 +34,7 @@ import torch
 
 from cpshard.attention.context import active_mode, cp_context_active
 from cpshard.attention.hf_options import run_cp_hf_attention
+from cpshard.attention.softcap import softcap_masked_attention
 
 __all__ = [
     "ATTENTION_NAME",
@@ -76,12 +79,18 @@ def cpshard_attention_forward(
     Returns:
         ``(attn_output [B, S, Hq, D], None)``.
 
-    Outside a CP context this is transformers' own ``sdpa`` attention (mask and dropout honoured).
+    Outside a CP context this is transformers' own ``sdpa`` attention (mask and dropout honoured),
+    except for a ``softcap``: that layer runs soft-capped attention as explicit math (mask and
+    ``is_causal`` honoured; dropout in training raises).
 
     Raises:
         ValueError: inside a CP context, a mask was given, or dropout > 0 in training mode.
     """
     if not cp_context_active():
+        if kwargs.get("softcap") is not None:  # transformers' sdpa ignores it (5.17) or raises
+            return _softcap_outside_cp(
+                module, query, key, value, attention_mask, dropout, scaling, kwargs
+            )
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         out, _ = sdpa_attention_forward(
@@ -107,6 +116,34 @@ def cpshard_attention_forward(
     # The prepared model's own self-attention: routed explicitly (causal or not), with
     # sliding_window / softcap / is_causal honoured and sinks & co. rejected (hf_options.py).
     out = run_cp_hf_attention(module, query, key, value, scaling, kwargs)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _softcap_outside_cp(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """A soft-capped layer without CP: the cap as explicit math (:mod:`.softcap`), the mask and
+    ``is_causal`` as transformers' sdpa path reads them; dropout in training raises."""
+    if dropout > 0.0 and module.training:
+        raise ValueError(
+            f"the 'cpshard' attention runs soft-capped layers outside a CP context as explicit "
+            f"math without dropout, got dropout={dropout} in training mode; set "
+            "config.attention_dropout=0.0"
+        )
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    causal = causal and attention_mask is None and query.shape[2] > 1
+    out = softcap_masked_attention(
+        query, key, value, attention_mask, is_causal=causal,
+        scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        softcap=float(kwargs["softcap"]),
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -22,7 +22,10 @@ from the module's config and the batch's token meta:
   ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`` with ``pos`` the *local* index;
   under CP the scale of the global position replaces it (exact: the factor is positive).
 
-(Outside a CP context the "cpshard" name runs transformers' own sdpa function.)
+(Outside a CP context the "cpshard" name runs transformers' own sdpa function, except for a
+``softcap``, which that function ignores in some releases (5.17) and rejects in others: such a
+layer runs the soft-capped math of :mod:`cpshard.attention.softcap`; see
+:mod:`cpshard.attention.hf`.)
 
 Imports only the window and soft-cap checks, the token meta and the routing context of this
 package.

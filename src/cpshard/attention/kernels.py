@@ -59,6 +59,14 @@ KernelBackend = Literal["auto", "cpu_flash", "math", "cuda_flash", "cuda_efficie
 
 _CUDA_ONLY = ("cuda_flash", "cuda_efficient", "cudnn")
 
+# torch < 2.13 (seen on 2.11): torch.compile of the CPU flash op's backward in fp64 fails ("expected
+# scalar type Double but found Float": its meta kernel gives an fp32 logsumexp, the kernel wants
+# fp64), so a compiled fp64 CPU block runs the math kernel (fp64) instead; eager is unaffected.
+_FP64_COMPILE_BROKEN = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (
+    2,
+    13,
+)
+
 
 def _warn_fallback(reason: str) -> None:
     """One warning per distinct reason: always raised from this line, so ``warnings`` dedups it."""
@@ -107,6 +115,7 @@ def pick_backend(
             masked=masked,
             causal_nonsquare=is_causal and lk is not None and lk != lq,
             requested=backend,
+            lk=lq if lk is None else lk,
         )
         if choice.reason:
             _warn_fallback(choice.reason)
@@ -120,6 +129,8 @@ def pick_backend(
         return backend  # type: ignore[return-value]
     has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     if q.device.type == "cpu" and has_op:
+        if q.dtype == torch.float64 and _FP64_COMPILE_BROKEN and torch.compiler.is_compiling():
+            return "math"  # same result; the compiled CPU flash op fails in fp64 there
         return "cpu_flash"
     _warn_fallback(
         f"no fused attention kernel for {q.device.type} tensors in cpshard; running the math "

@@ -6,6 +6,11 @@ No fused CPU kernel caps the scores, so one block runs as explicit math in the a
 :func:`cpshard.attention.kernels.block_attention` / ``block_attention_backward`` (partial output
 and natural-log LSE; gradients given the merged output and LSE), so the blockwise merge is the same.
 
+:func:`softcap_masked_attention` is the same math for an HF attention mask, differentiable by
+autograd: the "cpshard" HF attention runs it outside a CP context when a layer passes ``softcap``,
+because transformers' own sdpa function ignores ``softcap`` in some releases (5.17: Gemma 2 would
+silently lose its soft-capping) and rejects it in others (5.25).
+
 Imports only :mod:`cpshard.attention.merge`.
 """
 
@@ -15,7 +20,13 @@ import torch
 
 from cpshard.attention.merge import accumulation_dtype
 
-__all__ = ["ROWS", "check_softcap", "softcap_attention", "softcap_attention_backward"]
+__all__ = [
+    "ROWS",
+    "check_softcap",
+    "softcap_attention",
+    "softcap_attention_backward",
+    "softcap_masked_attention",
+]
 
 ROWS = 128
 """Query rows per chunk of the math."""
@@ -148,3 +159,71 @@ def softcap_attention_backward(
         dqs.append(torch.einsum("bhgqk,bhkd->bhgqd", ds, ka))
         dk += torch.einsum("bhgqk,bhgqd->bhkd", ds, qc)
     return torch.cat(dqs, dim=3).flatten(1, 2), dk, dv
+
+
+def _visible(mask: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """HF's ``[B|1, 1, Lq, Lk]`` mask as bool ``[B|1, Lq, Lk]`` (``True`` = visible)."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (lq, lk):
+        raise ValueError(
+            f"soft-capped attention takes an attention mask [B or 1, 1, {lq}, {lk}], got "
+            f"{tuple(mask.shape)}; per-head masks are not supported"
+        )
+    if mask.dtype == torch.bool:
+        return mask[:, 0]
+    visible = mask > torch.finfo(mask.dtype).min / 2
+    if bool((mask[visible] != 0).any()):
+        raise ValueError(
+            "soft-capped attention takes a bool mask or an additive mask of 0 / -inf (or the "
+            "dtype's minimum); this one adds other values to the scores (a bias), which the "
+            "cap would have to see first; pass the bias another way"
+        )
+    return visible[:, 0]
+
+
+def softcap_masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention of a whole (unsharded) sequence with an HF attention mask.
+
+    The math of :func:`softcap_attention` (accumulation dtype, :data:`ROWS` rows at a time) as
+    plain differentiable ops, for a model prepared for CP that runs without CP (evaluation,
+    generation).
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` queries.
+        k: ``[B, Hkv, Lk, D]`` keys (``Hq % Hkv == 0``).
+        v: ``[B, Hkv, Lk, D]`` values.
+        attention_mask: Bool ``[B|1, 1, Lq, Lk]`` (``True`` = visible), or additive with 0 for
+            visible and ``-inf`` / the dtype's minimum for hidden keys; or ``None``.
+        is_causal: Lower-triangular by index (top-left aligned, as SDPA's ``is_causal``), on top
+            of the mask.
+        scale: Score scale (applied before the cap).
+        softcap: The cap, a positive finite number.
+
+    Returns:
+        ``[B, Hq, Lq, D]`` in ``q``'s dtype; a query that sees no key gets zeros.
+
+    Raises:
+        ValueError: a bad ``softcap``, a per-head mask, or an additive mask with a bias.
+    """
+    check_softcap(softcap)
+    lq, lk = q.shape[2], k.shape[2]
+    mask = None if attention_mask is None else _visible(attention_mask, lq, lk)
+    acc = accumulation_dtype(q.dtype)
+    hkv = k.shape[1]
+    q5 = _split(q, hkv, acc)
+    ka, va = k.to(acc), v.to(acc)
+    outs = []
+    for r0 in range(0, lq, ROWS):
+        s, _ = _chunk_scores(q5[:, :, :, r0 : r0 + ROWS], ka, mask, is_causal, r0, scale, softcap)
+        dead = torch.isneginf(s).all(dim=-1, keepdim=True)  # a row with no visible key: zeros
+        p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+        outs.append(torch.einsum("bhgqk,bhkd->bhgqd", p, va))
+    return torch.cat(outs, dim=3).flatten(1, 2).to(q.dtype)

@@ -401,7 +401,7 @@ def check_batch_consistency(
         options=options,
         hashed=hashed,
     )
-    table = _comm.all_gather_fixed(fp, group, cp_mesh.device_type)
+    table = _comm.all_gather_fixed(fp, group)
     message = mismatch_message(table)
     if message is not None:
         raise ValueError(message)
@@ -508,7 +508,7 @@ def check_verb_consistency(
             ``seq_dim`` / ``trim`` / ``fill`` / ``grad``.
     """
     desc = torch.tensor(_verb_descriptor(t, seq_dim, trim, fill, grad), dtype=torch.long)
-    rows = _comm.all_gather_fixed(desc, group, cp_mesh.device_type).tolist()
+    rows = _comm.all_gather_fixed(desc, group).tolist()
     message = verb_mismatch_message(verb, rows)
     if message is not None:
         raise ValueError(message)

@@ -94,7 +94,7 @@ def gather_rank_map(
     if group is None or cp_mesh is None:
         full = fixed.view(1, n + 1)
     else:  # on the mesh's device, whatever device the caller built its map on
-        full = _comm.all_gather_fixed(fixed, group, cp_mesh.device_type)
+        full = _comm.all_gather_fixed(fixed, group)
     for rank, length in enumerate(full[:, n].tolist()):
         if length != n:
             raise ValueError(
