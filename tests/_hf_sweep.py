@@ -127,6 +127,8 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
             out[key] = min(value, _SIZES[key]) if key != "head_dim" else _SIZES[key]
         elif any(h in key for h in _DROPOUT_HINT) and isinstance(value, float):
             out[key] = 0.0
+        elif "vocab_size" in key and isinstance(value, int) and value > VOCAB:
+            out[key] = VOCAB  # e.g. per-layer input vocabularies (Gemma 4): memory
         elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
             out[key] = VOCAB - 1
     if "kv_lora_rank" in defaults:  # multi-head latent attention: one kv head per head
