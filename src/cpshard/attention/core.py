@@ -247,14 +247,19 @@ def cp_attention(
         ``[B, Hq, L, D]`` in q's dtype.
 
     Raises:
-        ValueError: the sharder has no token meta yet, or any error of :func:`cp_sdpa`.
+        ValueError: the sharder has no token meta yet; inside a ``ctx()`` made for another batch
+            than the sharder's last one (a sharder that has since sharded another batch); or any
+            error of :func:`cp_sdpa`.
     """
+    from cpshard.attention.context import check_meta_of_active_context  # imports this module
+
     meta = sharder.token_meta
     if meta is None:
         raise ValueError(
             "cp_attention needs sharder.token_meta, which is None: the sharder has not sharded a "
             "batch yet; call it through prepare_cp_forward / shard_batch first"
         )
+    check_meta_of_active_context(meta, "cp_attention")
     return cp_sdpa(
         q, k, v, group=cp_group(sharder.cp_mesh), meta=meta, method=method, causal=causal,
         scale=scale, window=window, softcap=softcap,

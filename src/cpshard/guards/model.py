@@ -18,7 +18,8 @@ the call itself carries (the local batch tensors carry the identity of the shard
 
 Calls on unsharded tensors outside ``ctx()`` (evaluation, generation) are not affected.
 
-HF gradient checkpointing is checked at prepare: its recomputation runs in ``backward()``, outside
+HF gradient checkpointing is checked at prepare and again at every forward under ``ctx()`` (it
+may be enabled after the prepare): its recomputation runs in ``backward()``, outside
 any CP context, so it must be non-reentrant with
 ``context_fn=cpshard.attention.checkpoint_context_fn`` (else attention would be recomputed as local
 attention: silently wrong gradients) -> ``ValueError`` with the fix.
@@ -51,9 +52,10 @@ from cpshard.attention.hf import (
     interface_attention_modules,
 )
 from cpshard.attention.hf_options import document_positions
-from cpshard.sharding.facts import batch_tag, same_shard
+from cpshard.sharding.facts import batch_tag, call_record_tensors, matches_record, same_shard
+from cpshard.sharding.meta import TokenMeta
 
-__all__ = ["check_gradient_checkpointing", "install_model_guard"]
+__all__ = ["check_gradient_checkpointing", "install_model_guard", "remember_shard"]
 
 _LOSS_FIX = (
     "compute the loss from the logits with the global token count instead, e.g. "
@@ -69,12 +71,16 @@ class _ModelGuard:
         self.in_flight = False  # a forward under a multi-rank ctx() started and did not finish
         self.hf = hf  # an HF model whose attention cpshard switches inside ctx()
         self.calls: list[int] = []  # CP attention calls seen at each open attention module
+        self.last_meta: TokenMeta | None = None  # the token meta of the last prepared batch
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _check_call(module, args, kwargs)
+        _check_copies(module, args, kwargs, self.last_meta)
         if self.hf and not kwargs.get("_pre_embed_only"):
             _check_switched(module)
         mode = active_mode()
+        if mode is not None and module.training:  # enabled after prepare: checked here too
+            check_gradient_checkpointing(module)
         if mode is not None and mode.group is not None:
             self.in_flight = True
 
@@ -240,6 +246,44 @@ def _check_switched(model: nn.Module) -> None:
             "wrong). Do not change the attention implementation inside ctx(); call the model "
             "inside the ctx() returned by prepare_cp_forward for it"
         )
+
+
+def _check_copies(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], last: TokenMeta | None
+) -> None:
+    """The tag checks of :func:`_check_call` for local tensors that lost their tag (``.clone()``,
+    ``.to()``): their ``input_ids`` / ``position_ids`` are compared with the shard's record
+    (shape and content hash; only for untagged tensors, so the plain path hashes nothing)."""
+    if kwargs.get("_pre_embed_only"):
+        return
+    tensors = call_record_tensors(module, args, kwargs)
+    if not tensors:
+        return
+    mode = active_mode()
+    if mode is not None:
+        if matches_record(mode.meta.local_record, tensors) is False:
+            raise ValueError(
+                f"{type(module).__name__} got input_ids / position_ids inside ctx() that are not "
+                "the local batch this ctx() was made for (another batch, or another shape; "
+                "copies of the right batch are fine): a stale ctx. Use the ctx returned together "
+                "with this batch"
+            )
+        return
+    if last is not None and last.world_size > 1 and matches_record(last.local_record, tensors):
+        raise ValueError(
+            f"{type(module).__name__} was prepared for CP and called outside its ctx() on a copy "
+            "(e.g. .clone() / .to()) of its last sharded batch: attention would only see this "
+            "rank's shard (silently wrong at cp > 1). Run the forward inside the context: "
+            "`with ctx(): out = model(**local)`"
+        )
+
+
+def remember_shard(model: nn.Module, meta: TokenMeta | None) -> None:
+    """Give the model's guard the token meta of the batch just prepared for it."""
+    for hook in model._forward_pre_hooks.values():
+        guard = getattr(hook, "__self__", None)
+        if isinstance(guard, _ModelGuard):
+            guard.last_meta = meta
 
 
 def _omits_position_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
