@@ -297,3 +297,20 @@ def test_custom_shard_batch_ctx_supports_with_statement() -> None:
         pass
     with ctx():
         pass
+
+
+def test_fingerprint_of_lists_mixing_tensors_and_large_ints() -> None:
+    """A list entry holding tensors beside other items (e.g. per-document lengths as 0-d
+    tensors) hashes without overflowing int64, the same way twice, and sees every item."""
+    from cpshard.guards.consistency import batch_fingerprint
+
+    ids = torch.arange(12).reshape(1, 12)
+
+    def fp(extra: object) -> torch.Tensor:
+        batch = {"input_ids": ids, "extra": extra}
+        return batch_fingerprint(batch, layout="packed", attention="ring", padding_token_id=0)
+
+    mixed = [torch.tensor(5), 2**62, "doc", torch.tensor(7)]
+    assert torch.equal(fp(mixed), fp(list(mixed)))
+    assert not torch.equal(fp(mixed), fp([torch.tensor(5), 2**62, "doc", torch.tensor(8)]))
+    assert not torch.equal(fp(mixed), fp([torch.tensor(5), 2**62 + 1, "doc", torch.tensor(7)]))

@@ -175,6 +175,14 @@ def _wrap(x: int | torch.Tensor) -> int | torch.Tensor:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+def _add(a: int | torch.Tensor, b: int | torch.Tensor) -> int | torch.Tensor:
+    """``a + b`` mod ``2**64`` for int64-range ints and int64 tensors alike (a Python int
+    that left the int64 range would overflow when it meets a tensor)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a + b
+    return _wrap(a + b)
+
+
 def _digest(value: Any, depth: int = 0) -> int | torch.Tensor:
     """A content hash of a batch value that is not hashed as a tensor (never raises).
 
@@ -201,7 +209,11 @@ def _digest(value: Any, depth: int = 0) -> int | torch.Tensor:
         total: int | torch.Tensor = _str_hash(f"{type(value).__name__}:{len(items)}")
         for i, (k, v) in enumerate(items):
             h = _digest(v, depth + 1)
-            total = _wrap(total + (_str_hash(repr(k)) ^ (i + 1)) * (2 * i + 1) + h * (4 * i + 3))
+            # Python ints are wrapped to int64 before they meet a tensor (a tensor hash of an
+            # item turns the running total into a tensor; an unwrapped int would overflow it).
+            key = _wrap((_str_hash(repr(k)) ^ (i + 1)) * (2 * i + 1))
+            val = h * (4 * i + 3) if isinstance(h, torch.Tensor) else _wrap(h * (4 * i + 3))
+            total = _add(_add(total, key), val)
         if isinstance(total, torch.Tensor):
             return total
         return total & _MASK
@@ -281,8 +293,9 @@ def batch_fingerprint(
         field = _CONTENT.get(str(key), "other keys")
         h = _content_hash(t) if t is not None else _digest(value)
         if field == "other keys":  # the key's name too, so two keys' values cannot swap
-            h = (h ^ _str_hash(str(key))) * (2 * i + 3)
-        slots[field] = _wrap(h + slots[field])
+            h = h ^ _str_hash(str(key))
+            h = h * (2 * i + 3) if isinstance(h, torch.Tensor) else _wrap(h * (2 * i + 3))
+        slots[field] = _add(h, slots[field])
     slots["other keys"] = other + slots["other keys"]
     return _pack(slots)
 
