@@ -102,7 +102,8 @@ _SIZES = {
     "qk_rope_head_dim": 8, "v_head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16,
     # experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "rotary_dim": 8, "top_k": 2,
+    "n_group": 1, "topk_group": 1,
     "n_shared_experts": 1, "num_shared_experts": 1,
     # vocab / positions
     "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
@@ -126,6 +127,8 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
             out[key] = min(value, _SIZES[key]) if key != "head_dim" else _SIZES[key]
         elif any(h in key for h in _DROPOUT_HINT) and isinstance(value, float):
             out[key] = 0.0
+        elif "vocab_size" in key and isinstance(value, int) and value > VOCAB:
+            out[key] = VOCAB  # e.g. per-layer input vocabularies (Gemma 4): memory
         elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
             out[key] = VOCAB - 1
     if "kv_lora_rank" in defaults:  # multi-head latent attention: one kv head per head

@@ -352,8 +352,11 @@ def check_cp_attention_support(model: torch.nn.Module) -> None:
     subs = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     for sub in subs:
         can = getattr(type(sub), "_can_set_attn_implementation", None)
-        if callable(can) and not can():
-            off = _off_interface(sub) or [type(sub).__name__]
+        # HF's verdict is per file: a file whose vision tower uses the interface may still hold
+        # a text attention that does not (GIT), so the module structure is checked too.
+        off = _off_interface(sub)
+        if off or (callable(can) and not can()):
+            off = off or [type(sub).__name__]
             raise ValueError(
                 f"{type(model).__name__}: {', '.join(off)} computes attention itself instead of "
                 "through transformers' AttentionInterface, so cpshard cannot route it to CP "
