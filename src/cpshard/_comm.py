@@ -304,6 +304,44 @@ def _world_cp_mesh(mesh_device: str) -> DeviceMesh:
     return init_device_mesh(mesh_device, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
+# --- Trainer integrations (cpshard.integrations) ---------------------------------------------
+
+
+def world_rank_and_size() -> tuple[int, int]:
+    """``(rank, world_size)`` in the default group, ``(0, 1)`` without one."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def dp_cp_mesh(mesh_device: str, cp_size: int) -> DeviceMesh:
+    """A 2-D ``("dp", "cp")`` mesh over every rank of the default group, CP innermost.
+
+    Rank ``r`` sits at ``(r // cp_size, r % cp_size)``: the CP groups are runs of consecutive
+    ranks (one node's GPUs first), the order accelerate's own meshes use.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(mesh_device, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+
+
+def broadcast_objects(objs: list[Any], group: ProcessGroup) -> list[Any]:
+    """The picklable ``objs`` of ``group``'s first rank, on every rank of ``group``.
+
+    Args:
+        objs: This rank's objects (same length on every rank; only the first rank's are read).
+        group: The process group (e.g. a CP group).
+
+    Returns:
+        A new list holding the first rank's objects.
+    """
+    out = list(objs)
+    src = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(out, src=src, group=group)
+    return out
+
+
 def destroy_process_group() -> None:
     """Leave the default process group if one is initialised."""
     if dist.is_initialized():

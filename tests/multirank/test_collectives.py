@@ -14,6 +14,7 @@ from _collective_fns import (
 )
 
 from _ranks import Ranks
+from cpshard.guards.consistency import FIELDS
 from cpshard.layouts.closed_form import RoundRobinLayout
 
 pytestmark = pytest.mark.multirank
@@ -48,8 +49,11 @@ def test_attention_collectives_per_layer(ranks: Ranks, world: int, method: str) 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_verbs_and_batch_check_collectives(ranks: Ranks, world: int) -> None:
     for r, got in enumerate(ranks(world, verb_collectives)):
-        assert got["check_on"] == {"all_gather": (1, 18 * 8)}, r  # the fingerprint: 18 int64
-        assert got["check_off"] == {}, r
+        fingerprint = {"all_gather": (1, len(FIELDS) * 8)}  # one int64 per fingerprint field
+        assert got["check_on"] == fingerprint, r
+        # check_consistency=False skips the hashing, not the collective (ranks that disagree on
+        # the flag must not mismatch collectives)
+        assert got["check_off"] == fingerprint, r
         assert got["shard"] == {}, r
         rows, local = got["local"]
         seed = rows * local * F32  # the slot seeded at shard time: one fp32 per local token
