@@ -14,7 +14,8 @@ Two batches of ``[B, S]`` ``input_ids`` + ``labels`` (int64):
 Both with the batch check off (``check_consistency=False``, so the time is the sharding and the
 plan) and on. ``bare`` is one ``index_select`` per key with precomputed indices: the floor.
 Reported on rank 0, gloo ranks, 1 thread each: the median process CPU time with the check off
-(no collective then, so it is the work itself, whatever the machine's load), and the median wall
+(no hashing; the fingerprint's small all-gather waits, which costs no CPU: the work itself,
+whatever the machine's load), and the median wall
 times of interleaved runs (ours, bare, ours, ...).
 """
 
@@ -80,8 +81,8 @@ def _bench(cp_mesh: DeviceMesh, b: int, s: int, repeat: int) -> list[dict[str, A
             repeat=repeat,
             sync=lambda: torch.distributed.barrier(group=cp_mesh.get_group()),
         )
-        # CPU time of this process (no collective with the check off): the work itself, which
-        # the shared machine's load does not inflate
+        # CPU time of this process with the check off (no hashing): the work itself, which the
+        # shared machine's load does not inflate
         cpu_off, cpu_bare = [], []
         for _ in range(repeat):
             t0 = time.process_time()

@@ -124,10 +124,10 @@ def _check(meta: TokenMeta, causal: bool, window: int | None) -> None:
 @pytest.mark.parametrize("kind", ["runs", "round_robin", "contiguous"])
 def test_plan_matches_dense_reference(world: int, kind: str) -> None:
     rng = np.random.default_rng(world * 10 + len(kind))
-    for trial in range(3):
+    for trial in range(2):
         rank = int(rng.integers(world))
         meta = _meta(rng, world, rank, kind, rows=1 + trial % 2)
-        for causal, window in [(True, None), (False, None), (True, 1), (True, 5), (True, 37)]:
+        for causal, window in [(True, None), (False, None), (True, 1), (True, 37)]:
             _check(meta, causal, window)
 
 

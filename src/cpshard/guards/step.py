@@ -221,7 +221,7 @@ def _exchange(
         header[slot] = value & _MASK
     group = _comm.cp_group(cp_mesh)
     assert group is not None
-    rows = _comm.all_gather_fixed(header, group, cp_mesh.device_type).tolist()
+    rows = _comm.all_gather_fixed(header, group).tolist()
     kinds = [row[_KIND] for row in rows]
     if len(set(kinds)) > 1 or any(row[_MAGIC] != _MAGIC_VALUE for row in rows):
         # Every rank saw the same rows: the same error everywhere, and the ranks are in step again

@@ -48,10 +48,12 @@ class _HeaderGather(torch.autograd.Function):
         grad_mode: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         world = _comm.group_rank_and_size(group)[1]
-        buf = torch.zeros(HEADER_BYTES + slot, dtype=torch.uint8, device=header.device)
+        buf = torch.empty(HEADER_BYTES + slot, dtype=torch.uint8, device=header.device)
         raw = header.to(torch.long).reshape(-1).view(torch.uint8)
         buf[: raw.numel()] = raw
         n = t.numel() * t.element_size() if with_payload else 0
+        buf[raw.numel() : HEADER_BYTES].zero_()
+        buf[HEADER_BYTES + n :].zero_()  # only the unused tail of the slot
         if n:
             buf[HEADER_BYTES : HEADER_BYTES + n] = (
                 t.detach().contiguous().reshape(-1).view(torch.uint8)
