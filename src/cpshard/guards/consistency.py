@@ -199,7 +199,9 @@ def _digest(value: Any, depth: int = 0) -> int | torch.Tensor:
         total: int | torch.Tensor = _str_hash(f"{type(value).__name__}:{len(items)}")
         for i, (k, v) in enumerate(items):
             h = _digest(v, depth + 1)
-            total = _wrap(total + (_str_hash(repr(k)) ^ (i + 1)) * (2 * i + 1) + h * (4 * i + 3))
+            # every Python int wrapped to int64 before it meets a tensor (no OverflowError)
+            total = _wrap(total + _wrap((_str_hash(repr(k)) ^ (i + 1)) * (2 * i + 1)))
+            total = _wrap(total + _wrap(h * (4 * i + 3)))
         if isinstance(total, torch.Tensor):
             return total
         return total & _MASK
@@ -279,8 +281,8 @@ def batch_fingerprint(
         field = _CONTENT.get(str(key), "other keys")
         h = _content_hash(t) if t is not None else _digest(value)
         if field == "other keys":  # the key's name too, so two keys' values cannot swap
-            h = (h ^ _str_hash(str(key))) * (2 * i + 3)
-        slots[field] = _wrap(h + slots[field])
+            h = _wrap((h ^ _str_hash(str(key))) * (2 * i + 3))
+        slots[field] = _wrap(_wrap(h) + slots[field])
     slots["other keys"] = other + slots["other keys"]
     return _pack(slots)
 
