@@ -208,9 +208,13 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
     assert sharder.token_meta is not None
     ids = torch.randint(0, 32, (3, 16))
     with cp_attention_context(None, sharder.token_meta, "all_gather"):
+        padded = torch.ones(3, 16, dtype=torch.long)
+        padded[:, -2:] = 0
         with pytest.raises(ValueError, match="got an attention_mask .* inside a CP context"):
-            model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
+            model(input_ids=ids, attention_mask=padded)
         model(input_ids=ids)
+        # an all-ones keep-mask masks nothing (BioGPT builds one itself): the same as none
+        model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
 
 
 @pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])

@@ -103,6 +103,8 @@ class _CPSDPAMode(TorchFunctionMode):
         # Contexts a recomputation re-enters with the routing (e.g. an HF model's "cpshard"
         # attention implementation, which is selected only while its ctx() is open).
         self.on_recompute: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+        # CP attention calls served in this context (the model guard's backstop counts them).
+        self.attention_calls = 0
 
     def __torch_function__(
         self,
@@ -154,6 +156,7 @@ class _CPSDPAMode(TorchFunctionMode):
         """CP attention for a named SDPA call (checked first)."""
         q, k = call["query"], call["key"]
         self.check_checkpoint()
+        self.attention_calls += 1
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask inside "

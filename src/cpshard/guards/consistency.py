@@ -62,6 +62,8 @@ __all__ = [
     "check_verb_consistency",
     "content_hash",
     "mismatch_message",
+    "verb_descriptor",
+    "verb_mismatch_message",
 ]
 
 # One slot per field, in this order; the vector exchanged is ``len(FIELDS)`` int64 values.
@@ -478,15 +480,34 @@ def check_verb_consistency(
     """
     desc = torch.tensor(_verb_descriptor(t, seq_dim, trim, fill, grad), dtype=torch.long)
     rows = _comm.all_gather_fixed(desc, group, cp_mesh.device_type).tolist()
+    message = verb_mismatch_message(verb, rows)
+    if message is not None:
+        raise ValueError(message)
+
+
+def verb_descriptor(t: object, *, seq_dim: object, trim: object, fill: object,
+                    grad: object) -> list[int]:  # fmt: skip
+    """The :data:`VERB_DESCRIPTOR_LEN` int64 values that describe a verb call (never raises);
+    a verb that carries them in its own data collective compares them with
+    :func:`verb_mismatch_message`."""
+    return _verb_descriptor(t, seq_dim, trim, fill, grad)
+
+
+def verb_mismatch_message(verb: str, rows: list[list[int]]) -> str | None:
+    """The error text when the ranks' descriptors (one row per rank) differ, else ``None``."""
     parts = []
     for field, sl in _verb_field_slices():
         if len({tuple(row[sl]) for row in rows}) > 1:
             values = ", ".join(f"rank {r}: {_readable(field, row)}" for r, row in enumerate(rows))
             parts.append(f"{field} ({values})")
-    if parts:
-        raise ValueError(
-            f"{verb} was called with different tensors or arguments on the {len(rows)} CP "
-            f"ranks: {'; '.join(parts)}. Every rank must pass its local shard of the same "
-            "per-token tensor (same dtype, same shape) with the same arguments; cast or reshape "
-            "before the call"
-        )
+    if not parts:
+        return None
+    return (
+        f"{verb} was called with different tensors or arguments on the {len(rows)} CP "
+        f"ranks: {'; '.join(parts)}. Every rank must pass its local shard of the same "
+        "per-token tensor (same dtype, same shape) with the same arguments; cast or reshape "
+        "before the call"
+    )
+
+
+VERB_DESCRIPTOR_LEN = 2 + _MAX_DIMS + 2 + 4

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.guards.consistency import check_verb_consistency
+from cpshard.guards.consistency import verb_descriptor, verb_mismatch_message
 from cpshard.sharding.facts import (
     CPContext,
     ShardBatchFn,
@@ -34,6 +34,7 @@ from cpshard.sharding.facts import (
     same_shard,
     tag_tensor,
 )
+from cpshard.sharding.gather import gather_with_header, slot_bytes
 from cpshard.sharding.meta import TokenMeta
 from cpshard.sharding.token_index import TokenIndex
 
@@ -144,6 +145,9 @@ class CPSharder:
     rank_map_fn: RankMapFn | None = None
     _facts: ShardFacts = field(init=False, repr=False, compare=False)
     _base: ShardFacts = field(init=False, repr=False, compare=False)
+    # Payload bytes of the checked gather's one collective: agreed by every rank without a
+    # collective (the last gather's size, seeded at shard time), see cpshard.sharding.gather.
+    _gather_slot: int = field(default=0, init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -167,6 +171,7 @@ class CPSharder:
             original_seq_len, padded_seq_len, shape, input_token_stream_positions
         )
         self._facts = self._base
+        self._gather_slot = 0
 
     # ------------------------------------------------------------------ sharding a batch
     def shard(
@@ -222,6 +227,7 @@ class CPSharder:
             facts = carried if isinstance(carried, ShardFacts) else recorded
         facts = dataclasses.replace(facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
+        self._seed_gather_slot(out)
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
         # model and the verbs can tell this batch from an older or newer one by its token meta.
         # A shard without a token meta brings its own context (a model-owned or custom one that
@@ -233,6 +239,16 @@ class CPSharder:
             # ... and a content record that survives .clone() / .to() of the local tensors
             facts.token_meta.local_record.update(local_record(out))
         return CPContext(factory, facts), out
+
+    def _seed_gather_slot(self, out: dict[str, Any]) -> None:
+        """Seed the checked gather's slot with one fp32 value per local token of the sharded
+        primary input (``[B, L]`` log-probs, the common gather, then ride in one collective):
+        the same on every rank, whose batches the batch check found equal."""
+        primary = out.get("input_ids")
+        if not isinstance(primary, torch.Tensor):
+            primary = out.get("inputs_embeds")
+        if self._gather_slot == 0 and isinstance(primary, torch.Tensor) and primary.dim() >= 2:
+            self._gather_slot = slot_bytes(int(primary.shape[0]) * int(primary.shape[1]) * 4)
 
     # ------------------------------------------------------------------ captured facts
     @property
@@ -403,8 +419,8 @@ class CPSharder:
     ) -> torch.Tensor:
         """All-gather a local per-token tensor back into global (or caller) coordinates.
 
-        One all-gather of exactly the payload (after a 16-value check, see below); the reorder is a
-        precomputed inverse permutation.
+        One all-gather of the payload plus a 128-byte header that carries the cross-rank check
+        (see below); the reorder is a precomputed inverse permutation.
 
         Args:
             t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
@@ -422,9 +438,12 @@ class CPSharder:
             ``[..., P, ...]`` in global order, or the caller's coordinates with ``trim=True``; a
             new tensor that shares no memory with ``t`` (at ``cp=1`` too).
 
-        Before the data all-gather, the ranks compare dtype, shape, ``seq_dim``, ``trim`` and
-        ``grad`` in one all-gather of a few int64 values (unless ``check_consistency`` is off),
-        so a mismatch raises the same ``ValueError`` on every rank.
+        The ranks compare dtype, shape, ``seq_dim``, ``trim``, ``fill`` and ``grad`` (unless
+        ``check_consistency`` is off): a header of 16 int64 values rides in the data all-gather,
+        whose payload slot every rank sizes alike without communicating (the previous gather's
+        size, seeded at shard time with one fp32 per local token), so a mismatch raises the same
+        ``ValueError`` on every rank and never breaks the collective. A payload larger than
+        the slot (a new shape) costs one more, exact all-gather (:mod:`cpshard.sharding.gather`).
 
         Raises:
             TypeError: ``t`` is not a tensor.
@@ -434,12 +453,11 @@ class CPSharder:
         """
         facts = self._facts
         group = _comm.cp_group(facts.cp_mesh)
-        if group is not None and facts.check_consistency:
-            assert facts.cp_mesh is not None
-            check_verb_consistency(
-                facts.cp_mesh, group, "gather_token_tensor", t,
-                seq_dim=seq_dim, trim=trim, fill=fill, grad=grad,
-            )  # fmt: skip
+        carried: torch.Tensor | None = None
+        checked = group is not None and facts.check_consistency
+        if checked:  # the check rides in the data collective (see cpshard.sharding.gather)
+            assert group is not None
+            carried = self._gather_checked(t, group, seq_dim, trim, fill, grad)
         t = _check_tensor(t, "gather_token_tensor")
         self._check_tag(t, "gather_token_tensor")
         if grad not in ("sum", "replicated"):
@@ -462,13 +480,38 @@ class CPSharder:
         index = self._token_index(padded, t.device)
         # [C, *t.shape]: one all-gather of exactly the payload, no transpose of the local shard
         stacked = t.unsqueeze(0)
-        if group is not None:
+        if carried is not None:
+            stacked = carried
+        elif group is not None:
             mode: _comm.GradMode = "sum" if grad == "sum" else "replicated"
             stacked = _comm.all_gather_dim0(stacked, group, mode)
+        if checked:  # the next gather's slot: this payload's size (the same on every rank)
+            self._gather_slot = slot_bytes(t.numel() * t.element_size())
         full = index.reorder_gathered(stacked, seq_dim)
         if group is None and full.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             full = full.clone(memory_format=torch.contiguous_format)  # cp=1: never a view of t
         return facts.from_stream(full, seq_dim, fill, self.layout) if trim else full
+
+    def _gather_checked(
+        self, t: object, group: Any, seq_dim: int, trim: bool, fill: object, grad: str
+    ) -> torch.Tensor | None:
+        """The call's descriptor in one all-gather with the payload when it fits the agreed
+        slot; raises the same ``ValueError`` on every rank when the descriptors differ.
+
+        Returns:
+            The gathered ``[C, *t.shape]`` payload, or ``None`` (the caller gathers it).
+        """
+        desc = verb_descriptor(t, seq_dim=seq_dim, trim=trim, fill=fill, grad=grad)
+        mode = "replicated" if grad == "replicated" else "sum"
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            device = t.device
+        else:  # the header alone, on the mesh's device (NCCL needs CUDA)
+            device = torch.device("cpu" if self.cp_mesh is None else self.cp_mesh.device_type)
+        stacked, rows = gather_with_header(t, desc, group, self._gather_slot, mode, device)
+        message = verb_mismatch_message("gather_token_tensor", rows)
+        if message is not None:
+            raise ValueError(message)
+        return stacked
 
     def _check_tag(self, t: torch.Tensor, verb: str) -> None:
         tag = batch_tag(t)
