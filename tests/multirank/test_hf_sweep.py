@@ -39,7 +39,7 @@ _REASONS = (
 
 
 def _check(ranks: Ranks, arch: str, world: int, method: str, layout: str) -> str:
-    outs = ranks(world, sweep_case, arch, method, layout, timeout=300)
+    outs = ranks(world, sweep_case, arch, method, layout)
     kinds = {o.kind for o in outs}
     assert len(kinds) == 1, f"ranks disagree: {[o.kind for o in outs]}"
     out = outs[0]

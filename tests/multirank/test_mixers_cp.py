@@ -36,7 +36,7 @@ _DEFAULT = [
 
 @pytest.mark.parametrize(("arch", "world", "layout", "method"), _DEFAULT)
 def test_hybrid_dense_exact(ranks: Ranks, arch: str, world: int, layout: str, method: str) -> None:
-    ranks(world, hybrid_dense, arch, layout, method, timeout=240)
+    ranks(world, hybrid_dense, arch, layout, method)
 
 
 @pytest.mark.parametrize(
@@ -44,15 +44,15 @@ def test_hybrid_dense_exact(ranks: Ranks, arch: str, world: int, layout: str, me
     [("qwen3_next", 2, "balanced"), ("mamba2", 3, "packed"), ("lfm2", 1, "packed")],
 )
 def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -> None:
-    ranks(world, hybrid_packed, arch, layout, timeout=240)
+    ranks(world, hybrid_packed, arch, layout)
 
 
 def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks) -> None:
-    ranks(2, hybrid_checkpointed, "qwen3_next", timeout=240)
+    ranks(2, hybrid_checkpointed, "qwen3_next")
 
 
 def test_make_cp_batch_and_ctx_with_a_model(ranks: Ranks) -> None:
-    ranks(3, mamba_without_prepare, timeout=240)
+    ranks(3, mamba_without_prepare)
 
 
 @pytest.mark.parametrize("world", [1, 2])

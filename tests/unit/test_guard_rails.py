@@ -275,6 +275,14 @@ def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> Non
     assert _differs(two, {**two, "a": torch.zeros(3), "b": torch.ones(3)})
 
 
+def test_fingerprint_of_lists_holding_tensors_never_overflows() -> None:
+    """seq_lens as a list of per-row tensors (mixed Python ints and int64 tensors)."""
+    lens = [torch.tensor([3, 5]), torch.tensor([8])]
+    batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "seq_lens": lens, "x": [lens, "a"]}
+    other = {**batch, "seq_lens": [torch.tensor([4, 4]), torch.tensor([8])]}
+    assert _differs(batch, other) == {"seq_lens"}
+
+
 def test_opted_out_fingerprint_reads_no_value_but_keeps_its_shape() -> None:
     ids = torch.tensor([[1, 2, 3]])
     a = _fp({"input_ids": ids}, hashed=False)
