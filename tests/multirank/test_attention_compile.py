@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multirank
 def test_fullgraph_compile_matches_eager(ranks: Ranks, method: str) -> None:
     """cp=2, fullgraph=True: the plan is built at shard time, the compiled graph only runs
     kernels and collectives; output and parameter grads equal the eager CP run."""
-    for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, method, True, timeout=300):
+    for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, method, True):
         torch.testing.assert_close(yc, y)
         for name, g in grads.items():
             torch.testing.assert_close(grads_c[name], g, msg=lambda m, n=name: f"{n}: {m}")
@@ -26,7 +26,7 @@ def test_fullgraph_compile_matches_eager(ranks: Ranks, method: str) -> None:
 
 def test_ring_compiles_with_graph_breaks_at_its_p2p_calls(ranks: Ranks) -> None:
     """Ring's batch_isend_irecv is not traceable: fullgraph=False compiles around it."""
-    for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, "ring", False, timeout=300):
+    for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, "ring", False):
         torch.testing.assert_close(yc, y)
         for name, g in grads.items():
             torch.testing.assert_close(grads_c[name], g, msg=lambda m, n=name: f"{n}: {m}")

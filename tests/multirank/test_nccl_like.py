@@ -36,13 +36,13 @@ def test_losses_counts_and_sync_grads(ranks: Ranks, world: int) -> None:
 
 
 def test_prepare_attention_and_verbs(ranks: Ranks) -> None:
-    for seen in ranks(2, verbs_and_prepare, timeout=120):
+    for seen in ranks(2, verbs_and_prepare):
         gathers = {"all_gather_single", "all_gather_into_tensor"}  # torch >= 2.13 / older
         assert gathers & set(seen) and {"P2POp", "all_to_all_single"} <= set(seen), seen
 
 
 def test_parity_rows_and_launcher_gathers(ranks: Ranks) -> None:
-    for seen in ranks(2, parity_rows, timeout=120):
+    for seen in ranks(2, parity_rows):
         assert seen.get("all_reduce", 0) > 0, seen
 
 
@@ -61,5 +61,5 @@ def test_parity_rows_and_launcher_gathers(ranks: Ranks) -> None:
 def test_existing_rank_functions(
     ranks: Ranks, module: str, name: str, args: tuple[object, ...]
 ) -> None:
-    for seen in ranks(2, existing, module, name, *args, timeout=120):
+    for seen in ranks(2, existing, module, name, *args):
         assert sum(seen.values()) > 0, seen

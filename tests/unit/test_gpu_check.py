@@ -20,7 +20,7 @@ _TIMEOUT_KWARGS = {"timeout", "timeout_s", "pg_timeout_s"}
 
 def _budget() -> tuple[dict[str, tuple[int, int]], int]:
     out = subprocess.run(
-        ["bash", str(SCRIPT), "--budget"], capture_output=True, text=True, check=True, timeout=30
+        ["bash", str(SCRIPT), "--budget"], capture_output=True, text=True, check=True, timeout=600
     ).stdout
     steps = {
         m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"^step (\w+) (\d+) (\d+)$", out, re.M)
