@@ -110,7 +110,8 @@ def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert "parity" in out and "layouts" in out and "balance" in out
 
 
-def test_default_plan_is_the_14_demo_rows() -> None:
+def test_default_plan_is_the_demo_rows() -> None:
+    """2 cp=1 references + every layout x method (18 rows with the 4 methods)."""
     rows = plan_rows(
         ParityCase(),
         models=["llama"],
@@ -119,7 +120,8 @@ def test_default_plan_is_the_14_demo_rows() -> None:
         methods=list(METHOD_NAMES),
         world=4,
     )
-    assert len(rows) == 14
+    n_layouts = len(DENSE_LAYOUTS) + len(PACKED_LAYOUTS)
+    assert len(rows) == 2 + n_layouts * len(METHOD_NAMES) == 18
     assert [r.kind for r in rows].count("reference") == 2
     assert all(r.skip is None for r in rows)
     assert {r.case.batch for r in rows if r.layout in PACKED_LAYOUTS} == {"packed"}
@@ -241,7 +243,7 @@ def test_all_models_plan_has_model_owned_rows_next_to_hf_rows() -> None:
     )
     vlm = [r for r in rows if r.case.model == "vlm" and r.kind == "cp"]
     assert {(r.case.batch, r.layout) for r in vlm} == {("dense", "auto"), ("packed", "auto")}
-    assert len(vlm) == 6  # 2 batch kinds x 3 methods
+    assert len(vlm) == 2 * len(METHOD_NAMES)  # 2 batch kinds x every method
     prefix = [r for r in rows if r.case.model == "prefix"]
     assert [(r.kind, r.case.method) for r in prefix] == [("reference", "all_gather"), ("cp", "own")]
 
