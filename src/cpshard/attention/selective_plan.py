@@ -57,6 +57,7 @@ class MetaArrays:
         weights: ``[G]`` how many meta rows each group stands for.
         world: CP size ``C``.
         local_len: Tokens per rank ``L``.
+        frame: ``(lowest document id, lowest position, position span)`` of the encoding.
     """
 
     pos: np.ndarray
@@ -65,18 +66,13 @@ class MetaArrays:
     weights: np.ndarray
     world: int
     local_len: int
+    frame: tuple[int, int, int]
 
     def enc(self, doc: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``(document, position)`` -> one sortable int64 (positions clipped to the span)."""
-        lo_doc, lo_pos, span = self._frame()
+        lo_doc, lo_pos, span = self.frame
         codes: np.ndarray = (doc - lo_doc) * span + np.clip(x - lo_pos, 0, span - 1)
         return codes
-
-    def _frame(self) -> tuple[int, int, int]:
-        lo_doc = int(self.doc.min()) if self.doc.size else 0
-        lo_pos = int(self.pos.min()) if self.pos.size else 0
-        hi_pos = int(self.pos.max()) if self.pos.size else 0
-        return lo_doc, lo_pos, hi_pos - lo_pos + 2
 
     def rank_slice(self, rank: int) -> slice:
         """Stream slots of ``rank``'s local tokens."""
@@ -96,7 +92,9 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     firsts = [g[0] for g in groups.values()]
     rows = None if len(groups) == 1 else list(groups.values())
     weights = np.array([len(g) for g in groups.values()], dtype=np.int64)
-    arrays = MetaArrays(pos[firsts], doc[firsts], rows, weights, meta.world_size, meta.local_len)
+    p, d = pos[firsts], doc[firsts]
+    frame = (int(d.min()), int(p.min()), int(p.max()) - int(p.min()) + 2) if p.size else (0, 0, 2)
+    arrays = MetaArrays(p, d, rows, weights, meta.world_size, meta.local_len, frame)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
@@ -149,12 +147,16 @@ def covered(codes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return inside
 
 
-def needed_by(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
-    """Bool ``[C * L]``: stream slots some query of ``rank`` sees (any row group), own included."""
-    need = np.zeros(a.pos.shape[1], dtype=bool)
+def needed_by(
+    a: MetaArrays, rank: int, causal: bool, window: int | None, slots: slice | None = None
+) -> np.ndarray:
+    """Bool mask over stream ``slots`` (default all ``C * L``): the slots some query of ``rank``
+    sees (any row group), own included."""
+    sl = slice(0, a.pos.shape[1]) if slots is None else slots
+    need = np.zeros(sl.stop - sl.start, dtype=bool)
     for g in range(a.pos.shape[0]):
         lo, hi = intervals(a, g, rank, causal, window)
-        need |= covered(a.enc(a.doc[g], a.pos[g]), lo, hi)
+        need |= covered(a.enc(a.doc[g, sl], a.pos[g, sl]), lo, hi)
     return need
 
 
@@ -243,7 +245,7 @@ def selective_plan(
         if t == rank:
             sends.append(np.zeros(0, dtype=np.int64))
             continue
-        sends.append(np.flatnonzero(needed_by(a, t, causal, window)[own]))
+        sends.append(np.flatnonzero(needed_by(a, t, causal, window, own)))
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
     k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
