@@ -19,11 +19,16 @@ times one step of every method in turn, and the minimum over rounds counts, so a
 load disturbs all methods alike. Prints each method's time over the best of ``ring`` and
 ``all_gather``.
 
+Part ``ranks``: C = 2..8 gloo ranks run one selective forward + backward on an 8192-token packed
+batch; the payload bytes of each all-to-all (recorded by a benchmark-side wrapper) summed over
+the ranks, over the bytes of the keys the queries see by the dense mask rule.
+
 Usage::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_selective.py \\
         --tokens 1048576 --cp 8,16,32,64
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_selective.py --part cp --rounds 5
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_selective.py --part ranks
 """
 
 from __future__ import annotations
@@ -73,6 +78,61 @@ def _interleaved(
     return best
 
 
+def _exchange_rank(mesh: Any, lens: list[int], layout: str) -> Any:
+    """One selective fwd+bwd on the ranks; the payload bytes of every all-to-all it starts."""
+    import cpshard.attention.selective as sel
+    from cpshard import make_cp_batch_and_ctx
+    from cpshard._comm import cp_group
+    from cpshard.attention import cp_sdpa
+
+    s = sum(lens)
+    batch = {"input_ids": torch.ones(1, s, dtype=torch.long), "seq_lens": [lens]}
+    _, _, sharder = make_cp_batch_and_ctx(mesh, batch, layout=layout, attention="selective")
+    meta = sharder.token_meta
+    assert meta is not None
+    q, k, v, go = _inputs(meta.local_len, 4, 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    calls: list[int] = []
+    real = sel.all_to_all_split_start
+
+    def recording(x: torch.Tensor, *args: Any) -> Any:  # benchmark-side wrapper
+        calls.append(x.numel() * x.element_size())
+        return real(x, *args)
+
+    sel.all_to_all_split_start = recording  # type: ignore[assignment]
+    try:
+        cp_sdpa(q, k, v, group=cp_group(mesh), meta=meta, method="selective").backward(go)
+    finally:
+        sel.all_to_all_split_start = real
+    return calls, meta.positions[0].numpy(), meta.document_ids[0].numpy(), k.element_size()
+
+
+def _ranks_part(worlds: list[int], layout: str) -> None:
+    """Bytes each exchange moves on real ranks vs the dense mask rule's needed bytes."""
+    from bench_packed_attention import doc_lengths
+
+    from cpshard.launch import run_local_ranks
+
+    lens = doc_lengths(8192)
+    print("| C | layout | forward bytes moved / needed | backward bytes moved / needed |")
+    print("|---|---|---|---|")
+    for world in worlds:
+        res = run_local_ranks(world, _exchange_rank, lens, layout, timeout_s=3600)
+        pos, doc, item = res[0][1], res[0][2], res[0][3]
+        n = pos.size // world
+        needed = 0
+        for r in range(world):  # keys off rank r that r's queries see, by the rule itself
+            q = slice(r * n, (r + 1) * n)
+            vis = (doc[q, None] == doc[None, :]) & (pos[q, None] >= pos[None, :])
+            need = vis.any(axis=0)
+            need[q] = False
+            needed += int(need.sum())
+        slot = 2 * 2 * 64 * item  # k and v, B=1, Hkv=2, D=64
+        fwd = sum(r[0][0] for r in res)
+        bwd = sum(r[0][1] for r in res)
+        print(f"| {world} | {layout} | {fwd / (needed * slot):.3f} | {bwd / (needed * slot):.3f} |")
+
+
 def _cp_part(rounds: int) -> None:
     from cpshard.launch import run_local_ranks
     from cpshard.names import PACKED_LAYOUTS
@@ -101,12 +161,17 @@ def main() -> None:
     p.add_argument("--cp", default="8,16,32,64")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks", default="0,last", help="ranks whose selective plan is built")
-    p.add_argument("--part", choices=("plan", "cp"), default="plan")
+    p.add_argument("--part", choices=("plan", "cp", "ranks"), default="plan")
+    p.add_argument("--worlds", default="2,3,4,5,6,7,8", help="C of the ranks part")
+    p.add_argument("--layout", default="balanced", help="layout of the ranks part")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     print(f"load average before: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     if args.part == "cp":
         _cp_part(args.rounds)
+        return
+    if args.part == "ranks":
+        _ranks_part([int(x) for x in args.worlds.split(",")], args.layout)
         return
     spec = sample_packed_batch("lognormal", args.tokens, args.seed)
     print(
