@@ -17,8 +17,9 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
   - ``ulysses``: q, k, v to heads and the output back, forward; grad-out in and dq, dk, dv out,
     backward; each ``(C-1)/C`` of the local tensors.
 * **overlap**: ``all_gather`` and ``selective`` hide their exchange behind the own-keys compute
-  (``max(comm, local) + remote``); ``ring`` behind everything (``max(comm, compute)``, optimistic:
-  its steps run in lock-step in reality); ``ulysses`` hides nothing.
+  (``max(comm, local) + remote``); ``ring`` hides each hop behind one block's compute, step by
+  step (the remote pairs spread evenly over the ``C - 1`` remote blocks; the last block's compute
+  and the gradient accumulators' last hop are not hidden); ``ulysses`` hides nothing.
 
 A step lasts as long as its slowest rank: a method's cost is the max over ranks. The model ignores
 kernel efficiency differences (tile waste, small-tile launch overhead), intra-node vs inter-node
@@ -237,11 +238,19 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
         return {name: base for name in METHODS}
     full = np.full(c, (c - 1) * n, dtype=np.float64)
     costs["all_gather"] = overlapped(full, full)
-    ring_f = (c - 1) * n * slot * shape.itemsize / bw
-    ring_b = (c - 1) * n * slot * (shape.itemsize + acc) / bw
-    costs["ring"] = float(
-        (np.maximum(ring_f, fwd) + np.maximum(ring_b, bwd)).max() + 2 * (c - 1) * lat
-    )
+    # Ring: C lock-stepped steps; step s computes one block while the next one travels, so
+    # every step costs max(hop, its compute) except the last (nothing left to send); the
+    # backward's hops carry K/V and the fp32 dK/dV, and the accumulators take one more hop home.
+    remote_f = (fwd - fwd_local) / (c - 1)
+    remote_b = (bwd - bwd_local) / (c - 1)
+    hop_f = n * slot * shape.itemsize / bw + lat
+    hop_b = n * slot * (shape.itemsize + acc) / bw + lat
+    t_ring = (
+        np.maximum(hop_f, fwd_local) + (c - 2) * np.maximum(hop_f, remote_f) + remote_f
+        + np.maximum(hop_b, bwd_local) + (c - 2) * np.maximum(hop_b, remote_b) + remote_b
+        + n * slot * acc / bw + lat
+    )  # fmt: skip
+    costs["ring"] = float(t_ring.max())
     heads = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * shape.batch * (c - 1) / c * n
     out = shape.q_heads * shape.head_dim * shape.batch * (c - 1) / c * n
     uly_comm = ((heads + out) * shape.itemsize + (out * shape.itemsize + heads * acc)) / bw

@@ -12,10 +12,10 @@ rank 0's plan build time, and the modelled time of one layer's attention (forwar
 each ``--bandwidth`` (GB/s; e.g. 450 inside an NVLink node, 50 across InfiniBand). The model
 (``cpshard.attention.cost``): compute = visible pairs x 4 D Hq FLOP (backward 2.5x) over
 ``--tflops``; communication = bytes over the bandwidth plus a latency per collective; all_gather
-and selective overlap their exchange with the own-keys compute, ring with all of it, ulysses
-with none; the slowest rank sets the step. It ignores kernel efficiency, topology (one bandwidth
-for every pair of ranks) and contention. The layer shape is ``--heads``/``--kv-heads``/
-``--head-dim`` in bf16. ``--plot`` draws the modelled times (matplotlib).
+and selective overlap their exchange with the own-keys compute, ring each hop with one block's
+compute, ulysses nothing; the slowest rank sets the step. It ignores kernel efficiency,
+topology (one bandwidth for every pair of ranks) and contention. The layer shape is
+``--heads``/``--kv-heads``/``--head-dim`` in bf16. ``--plot`` draws the modelled times (matplotlib).
 
 Owns the arguments and the table; the numbers are :mod:`cpshard.tools.plan_cost`.
 """
