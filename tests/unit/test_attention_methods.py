@@ -125,3 +125,17 @@ def test_auto_under_cp_sdpa_equals_the_method_it_picks() -> None:
     q, k, v, _ = inputs(1, 4, 2, meta.local_len, 8, 0)
     want = cp_sdpa(q, k, v, group=None, meta=meta, method="all_gather")
     torch.testing.assert_close(cp_sdpa(q, k, v, group=None, meta=meta), want)
+
+
+def test_dispatcher_records_the_method_in_the_facts() -> None:
+    import cpshard
+
+    batch = {"input_ids": torch.ones(1, 12, dtype=torch.long), "seq_lens": [[5, 7]]}
+    ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, batch)  # attention="auto" by default
+    assert ctx.facts.attention_method == "all_gather"  # cp=1: every method costs the same
+    ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, batch, attention="selective")
+    assert ctx.facts.attention_method == "selective"
+    with pytest.raises(TypeError, match="attention_cost must be a .*CostModel"):
+        cpshard.make_cp_batch_and_ctx(None, batch, attention_cost=100e9)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        cpshard.make_cp_batch_and_ctx(None, batch, attention="zigzag")
