@@ -34,7 +34,7 @@ from cpshard.attention.hf import cp_attention_scope
 from cpshard.attention.methods import method_named
 from cpshard.attention.plan import attention_plan
 from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
-from cpshard.guards.model import install_model_guard
+from cpshard.guards.model import install_model_guard, remember_shard
 from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.layouts.closed_form import (
     ClosedFormLayout,
@@ -43,6 +43,7 @@ from cpshard.layouts.closed_form import (
     RoundRobinLayout,
 )
 from cpshard.layouts.index import check_rank_map
+from cpshard.mixers import check_token_mixers, with_token_mixers
 from cpshard.names import ATTENTION_CHOICES, LAYOUT_NAMES, PACKED_LAYOUTS, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.sharding.facts import CPContext, ShardBatchFn
@@ -144,9 +145,11 @@ def make_cp_batch_and_ctx(
     attention: str = "auto",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
+    model: nn.Module | None = None,
+    strict: bool = False,
     attention_cost: CostModel | None = None,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
-    """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model).
+    """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model hook).
 
     Args:
         cp_mesh: 1-D CP ``DeviceMesh`` or ``None``.
@@ -168,12 +171,21 @@ def make_cp_batch_and_ctx(
             given ``cp_sharder``'s too); a shard with its own context keeps it.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
-            (one all-gather of a few int64 values) and raise on every rank if they differ; also
-            makes ``gather_token_tensor`` check dtype and shape across ranks. Pass ``False`` only
-            if the loop guarantees identical batches on every CP rank.
+            (one all-gather of a few int64 values; what it covers:
+            :mod:`cpshard.guards.consistency`) and raise on every rank if they differ; also
+            makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
+            the hashing of the values (not the all-gather: names, shapes, arguments and the flag
+            itself are still compared); pass it only if the loop guarantees identical batches
+            on every CP rank.
+        model: The model the batch is for (optional): its token mixers outside attention
+            (Mamba / Mamba2 mixers, Gated DeltaNet, short convolutions, ...) are then checked
+            and run exactly under ``ctx`` (:mod:`cpshard.mixers`); without it they are not seen.
         attention_cost: Link bandwidth, compute rate and assumed layer shape of the cost model
             behind ``attention="auto"`` (:class:`cpshard.attention.cost.CostModel`); ``None`` ->
             its GPU defaults. Must be equal on every rank (part of the fingerprint).
+        strict: With ``model``: refuse a model whose token mixers need the generic exact path
+            (each mixer over the whole sequence on every rank, ``C`` times its compute) instead
+            of warning once.
 
     Returns:
         ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
@@ -181,17 +193,21 @@ def make_cp_batch_and_ctx(
 
     Raises:
         TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
-            id that is not a non-negative int, ranks given different batches.
+            id that is not a non-negative int, ranks given different batches, a model whose
+            token mixers cannot run exactly (or need the generic path under ``strict``).
     """
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
-    if check_consistency:
-        _check_consistency(
-            cp_mesh, batch, layout, attention, padding_token_id,
-            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
-             "extra_token_keys": extra_token_keys, "attention_cost": attention_cost},
-        )  # fmt: skip
+    mixers = _token_mixers(model, cp_mesh, batch, strict)  # before any collective
+    # Always the one collective; check_consistency=False only skips the hashing (ranks that
+    # disagree on the flag then raise alike instead of mismatching collectives).
+    _check_consistency(
+        cp_mesh, batch, layout, attention, padding_token_id,
+        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
+         "extra_token_keys": extra_token_keys, "strict": strict,
+         "attention_cost": attention_cost}, check_consistency is not False,
+    )  # fmt: skip
     _check_method(attention, attention_cost)
-    return _dispatch(
+    ctx, out, sharder = _dispatch(
         cp_mesh,
         batch,
         layout=layout,
@@ -204,6 +220,25 @@ def make_cp_batch_and_ctx(
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
         attention_cost=attention_cost,
+    )
+    return with_token_mixers(ctx, mixers, cp_mesh), out, sharder
+
+
+def _token_mixers(
+    model: nn.Module | None, cp_mesh: DeviceMesh | None, batch: object, strict: bool
+) -> tuple[Any, ...]:
+    """The model's token mixers that ``ctx`` must run exactly (:mod:`cpshard.mixers`).
+
+    A model that owns its CP (``prepare_model_inputs_for_cp``) owns its mixers too.
+    """
+    if model is None:
+        return ()
+    model = unwrap_model(model)
+    if hasattr(model, "prepare_model_inputs_for_cp"):
+        return ()
+    packed = isinstance(batch, Mapping) and _is_packed(batch)
+    return check_token_mixers(
+        model, _comm.cp_rank_and_size(cp_mesh)[1], strict=strict, packed=packed
     )
 
 
@@ -416,6 +451,7 @@ def prepare_cp_forward(
     attention: str = "auto",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
+    strict: bool = False,
     attention_cost: CostModel | None = None,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """Prepare one forward under CP: model hook, sharder resolution, batch shard.
@@ -439,6 +475,11 @@ def prepare_cp_forward(
         layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh,
             check_consistency, attention_cost: As in :func:`make_cp_batch_and_ctx` (the
             fingerprint is taken of the caller's batch, before the model hook runs).
+        strict: Refuse a model whose token mixers outside attention (Mamba / Mamba2 mixers,
+            Gated DeltaNet, short convolutions, ...) would need the generic exact path (each
+            such mixer gathers the sequence and runs over all of it on every rank: ``C`` times
+            its compute) instead of warning once (:mod:`cpshard.mixers`). A mixer cpshard
+            cannot run exactly is refused either way.
 
     A ``DistributedDataParallel`` / ``DataParallel`` wrapper is looked through
     (:func:`unwrap_model`): call the wrapper as usual inside ``ctx()``.
@@ -462,12 +503,15 @@ def prepare_cp_forward(
     model = unwrap_model(model)
     # Sharded batches run inside their own ctx(), without labels; an out-of-step rank stops here.
     install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
-    if check_consistency:
-        _check_consistency(
-            cp_mesh, batch, layout, attention, padding_token_id,
-            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
-             "extra_token_keys": extra_token_keys, "attention_cost": attention_cost},
-        )  # fmt: skip
+    # Token mixers outside attention: the verdict (or the error) on every rank, before any
+    # collective; the ctx then runs them exactly (cpshard.mixers).
+    mixers = _token_mixers(model, cp_mesh, batch, strict)
+    _check_consistency(  # one collective either way; False skips only the hashing
+        cp_mesh, batch, layout, attention, padding_token_id,
+        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
+         "extra_token_keys": extra_token_keys, "strict": strict,
+         "attention_cost": attention_cost}, check_consistency is not False,
+    )  # fmt: skip
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:
@@ -494,10 +538,11 @@ def prepare_cp_forward(
         check_consistency=check_consistency,
         attention_cost=attention_cost,
     )
+    remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
     if sharder is not None:
         check_model_sharder(bound)
     elif hasattr(model, "set_attn_implementation"):
         # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
         # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
         ctx = CPContext(functools.partial(cp_attention_scope, model, ctx), ctx.facts)
-    return ctx, out, bound
+    return with_token_mixers(ctx, mixers, cp_mesh), out, bound

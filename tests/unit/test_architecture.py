@@ -89,6 +89,12 @@ RULES: tuple[Rule, ...] = (
         exempt=("cpshard.tools", "cpshard.cli", "cpshard.launch"),
     ),
     Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models sit on the core, below tools"),
+    Rule(
+        "cpshard",
+        ("cpshard.integrations", "trl", "accelerate"),
+        "the trainer integrations are optional (trl, accelerate): only they import those",
+        exempt=("cpshard.integrations",),
+    ),
     Rule("cpshard.tools", ("cpshard.cli",), "the cli is built on tools, not the reverse"),
     Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
     Rule(
@@ -117,6 +123,18 @@ RULES: tuple[Rule, ...] = (
         for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
     ),
     Rule("cpshard.sharding", ("cpshard.attention",), "dispatch composes the two contexts"),
+    Rule(
+        "cpshard.mixers",
+        ("cpshard.dispatch", "cpshard.guards"),
+        "the dispatcher calls the mixer verdict and composes its hooks into ctx",
+    ),
+    Rule(
+        "cpshard.mixers.detect",
+        ("cpshard",),
+        "detection reads module structure and config facts only",
+        allow=("cpshard.mixers.detect",),
+    ),
+    Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
 )
 
 

@@ -7,8 +7,8 @@ Each method (``all_gather``, ``ring``, ``ulysses``, ``selective``:
   collective (only ``ulysses`` refuses anything: head counts not divisible by the CP size);
 * ``plans(plan, causal, window, device)``: the kernel and exchange plans it runs, built from the
   batch's :class:`~cpshard.attention.plan.AttentionPlan` once and cached;
-* ``apply(q, k, v, plans, group, *, scale, backend, softcap)``: the differentiable forward (an
-  autograd Function whose backward is the method's own).
+* ``apply(q, k, v, plans, group, *, scale, backend, softcap, sinks)``: the differentiable
+  forward (an autograd Function whose backward is the method's own).
 
 :func:`method_named` looks a name up; nothing else in cpshard switches on method names.
 ``"auto"`` is not a method: :mod:`cpshard.attention.cost` resolves it to one of these.
@@ -62,6 +62,7 @@ class CPMethod(Protocol):
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, Hq, L, D]`` attention output, differentiable w.r.t. ``q``, ``k``, ``v``."""
 

@@ -32,7 +32,7 @@ from cpshard._comm import Transfer, all_to_all_split_start
 from cpshard.attention.all_gather import seq_major, stream_views
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
-from cpshard.attention.merge import accumulation_dtype, merge_into
+from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
 from cpshard.attention.plan import AttentionPlan
 from cpshard.attention.selective_plan import SelectivePlan, selective_plan
 
@@ -51,6 +51,7 @@ class _SelectiveAttention(torch.autograd.Function):
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pending: Transfer | None = None
         if group is not None:
@@ -67,15 +68,17 @@ class _SelectiveAttention(torch.autograd.Function):
                                softcap=softcap)  # fmt: skip
                 merge_into(out, lse, o, l_)
                 del o, l_
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
-        ctx.save_for_backward(q, k, v, recv, keep, lse)
+        ctx.save_for_backward(q, k, v, recv, keep, lse, sinks)
         ctx.args = (plan, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, recv, out, lse = ctx.saved_tensors
+        q, k, v, recv, out, lse, sinks = ctx.saved_tensors
         plan, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -106,7 +109,8 @@ class _SelectiveAttention(torch.autograd.Function):
             mk, mv = stream_views(dkv)
             dk += mk
             dv += mv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
+        ds = None if sinks is None else sink_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5), ds
 
 
 def selective_attention(
@@ -119,6 +123,7 @@ def selective_attention(
     scale: float,
     backend: KernelBackend = "auto",
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable selective CP attention (inputs already validated).
 
@@ -131,12 +136,14 @@ def selective_attention(
         scale: Score scale.
         backend: Kernel backend.
         softcap: Soft-cap of the scores, or ``None``.
+        sinks: ``[Hq]`` attention-sink logits (:func:`~cpshard.attention.merge.add_sinks`), or
+            ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _SelectiveAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, plan, group, scale, backend, softcap
+        q, k, v, plan, group, scale, backend, softcap, sinks
     )
     return out
 
@@ -166,8 +173,9 @@ class SelectiveMethod:
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:func:`selective_attention` with the plan of :meth:`plans`."""
         return selective_attention(
-            q, k, v, plans, group, scale=scale, backend=backend, softcap=softcap
+            q, k, v, plans, group, scale=scale, backend=backend, softcap=softcap, sinks=sinks
         )

@@ -1,0 +1,23 @@
+"""Token mixers outside attention under CP: detection, refusal, and the generic exact path.
+
+* :mod:`~cpshard.mixers.detect`: which modules of a model mix tokens and are not attention;
+* :mod:`~cpshard.mixers.policy`: the verdict before any collective (exact path, warning or a
+  clear error) and the ctx composition;
+* :mod:`~cpshard.mixers.segments` and :mod:`~cpshard.mixers.generic`: running a mixer over whole
+  documents in global order (gather, run, keep the local rows).
+
+Import rule: imports :mod:`cpshard.attention` (the active CP mode), :mod:`cpshard.sharding`
+(token meta, contexts) and :mod:`cpshard._comm`; never :mod:`cpshard.dispatch` (which calls it),
+:mod:`cpshard.guards`, tools, cli or models.
+"""
+
+from cpshard.mixers.detect import MixerSite, find_token_mixers
+from cpshard.mixers.policy import CPMixerWarning, check_token_mixers, with_token_mixers
+
+__all__ = [
+    "CPMixerWarning",
+    "MixerSite",
+    "check_token_mixers",
+    "find_token_mixers",
+    "with_token_mixers",
+]

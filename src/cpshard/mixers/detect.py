@@ -1,0 +1,261 @@
+"""Find every module of a model that mixes tokens and is not attention.
+
+CP shards the sequence; attention is routed to CP attention, but any *other* module that mixes
+tokens (an SSM scan, a gated delta rule, a short causal convolution, a token shift, a linear
+recurrence) would run over this rank's shard alone, from a zero state: silently wrong. This
+module finds such modules from three kinds of facts, none of them a list of class names:
+
+* **module structure**: a 1-D convolution (``nn.Conv1d`` and subclasses: depthwise causal convs
+  over the sequence), parameters or buffers of recurrences and state-space scans (``A_log``,
+  ``dt_bias``, ``time_decay``, ...), recurrent-state attributes (``ssm_state_size``,
+  ``conv_kernel_size``, ...), a sequence pad/shift module (``nn.ZeroPad*``, ``nn.ConstantPad*``);
+* **the config's layer facts**: ``layer_types``, ``layers_block_type``, ``block_types``,
+  ``hybrid_override_pattern``: a layer whose type names a mixer (``mamba``,
+  ``linear_attention``, ``conv``, ...) must hold one;
+* **conservatism**: inside a decoder layer, a direct child that is neither attention nor provably
+  position-wise (a tree of linear layers, norms, activations, embeddings, dropout; or an MLP /
+  MoE block by its role) is treated as a mixer.
+
+The unit reported is the decoder layer's direct child that contains the evidence (the module
+the layer calls with ``hidden_states``), or the flagged module itself outside decoder layers.
+
+Import rule: torch only (nothing of cpshard).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["MixerSite", "decoder_layers", "find_token_mixers", "layer_kinds"]
+
+# Parameters / buffers of recurrences: SSM (A_log, dt_bias), RWKV (time_decay, time_first,
+# time_mix_*, time_maa_*), RG-LRU (recurrent_param), lightning attention (slope_rate), ...
+_STATE_PARAM = re.compile(
+    r"^(A_log|dt_bias|time_decay|time_first|time_faaaa|time_mix_\w*|time_maa\w*|"
+    r"recurrent_param|slope_rate|log_decay|conv_weight|ssm_\w*)$"
+)
+# Attributes that only a module with a recurrent / convolution state carries.
+_STATE_ATTRS = (
+    "ssm_state_size",
+    "conv_kernel_size",
+    "d_state",
+    "d_conv",
+    "time_step_rank",
+    "L_cache",
+    "conv_L_cache",
+    "linear_conv_kernel_dim",
+)
+# Class-name roles, only read inside decoder layers and only as supporting evidence.
+_MIXER_NAME = re.compile(
+    r"mamba|ssm|mixer|delta|recurren|rwkv|lstm|shortconv|retention|lightning|linearattention|"
+    r"hyena|rglru|lru|scan|hgrn|gla|conv",
+    re.IGNORECASE,
+)
+_ATTENTION_NAME = re.compile(r"attention|attn", re.IGNORECASE)
+# A class-name *suffix* naming a position-wise role (MLP, MoE block, experts, norm, ...).
+_POSITIONWISE_NAME = re.compile(
+    r"(mlp|moe|moeblock|experts?|feedforward|feed_forward|ffn|router|norm|embedding|embeddings|"
+    r"dropout|identity|activation|gate|linear|dense)$",
+    re.IGNORECASE,
+)
+_POSITIONWISE_LEAVES = (
+    nn.Linear,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.Dropout,
+    nn.Identity,
+    nn.GELU,
+    nn.SiLU,
+    nn.ReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softplus,
+)
+# Config keys that list one layer type per layer.
+_LAYER_TYPE_KEYS = ("layer_types", "layers_block_type", "block_types", "layers_block_types")
+# A layer type that names a token mixer outside softmax attention (NemotronH's pattern uses "M").
+_MIXER_KINDS = re.compile(
+    r"mamba|linear|conv|recurren|rwkv|ssm|delta|lightning|hybrid|lstm|retention|^m$",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class MixerSite:
+    """One module that mixes tokens and is not attention.
+
+    Attributes:
+        name: Qualified module name (``model.layers.0.linear_attn``).
+        module: The module (called by its layer with ``hidden_states [B, L, D]`` first).
+        evidence: Why it counts as a token mixer (for the warning / error text).
+        inside_attention: The mixing sits inside a softmax-attention module (e.g. a short
+            convolution over its keys): no exact path (attention over a gathered sequence is not
+            CP attention), so cpshard refuses it at cp > 1.
+    """
+
+    name: str
+    module: nn.Module
+    evidence: str
+    inside_attention: bool = False
+
+    @property
+    def class_name(self) -> str:
+        """The module's class name."""
+        return type(self.module).__name__
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The model's layer stack: its largest ``nn.ModuleList`` (``(qualified name, list)``).
+
+    Returns ``None`` when the model holds no ``ModuleList`` of two or more modules.
+    """
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    return best
+
+
+def layer_kinds(config: object, num_layers: int) -> list[str] | None:
+    """The config's per-layer type strings (``layer_types`` and alike), or ``None``.
+
+    ``hybrid_override_pattern`` (``"M*M-"``) is read one character per layer.
+    """
+    for key in _LAYER_TYPE_KEYS:
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # a property that cannot be computed for this config
+            value = None
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == num_layers:
+            return [str(v) for v in value]
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and len(pattern) == num_layers:
+        return list(pattern)
+    return None
+
+
+def _is_mixer_kind(kind: str) -> bool:
+    return _MIXER_KINDS.search(kind) is not None
+
+
+def _structural_evidence(module: nn.Module) -> str | None:
+    """Evidence of token mixing from this module's own children, parameters and attributes."""
+    for child_name, child in module.named_children():
+        if isinstance(child, nn.Conv1d):
+            return f"a 1-D convolution over the sequence ({child_name}: {type(child).__name__})"
+        if isinstance(child, nn.ZeroPad1d | nn.ZeroPad2d | nn.ConstantPad1d | nn.ConstantPad2d):
+            return f"a sequence shift ({child_name}: {type(child).__name__})"
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    own += [n for n, _ in module.named_buffers(recurse=False)]
+    for n in own:
+        if _STATE_PARAM.match(n):
+            return f"a recurrence / state-space parameter ({n})"
+    for attr in _STATE_ATTRS:
+        if isinstance(getattr(module, attr, None), int):
+            return f"a recurrent-state attribute ({attr})"
+    return None
+
+
+def _deep_evidence(module: nn.Module) -> str | None:
+    for sub_name, sub in module.named_modules():
+        found = _structural_evidence(sub)
+        if found is not None:
+            where = f"{sub_name}: " if sub_name else ""
+            return where + found
+    return None
+
+
+def _provably_positionwise(module: nn.Module) -> bool:
+    """A tree of position-wise leaves, or a block whose role (MLP, MoE, norm) is position-wise."""
+    if _POSITIONWISE_NAME.search(type(module).__name__):
+        return True
+    leaves = [m for m in module.modules() if not any(True for _ in m.children())]
+    return bool(leaves) and all(
+        isinstance(m, _POSITIONWISE_LEAVES) or _POSITIONWISE_NAME.search(type(m).__name__)
+        for m in leaves
+    )
+
+
+def _is_attention(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return bool(_ATTENTION_NAME.search(name)) and not _MIXER_NAME.search(name)
+
+
+def _walk_outside(model: nn.Module, inside: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if id(module) not in inside and module is not model:
+            yield name, module
+
+
+def find_token_mixers(model: nn.Module) -> tuple[MixerSite, ...]:
+    """Every module of ``model`` that mixes tokens and is not attention (see the module doc).
+
+    Args:
+        model: Any ``nn.Module`` (an HF causal LM, a custom decoder).
+
+    Returns:
+        The sites, in module order; empty for a pure-attention model.
+
+    Raises:
+        ValueError: the config says a layer mixes tokens outside attention but no module of that
+            layer can be identified as the mixer (cpshard cannot run it exactly).
+    """
+    found = decoder_layers(model)
+    sites: list[MixerSite] = []
+    inside: set[int] = set()
+    if found is not None:
+        prefix, layers = found
+        kinds = layer_kinds(getattr(model, "config", None), len(layers))
+        for i, layer in enumerate(layers):
+            inside.update(id(m) for m in layer.modules())
+            kind = kinds[i] if kinds is not None else None
+            layer_sites = list(_layer_sites(f"{prefix}.{i}" if prefix else str(i), layer, kind))
+            if kind is not None and _is_mixer_kind(kind) and not layer_sites:
+                raise ValueError(
+                    f"the config says layer {i} of {type(model).__name__} is a "
+                    f"{kind!r} layer (not softmax attention), but cpshard cannot tell which "
+                    f"module of {type(layer).__name__} mixes the tokens, so it cannot run it "
+                    "exactly under CP; run this model at cp=1"
+                )
+            sites.extend(layer_sites)
+    # Outside the layer stack: structural evidence only (class names of wrappers say nothing).
+    taken: list[str] = []
+    for name, module in _walk_outside(model, inside):
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        evidence = _structural_evidence(module)
+        if evidence is not None:
+            taken.append(name)
+            sites.append(MixerSite(name, module, evidence))
+    return tuple(sites)
+
+
+def _layer_sites(prefix: str, layer: nn.Module, kind: str | None) -> Iterator[MixerSite]:
+    own = _structural_evidence(layer)
+    if own is not None:  # the layer itself carries the state: it is the unit
+        yield MixerSite(prefix, layer, own)
+        return
+    for child_name, child in layer.named_children():
+        name = f"{prefix}.{child_name}"
+        evidence = _deep_evidence(child)
+        if evidence is not None:
+            yield MixerSite(name, child, evidence, inside_attention=_is_attention(child))
+        elif _provably_positionwise(child):
+            continue
+        elif _MIXER_NAME.search(type(child).__name__):
+            yield MixerSite(name, child, f"its role ({type(child).__name__})")
+        elif _is_attention(child):
+            continue
+        else:
+            layer_kind = f" in a {kind!r} layer" if kind is not None else ""
+            yield MixerSite(
+                name, child, f"not provably position-wise and not attention{layer_kind}"
+            )

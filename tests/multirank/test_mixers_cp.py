@@ -1,0 +1,97 @@
+"""Hybrid HF models (token mixers outside attention) under CP: exact, or refused before any
+collective.
+
+By default a representative subset runs (every installed hybrid family once at cp=2, packed
+and cp=3 on a few); ``pytest -m mixers_matrix`` runs every family x layout x CP size.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _mixer_fns import (
+    hybrid_checkpointed,
+    hybrid_dense,
+    hybrid_packed,
+    hybrid_refusals,
+    mamba_without_prepare,
+)
+
+from _mixer_models import HYBRIDS
+from _ranks import Ranks
+
+pytestmark = pytest.mark.multirank
+pytest.importorskip("transformers")
+
+_DEFAULT = [
+    ("mamba", 2, "round_robin", "ring"),
+    ("mamba2", 3, "contiguous", "all_gather"),
+    ("qwen3_next", 2, "round_robin", "all_gather"),
+    ("jamba", 2, "contiguous", "ring"),
+    ("falcon_h1", 2, "round_robin", "all_gather"),
+    ("lfm2", 3, "round_robin", "all_gather"),
+    ("granitemoehybrid", 2, "contiguous", "all_gather"),
+    ("nemotron_h", 2, "round_robin", "ulysses"),
+]
+
+
+@pytest.mark.parametrize(("arch", "world", "layout", "method"), _DEFAULT)
+def test_hybrid_dense_exact(ranks: Ranks, arch: str, world: int, layout: str, method: str) -> None:
+    ranks(world, hybrid_dense, arch, layout, method, timeout=240)
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "layout"),
+    [("qwen3_next", 2, "balanced"), ("mamba2", 3, "packed"), ("lfm2", 1, "packed")],
+)
+def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -> None:
+    ranks(world, hybrid_packed, arch, layout, timeout=240)
+
+
+def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks) -> None:
+    ranks(2, hybrid_checkpointed, "qwen3_next", timeout=240)
+
+
+def test_make_cp_batch_and_ctx_with_a_model(ranks: Ranks) -> None:
+    ranks(3, mamba_without_prepare, timeout=240)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_strict_refuses_on_every_rank(ranks: Ranks, world: int) -> None:
+    messages = ranks(world, hybrid_refusals, "qwen3_next")
+    for per_rank in messages:
+        assert per_rank == messages[0]  # the same error on every rank
+        (text,) = per_rank
+        assert "Qwen3NextGatedDeltaNet" in text and "strict=False" in text
+        assert ("packed" in text) == (world == 1)
+
+
+@pytest.fixture
+def matrix_only(request: pytest.FixtureRequest) -> None:
+    """The matrix runs only when selected: ``pytest -m mixers_matrix``."""
+    if "mixers_matrix" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full hybrid matrix runs with -m mixers_matrix")
+
+
+_DENSE = [("round_robin", "ring"), ("contiguous", "all_gather"), ("round_robin", "ulysses")]
+
+
+@pytest.mark.mixers_matrix
+@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(("layout", "method"), _DENSE)
+def test_hybrid_matrix_dense(
+    ranks: Ranks, matrix_only: None, arch: str, world: int, layout: str, method: str
+) -> None:
+    if method == "ulysses" and world == 3:
+        pytest.skip("the tiny models have 2 KV heads")
+    ranks(world, hybrid_dense, arch, layout, method, timeout=600)
+
+
+@pytest.mark.mixers_matrix
+@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["packed", "balanced"])
+def test_hybrid_matrix_packed(
+    ranks: Ranks, matrix_only: None, arch: str, world: int, layout: str
+) -> None:
+    ranks(world, hybrid_packed, arch, layout, timeout=600)

@@ -1,0 +1,180 @@
+"""Token mixers outside attention: detection, the segment layout, the verdict (no process group)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cpshard.mixers import CPMixerWarning, check_token_mixers, find_token_mixers
+from cpshard.mixers.generic import gather_segments, local_rows
+from cpshard.mixers.segments import segment_plan
+from cpshard.sharding.meta import TokenMeta, pad_document_ids
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(4, 4)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+
+class _Scan(nn.Module):
+    """No convolution, no recognisable role: only its state parameter gives it away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(4))
+        self.proj = nn.Linear(4, 4)
+
+
+class _Shift(nn.Module):
+    """A causal depthwise convolution over the sequence, with a neutral class name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, groups=4, padding=2)
+
+
+class _Opaque(nn.Module):
+    """A module cpshard cannot prove position-wise: counts as a mixer (conservative)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+
+class _Layer(nn.Module):
+    def __init__(self, mixer: nn.Module | None) -> None:
+        super().__init__()
+        self.input_norm = nn.LayerNorm(4)
+        self.self_attn = _Attention()
+        self.mlp = _MLP()
+        if mixer is not None:
+            self.token_mixer = mixer
+
+
+class _Model(nn.Module):
+    def __init__(self, *mixers: nn.Module | None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(_Layer(m) for m in mixers)
+
+
+class _Config:
+    def __init__(self, layer_types: list[str]) -> None:
+        self.layer_types = layer_types
+
+
+def test_pure_attention_model_has_no_mixers() -> None:
+    assert find_token_mixers(_Model(None, None)) == ()
+
+
+@pytest.mark.parametrize(
+    ("mixer", "evidence"),
+    [(_Scan(), "A_log"), (_Shift(), "convolution"), (_Opaque(), "not provably position-wise")],
+)
+def test_structure_finds_mixers_without_names(mixer: nn.Module, evidence: str) -> None:
+    (site,) = find_token_mixers(_Model(None, mixer))
+    assert site.name == "layers.1.token_mixer"
+    assert site.module is mixer
+    assert evidence in site.evidence
+
+
+def test_config_layer_type_without_a_module_raises() -> None:
+    model = _Model(None, None)
+    model.config = _Config(["full_attention", "linear_attention"])  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="layer 1 .* 'linear_attention' layer"):
+        find_token_mixers(model)
+    model.config = _Config(["full_attention", "moe"])  # type: ignore[assignment]
+    assert find_token_mixers(model) == ()  # an MoE layer type is position-wise
+
+
+def test_mixer_inside_attention_is_refused() -> None:
+    model = _Model(None, None)
+    model.layers[1].self_attn.k_conv = nn.Conv1d(4, 4, 3, groups=4)  # type: ignore[union-attr]
+    (site,) = find_token_mixers(model)
+    assert site.inside_attention
+    with pytest.raises(ValueError, match="inside softmax attention"):
+        check_token_mixers(model, 2, strict=False, packed=False)
+
+
+def test_verdict() -> None:
+    model = _Model(_Scan(), None)
+    assert check_token_mixers(model, 1, strict=True, packed=False) == ()  # cp=1: unchanged
+    with pytest.raises(ValueError, match=r"strict=True.*_Scan|_Scan.*strict=True"):
+        check_token_mixers(model, 2, strict=True, packed=False)
+    with pytest.raises(ValueError, match="across document boundaries"):
+        check_token_mixers(model, 1, strict=True, packed=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(check_token_mixers(model, 1, strict=False, packed=True)) == 1
+        assert not caught  # cp=1 packed: exact per document, nothing computed twice
+        assert len(check_token_mixers(model, 3, strict=False, packed=False)) == 1
+    (w,) = caught
+    assert issubclass(w.category, CPMixerWarning)
+    assert "layers.0.token_mixer" in str(w.message) and "3x" in str(w.message)
+
+
+def _meta(rank_map: torch.Tensor, docs: torch.Tensor, pads: torch.Tensor, rank: int) -> TokenMeta:
+    stream = rank_map.reshape(1, -1)
+    doc = pad_document_ids(docs, pads).index_select(1, stream[0])
+    return TokenMeta(rank, rank_map.shape[0], stream, doc)
+
+
+def test_segments_follow_documents_in_global_order() -> None:
+    # 12 tokens, head-tail layout over 2 ranks, documents [0]*5 + [1]*4 + [2]*1, 2 pads at the end.
+    rank_map = torch.tensor([[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]])
+    docs = torch.tensor([[0] * 5 + [1] * 4 + [2] + [0, 0]])
+    pads = torch.zeros(1, 12, dtype=torch.bool)
+    pads[0, 10:] = True
+    x_global = torch.randn(2, 12, 3, dtype=torch.float64)
+    want_rows = []
+    for rank in range(2):
+        meta = _meta(rank_map, docs, pads, rank)
+        plan = segment_plan(meta, 2, torch.device("cpu"))
+        assert plan.num_segments == 2 * 4 and plan.max_len == 5
+        assert plan.lengths.tolist() == [5, 4, 1, 2] * 2
+        # the gathered stream is rank-major: every rank's local rows, in order
+        stream = x_global[:, rank_map.reshape(-1)]
+        local = x_global[:, rank_map[rank]]
+        flat = torch.cat([stream.reshape(24, 3), stream.new_zeros(1, 3)])
+        seg = flat.index_select(0, plan.source.reshape(-1)).reshape(8, 5, 3)
+        assert torch.equal(seg[0], x_global[0, :5])
+        assert torch.equal(seg[1, :4], x_global[0, 5:9])
+        assert torch.equal(seg[1, 4], torch.zeros(3, dtype=torch.float64))
+        assert torch.equal(seg[6, :1], x_global[1, 9:10])
+        want_rows.append(local)
+        assert torch.equal(local_rows(seg, plan), local)
+        assert not plan.trivial
+    assert torch.equal(
+        gather_segments(
+            x_global,
+            segment_plan(
+                _meta(
+                    torch.arange(12)[None],
+                    torch.zeros(1, 12, dtype=torch.long),
+                    torch.zeros(1, 12, dtype=torch.bool),
+                    0,
+                ),
+                2,
+                torch.device("cpu"),
+            ),
+            None,
+        ),
+        x_global,
+    )
+
+
+def test_one_document_per_row_at_cp1_is_trivial() -> None:
+    meta = _meta(torch.arange(6)[None], torch.zeros(1, 6, dtype=torch.long),
+                 torch.zeros(1, 6, dtype=torch.bool), 0)  # fmt: skip
+    assert segment_plan(meta, 3, torch.device("cpu")).trivial
