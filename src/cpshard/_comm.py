@@ -33,6 +33,7 @@ fresh host buffers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -552,6 +553,48 @@ def all_to_all_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out = torch.empty_like(x)
     _into(_all_to_all_direct, out, x, group)
     return out
+
+
+def _all_to_all_split_direct(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    group: ProcessGroup,
+    async_op: bool = False,
+    *,
+    in_splits: list[int],
+    out_splits: list[int],
+) -> Any:
+    """The uneven all-to-all itself; with ``async_op`` it returns the work handle."""
+    return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def all_to_all_split_start(
+    x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], group: ProcessGroup
+) -> Transfer:
+    """Start an uneven all-to-all over the leading dim; the caller computes, then waits.
+
+    Rows ``[sum(in_splits[:j]), sum(in_splits[:j+1]))`` of ``x`` go to rank ``j``; the result
+    holds, in rank order, ``out_splits[j]`` rows from each rank ``j``. Every rank must pass split
+    sizes that agree with its peers' (what ``j`` sends to ``i`` is what ``i`` expects from ``j``):
+    the selective K/V exchange derives both sides from the same global plan. Under
+    ``torch.compile`` it runs synchronously. Do not write to ``x`` before
+    :meth:`~Transfer.wait`.
+
+    Args:
+        x: ``[sum(in_splits), *rest]``.
+        in_splits: Rows sent to each rank, ``C`` entries.
+        out_splits: Rows received from each rank, ``C`` entries.
+        group: The CP process group.
+
+    Returns:
+        The in-flight collective; ``wait()[0]`` is ``[sum(out_splits), *rest]``.
+    """
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    direct = functools.partial(
+        _all_to_all_split_direct, in_splits=list(in_splits), out_splits=list(out_splits)
+    )
+    return _start(direct, out, x, group)
 
 
 class Transfer:

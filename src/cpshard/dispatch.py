@@ -27,8 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from cpshard import _comm
+from cpshard.attention.auto import CHOICE_KEY, choose_for_batch
 from cpshard.attention.context import cp_attention_context
+from cpshard.attention.cost import CostModel
 from cpshard.attention.hf import cp_attention_scope
+from cpshard.attention.methods import method_named
 from cpshard.attention.plan import attention_plan
 from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
 from cpshard.guards.model import install_model_guard, remember_shard
@@ -49,7 +52,7 @@ from cpshard.layouts.closed_form import (
 )
 from cpshard.layouts.index import check_rank_map
 from cpshard.mixers import check_token_mixers, with_token_mixers
-from cpshard.names import LAYOUT_NAMES, METHOD_NAMES, PACKED_LAYOUTS, LayoutName
+from cpshard.names import ATTENTION_CHOICES, LAYOUT_NAMES, PACKED_LAYOUTS, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.sharding.facts import CPContext, ShardBatchFn
 from cpshard.sharding.packed import packed_sharder
@@ -168,11 +171,12 @@ def make_cp_batch_and_ctx(
     cp_sharder: CPSharder | None = None,
     loss_mask: torch.Tensor | None = None,
     extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "all_gather",
+    attention: str = "auto",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
     model: nn.Module | None = None,
     strict: bool = False,
+    attention_cost: CostModel | None = None,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model hook).
 
@@ -189,9 +193,11 @@ def make_cp_batch_and_ctx(
         cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
         loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
         extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
-        attention: ``"all_gather"``, ``"ring"`` or ``"ulysses"``: the CP attention of ``ctx``
-            for a shard that brings no context of its own (every built-in layout, a given
-            ``cp_sharder``'s too); a shard with its own context keeps it.
+        attention: ``"auto"`` (per batch, the method with the lowest modelled cost:
+            :mod:`cpshard.attention.auto`; recorded in ``ctx.facts.attention_method``),
+            ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"selective"``: the CP attention of
+            ``ctx`` for a shard that brings no context of its own (every built-in layout, a
+            given ``cp_sharder``'s too); a shard with its own context keeps it.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
             (one all-gather of a few int64 values; what it covers:
@@ -203,6 +209,9 @@ def make_cp_batch_and_ctx(
         model: The model the batch is for (optional): its token mixers outside attention
             (Mamba / Mamba2 mixers, Gated DeltaNet, short convolutions, ...) are then checked
             and run exactly under ``ctx`` (:mod:`cpshard.mixers`); without it they are not seen.
+        attention_cost: Link bandwidth, compute rate and assumed layer shape of the cost model
+            behind ``attention="auto"`` (:class:`cpshard.attention.cost.CostModel`); ``None`` ->
+            its GPU defaults. Must be equal on every rank (part of the fingerprint).
         strict: With ``model``: refuse a model whose token mixers need the generic exact path
             (each mixer over the whole sequence on every rank, ``C`` times its compute) instead
             of warning once.
@@ -226,9 +235,10 @@ def make_cp_batch_and_ctx(
     _check_consistency(
         cp_mesh, batch, layout, attention, padding_token_id,
         {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
-         "extra_token_keys": extra_token_keys, "strict": strict}, check_consistency is not False,
+         "extra_token_keys": extra_token_keys, "strict": strict,
+         "attention_cost": attention_cost}, check_consistency is not False,
     )  # fmt: skip
-    _check_method(attention)
+    _check_method(attention, attention_cost)
     ctx, out, sharder = _dispatch(
         cp_mesh,
         batch,
@@ -242,6 +252,7 @@ def make_cp_batch_and_ctx(
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
         state=state,
+        attention_cost=attention_cost,
     )
     ctx = with_token_mixers(ctx, mixers, cp_mesh)
     return _tracked(ctx, state, cp_mesh), out, sharder
@@ -283,9 +294,16 @@ def _token_mixers(
     )
 
 
-def _check_method(attention: str) -> None:
-    if attention not in METHOD_NAMES:
-        raise ValueError(f"attention must be one of {METHOD_NAMES}, got attention={attention!r}")
+def _check_method(attention: str, attention_cost: object) -> None:
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(
+            f"attention must be one of {ATTENTION_CHOICES}, got attention={attention!r}"
+        )
+    if attention_cost is not None and not isinstance(attention_cost, CostModel):
+        raise TypeError(
+            "attention_cost must be a cpshard.attention.cost.CostModel or None, got "
+            f"{type(attention_cost).__name__}"
+        )
 
 
 def _dispatch(
@@ -302,6 +320,7 @@ def _dispatch(
     tp_mesh: DeviceMesh | None,
     check_consistency: bool,
     state: StepState | None,
+    attention_cost: CostModel | None = None,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """:func:`make_cp_batch_and_ctx` after its cross-rank fingerprint (validated ``cp_mesh``,
     checked ``attention``); ``state``: the step record whose tracker CP attention calls."""
@@ -319,16 +338,25 @@ def _dispatch(
         padding_token_id=pad_id,
         check_consistency=check_consistency,
     )
-    return _with_cp_attention(ctx, cp_mesh, attention, state), out, cp_sharder
+    return (
+        _with_cp_attention(ctx, cp_mesh, attention, state, attention_cost),
+        out,
+        cp_sharder,
+    )
 
 
 def _with_cp_attention(
-    ctx: CPContext, cp_mesh: DeviceMesh | None, method: str, state: StepState | None = None
+    ctx: CPContext,
+    cp_mesh: DeviceMesh | None,
+    method: str,
+    state: StepState | None = None,
+    cost: CostModel | None = None,
 ) -> CPContext:
     """The shard's own context, or CP attention over its token meta when it brings none.
 
     The attention plan is built here, once per batch at shard time (host work), so the layers
-    and the backward only run kernels and collectives.
+    and the backward only run kernels and collectives. ``"auto"`` is resolved here, per batch
+    (:func:`cpshard.attention.auto.choose_for_batch`, identical on every rank).
 
     Raises:
         ValueError: the shard brings neither a context nor a token meta.
@@ -343,7 +371,10 @@ def _with_cp_attention(
             "over (attention under ctx() would be silently shard-local). Put the token meta in "
             "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
         )
-    attention_plan(meta).for_method(method, True, None, meta.positions.device)
+    if method == "auto":
+        method = choose_for_batch(meta, cp_mesh, cost)
+    meta.plan_cache[CHOICE_KEY] = method  # ctx.facts.attention_method
+    method_named(method).plans(attention_plan(meta), True, None, meta.positions.device)
     tracker = None if state is None or cp_mesh is None else ForwardTracker(state, cp_mesh)
     factory = functools.partial(cp_attention_context, cp_mesh, meta, method, tracker=tracker)
     return CPContext(factory, ctx.facts)
@@ -480,10 +511,11 @@ def prepare_cp_forward(
     pad_multiple: int = 1,
     loss_mask: torch.Tensor | None = None,
     extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "all_gather",
+    attention: str = "auto",
     tp_mesh: DeviceMesh | None = None,
     check_consistency: bool = True,
     strict: bool = False,
+    attention_cost: CostModel | None = None,
 ) -> tuple[CPContext, dict[str, Any], CPSharder]:
     """Prepare one forward under CP: model hook, sharder resolution, batch shard.
 
@@ -504,8 +536,8 @@ def prepare_cp_forward(
             :func:`check_padding_token_id`.
         num_chunks: Passed to the model hook.
         layout, pad_multiple, loss_mask, extra_token_keys, attention, tp_mesh,
-            check_consistency: As in :func:`make_cp_batch_and_ctx` (the fingerprint is taken of
-            the caller's batch, before the model hook runs).
+            check_consistency, attention_cost: As in :func:`make_cp_batch_and_ctx` (the
+            fingerprint is taken of the caller's batch, before the model hook runs).
         strict: Refuse a model whose token mixers outside attention (Mamba / Mamba2 mixers,
             Gated DeltaNet, short convolutions, ...) would need the generic exact path (each
             such mixer gathers the sequence and runs over all of it on every rank: ``C`` times
@@ -546,13 +578,16 @@ def prepare_cp_forward(
     _check_consistency(  # one collective either way; False skips only the hashing
         cp_mesh, batch, layout, attention, padding_token_id,
         {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
-         "extra_token_keys": extra_token_keys, "strict": strict}, check_consistency is not False,
+         "extra_token_keys": extra_token_keys, "strict": strict,
+         "attention_cost": attention_cost}, check_consistency is not False,
     )  # fmt: skip
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
-    _check_method(attention)  # before the model hook runs (FSDP2 may unshard for it)
+    _check_method(
+        attention, attention_cost
+    )  # before the model hook runs (FSDP2 may unshard for it)
     sharder: CPSharder | None = None
     work = dict(batch)
     if hasattr(model, "prepare_model_inputs_for_cp"):
@@ -571,6 +606,7 @@ def prepare_cp_forward(
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
         state=state,
+        attention_cost=attention_cost,
     )
     remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
     if sharder is not None:

@@ -2,7 +2,8 @@
 
 Owns: :data:`LayoutName` / :data:`LAYOUT_NAMES` (what ``make_cp_batch_and_ctx(layout=...)``
 accepts), :data:`DENSE_LAYOUTS` / :data:`PACKED_LAYOUTS` (the concrete layouts per batch kind,
-in display order) and :data:`AttentionMethod` / :data:`METHOD_NAMES`. The dispatcher, the
+in display order), :data:`AttentionMethod` / :data:`METHOD_NAMES` (the concrete attention methods)
+and :data:`AttentionChoice` / :data:`ATTENTION_CHOICES` (those plus ``"auto"``). The dispatcher, the
 attention entry point and the CLI import them from here.
 
 Imports nothing but ``typing``: it is a leaf every other module (and the tests and benchmarks,
@@ -18,10 +19,12 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "DENSE_LAYOUTS",
     "LAYOUT_NAMES",
     "METHOD_NAMES",
     "PACKED_LAYOUTS",
+    "AttentionChoice",
     "AttentionMethod",
     "LayoutName",
 ]
@@ -32,5 +35,11 @@ LAYOUT_NAMES: tuple[LayoutName, ...] = get_args(LayoutName)
 DENSE_LAYOUTS: tuple[LayoutName, ...] = ("round_robin", "contiguous")
 PACKED_LAYOUTS: tuple[LayoutName, ...] = ("packed", "balanced")
 
-AttentionMethod = Literal["all_gather", "ring", "ulysses"]
+AttentionMethod = Literal["all_gather", "ring", "ulysses", "selective"]
 METHOD_NAMES: tuple[AttentionMethod, ...] = get_args(AttentionMethod)
+"""The concrete CP attention methods (one strategy object each in ``cpshard.attention.methods``)."""
+
+AttentionChoice = Literal["auto", "all_gather", "ring", "ulysses", "selective"]
+ATTENTION_CHOICES: tuple[AttentionChoice, ...] = get_args(AttentionChoice)
+"""What ``attention=`` / ``method=`` accept: ``"auto"`` (the cheapest method by the cost model of
+``cpshard.attention.cost``, per batch) or one of :data:`METHOD_NAMES`."""

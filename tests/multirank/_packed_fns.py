@@ -9,7 +9,7 @@ import cpshard
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.packed import plan_packed
-from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES
+from cpshard.names import ATTENTION_CHOICES, DENSE_LAYOUTS
 from cpshard.sharding.labels import shift_labels_packed
 
 SEQ_LENS = [[5, 1, 4], [7, 2], [1, 1, 1, 1, 9]]  # B=3, S=13: rows 0 and 1 end in padding
@@ -254,7 +254,7 @@ def _attention_case(
     real = ~spec.padding_mask()
     ids = torch.arange(1, bsz * seq + 1).reshape(bsz, seq)
     checked = 0
-    for method in METHOD_NAMES:
+    for method in ATTENTION_CHOICES:  # "auto" too: the dispatcher resolves it per batch
         for path in ("cp_attention", "ctx"):
             ctx, out, sharder = cpshard.make_cp_batch_and_ctx(
                 cp_mesh,

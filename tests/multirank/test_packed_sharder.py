@@ -17,7 +17,7 @@ from _packed_fns import (
 )
 
 from _ranks import Ranks
-from cpshard.names import PACKED_LAYOUTS
+from cpshard.names import ATTENTION_CHOICES, PACKED_LAYOUTS
 
 pytestmark = pytest.mark.multirank
 
@@ -52,6 +52,9 @@ def test_packed_from_restarting_positions(ranks: Ranks, world: int, layout: str)
     ranks(world, packed_from_positions, layout)
 
 
+CASES = 2 * len(ATTENTION_CHOICES)  # (method or "auto") x (cp_attention, ctx) per rank
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", PACKED_LAYOUTS)
 @pytest.mark.parametrize("pack", ["seq_lens", "cu_seqlens"])
@@ -61,7 +64,7 @@ def test_packed_attention_matches_one_process(
 ) -> None:
     """Attention on a packed batch sharded by the dispatcher equals one fp64 process, forward
     and backward, for every method, through cp_attention and through ctx() + plain SDPA."""
-    assert ranks(world, packed_attention, layout, pack, seed) == [6] * world
+    assert ranks(world, packed_attention, layout, pack, seed) == [CASES] * world
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -69,7 +72,7 @@ def test_packed_attention_matches_one_process(
 def test_packed_attention_sliding_window(ranks: Ranks, world: int, layout: str) -> None:
     """Windows of 1, 3 and 8 over packed documents, every method, both paths."""
     for window in (1, 3, 8):
-        assert ranks(world, packed_attention_window, layout, window) == [6] * world
+        assert ranks(world, packed_attention_window, layout, window) == [CASES] * world
 
 
 EDGE_PACKS = {
@@ -89,7 +92,7 @@ def test_packed_attention_edge_packs(ranks: Ranks, world: int, layout: str, case
     seq_lens, row_len = EDGE_PACKS[case]
     if case == "one_token_per_rank":
         seq_lens, row_len = [[1] * world], world
-    assert ranks(world, packed_attention_lens, layout, seq_lens, row_len) == [6] * world
+    assert ranks(world, packed_attention_lens, layout, seq_lens, row_len) == [CASES] * world
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -110,7 +110,8 @@ def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert "parity" in out and "layouts" in out and "balance" in out
 
 
-def test_default_plan_is_the_14_demo_rows() -> None:
+def test_default_plan_is_the_demo_rows() -> None:
+    """2 cp=1 references + every layout x method (18 rows with the 4 methods)."""
     rows = plan_rows(
         ParityCase(),
         models=["llama"],
@@ -119,7 +120,8 @@ def test_default_plan_is_the_14_demo_rows() -> None:
         methods=list(METHOD_NAMES),
         world=4,
     )
-    assert len(rows) == 14
+    n_layouts = len(DENSE_LAYOUTS) + len(PACKED_LAYOUTS)
+    assert len(rows) == 2 + n_layouts * len(METHOD_NAMES) == 18
     assert [r.kind for r in rows].count("reference") == 2
     assert all(r.skip is None for r in rows)
     assert {r.case.batch for r in rows if r.layout in PACKED_LAYOUTS} == {"packed"}
@@ -128,8 +130,9 @@ def test_default_plan_is_the_14_demo_rows() -> None:
 
 
 def test_default_demo_has_a_pre_embedding_and_a_model_owned_row_beside_the_hf_rows() -> None:
-    """Issue 17: `cpshard parity` with no arguments (`make demo`) runs the 14 HF rows plus one
-    vlm (pre-embedding) and one prefix (model-owned) CP row, as in the seed's table."""
+    """Issue 17: `cpshard parity` with no arguments (`make demo`) runs the HF rows (every layout x
+    method, 16 CP rows with the 4 methods) plus one vlm (pre-embedding) and one prefix
+    (model-owned) CP row, as in the seed's table."""
     import argparse
 
     p = argparse.ArgumentParser()
@@ -148,8 +151,9 @@ def test_default_demo_has_a_pre_embedding_and_a_model_owned_row_beside_the_hf_ro
     )
     cp = [(r.case.model, r.case.method) for r in rows if r.kind == "cp"]
     assert cp.count(("vlm", "all_gather")) == 1 and cp.count(("prefix", "own")) == 1
-    assert len([m for m, _ in cp if m == "llama"]) == 12 and len(cp) == 14
-    assert len(rows) == 18 and all(r.skip is None for r in rows)
+    n_llama = (len(DENSE_LAYOUTS) + len(PACKED_LAYOUTS)) * len(METHOD_NAMES)
+    assert len([m for m, _ in cp if m == "llama"]) == n_llama == 16 and len(cp) == n_llama + 2
+    assert len(rows) == len(cp) + 4 == 22 and all(r.skip is None for r in rows)
 
 
 def test_plan_skips_ulysses_when_heads_do_not_divide() -> None:
@@ -266,7 +270,7 @@ def test_all_models_plan_has_model_owned_rows_next_to_hf_rows() -> None:
     )
     vlm = [r for r in rows if r.case.model == "vlm" and r.kind == "cp"]
     assert {(r.case.batch, r.layout) for r in vlm} == {("dense", "auto"), ("packed", "auto")}
-    assert len(vlm) == 6  # 2 batch kinds x 3 methods
+    assert len(vlm) == 2 * len(METHOD_NAMES)  # 2 batch kinds x every method
     prefix = [r for r in rows if r.case.model == "prefix"]
     assert [(r.kind, r.case.method) for r in prefix] == [("reference", "all_gather"), ("cp", "own")]
 

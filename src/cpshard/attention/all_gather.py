@@ -15,6 +15,9 @@ Bytes sent per rank and layer: ``(C-1)/C * S * 2 * Hkv * D * itemsize`` forward.
 Under ``torch.compile`` (dynamo cannot trace async work handles) the same two plans run with
 synchronous collectives: same results, no overlap.
 
+:class:`AllGatherMethod` is the method's strategy object (its plans, input check and the
+differentiable forward whose backward is above), registered in :mod:`cpshard.attention.methods`.
+
 Imports the plan, the blockwise runner, the kernels and the merge of this package and
 :mod:`cpshard._comm` (its collectives); nothing else of cpshard.
 """
@@ -30,17 +33,17 @@ from cpshard._comm import Transfer, all_gather_stacked_start, reduce_scatter_sta
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
-from cpshard.attention.plan import PairPlan
+from cpshard.attention.plan import AttentionPlan, PairPlan
 
-__all__ = ["all_gather_attention"]
+__all__ = ["AllGatherMethod", "all_gather_attention", "seq_major", "stream_views"]
 
 
-def _seq_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def seq_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``k, v [B, H, L, D]`` -> one contiguous ``[L, 2, B, H, D]`` (sequence-major)."""
     return torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1)
 
 
-def _stream_views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def stream_views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, 2, B, H, D]`` -> strided views ``(k, v)`` ``[B, H, N, D]`` of it, no copy."""
     return buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)
 
@@ -65,13 +68,13 @@ class _AllGatherAttention(torch.autograd.Function):
         if group is not None:
             # Sequence-major, the gathered buffer [C*L, 2, B, H, D] is the rank-major stream and
             # its k/v are plain strided views: no reordering copy of the full K/V.
-            pending = all_gather_stacked_start(_seq_major(k, v), group)
+            pending = all_gather_stacked_start(seq_major(k, v), group)
         # This rank's own keys need no communication: attend to them while the gather runs.
         out, lse = attend(q, k, v, local, scale=scale, backend=backend, softcap=softcap)
         if pending is not None:
             full = pending.wait()[0].flatten(0, 1)
         if full is not None and not remote.empty:
-            k_all, v_all = _stream_views(full)
+            k_all, v_all = stream_views(full)
             o, l_ = attend(q, k_all, v_all, remote, scale=scale, backend=backend, softcap=softcap)
             merge_into(out, lse, o, l_)
             del o, l_
@@ -93,11 +96,11 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         pending: Transfer | None = None
         if full is not None:
-            k_all, v_all = _stream_views(full)
+            k_all, v_all = stream_views(full)
             # The remote keys' gradients, in one fp32 buffer of the gathered layout: its rank-major
             # chunks are what the reduce-scatter sends (this rank's own chunk stays zero here).
             dfull = torch.zeros(full.shape, dtype=acc, device=full.device)
-            dk_all, dv_all = _stream_views(dfull)
+            dk_all, dv_all = stream_views(dfull)
             attend_backward_into(
                 grad_out, q, k_all, v_all, out, lse, remote, dq, dk_all, dv_all, scale=scale,
                 backend=backend, softcap=softcap,
@@ -113,7 +116,7 @@ class _AllGatherAttention(torch.autograd.Function):
             softcap=softcap,
         )  # fmt: skip
         if pending is not None:
-            mk, mv = _stream_views(pending.wait()[0])
+            mk, mv = stream_views(pending.wait()[0])
             dk += mk
             dv += mv
         ds = None if sinks is None else sink_grad(grad_out, out, lse, sinks)
@@ -156,3 +159,38 @@ def all_gather_attention(
         q, k, v, local, remote, group, scale, backend, softcap, sinks
     )
     return out
+
+
+class AllGatherMethod:
+    """The ``"all_gather"`` strategy: plans, input check, forward (backward by autograd)."""
+
+    name = "all_gather"
+
+    def check(self, q_heads: int, kv_heads: int, world: int) -> None:
+        """Every head count and CP size is served: nothing to refuse."""
+
+    def plans(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> tuple[PairPlan, PairPlan]:
+        """``(local, remote)`` of :meth:`~cpshard.attention.plan.AttentionPlan.all_gather_split`."""
+        return plan.all_gather_split(causal, window, device)
+
+    def apply(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plans: Any,
+        group: ProcessGroup | None,
+        *,
+        scale: float,
+        backend: KernelBackend,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`all_gather_attention` with the plans of :meth:`plans`."""
+        local, remote = plans
+        return all_gather_attention(
+            q, k, v, local, remote, group, scale=scale, backend=backend, softcap=softcap,
+            sinks=sinks,
+        )  # fmt: skip

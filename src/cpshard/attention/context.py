@@ -399,7 +399,9 @@ def cp_attention_context(
     Args:
         cp_mesh: 1-D CP mesh, or ``None`` (then ``meta.world_size`` must be 1).
         meta: Token meta of the sharded batch.
-        method: ``"all_gather"``, ``"ring"`` or ``"ulysses"``.
+        method: A method of :data:`cpshard.names.METHOD_NAMES` (``"all_gather"``, ``"ring"``,
+            ``"ulysses"``, ``"selective"``) or ``"auto"`` (resolved per call by
+            :func:`cpshard.attention.cp_sdpa` from the batch's plan and the call's shapes).
         tracker: The step tracker of the dispatcher (:class:`StepTracker`), or ``None``.
 
     Returns:

@@ -4,9 +4,11 @@ Every check runs on facts all ranks share (shapes, dtypes, the token meta, the g
 any collective, so a bad call raises the same ``ValueError`` on every rank and none is left
 waiting in a collective.
 
-Owns the argument checks and the method switch (names from :mod:`cpshard.names`). Imports the
-three methods, the plan, the kernels, the token meta (:mod:`cpshard.sharding.meta`) and
-:mod:`cpshard._comm`; never :mod:`cpshard.dispatch` or :mod:`cpshard.guards`.
+Owns the argument checks and the resolution of ``method="auto"`` (:mod:`.cost`); the methods
+themselves are strategy objects looked up by name in :mod:`.methods` (names from
+:mod:`cpshard.names`). Imports the registry, the cost model, the plan, the kernels, the token meta
+(:mod:`cpshard.sharding.meta`) and :mod:`cpshard._comm`; never :mod:`cpshard.dispatch` or
+:mod:`cpshard.guards`.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard._comm import cp_group, group_rank_and_size
-from cpshard.attention.all_gather import all_gather_attention
+from cpshard.attention.cost import CallShape, CostModel, choose_method, plan_facts
 from cpshard.attention.kernels import KernelBackend
-from cpshard.attention.plan import AttentionPlan, PairPlan, attention_plan, check_window
-from cpshard.attention.ring import ring_attention
+from cpshard.attention.methods import METHODS, method_named, servable
+from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.softcap import check_softcap
-from cpshard.attention.ulysses import ulysses_attention
-from cpshard.names import METHOD_NAMES, AttentionMethod
+from cpshard.names import ATTENTION_CHOICES, AttentionMethod
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["AttentionMethod", "CPAttentionSharder", "cp_attention", "cp_sdpa"]
@@ -44,10 +45,11 @@ class CPAttentionSharder(Protocol):
 
 
 def check_method(method: str) -> None:
-    """Raise ``ValueError`` unless ``method`` is one of :data:`AttentionMethod`."""
-    if method not in METHOD_NAMES:
+    """Raise ``ValueError`` unless ``method`` is ``"auto"`` or a method of the registry."""
+    if method not in ATTENTION_CHOICES:
         raise ValueError(
-            f"unknown CP attention method {method!r}; valid methods are {', '.join(METHOD_NAMES)}"
+            f"unknown CP attention method {method!r}; valid methods are {', '.join(METHODS)}, "
+            "or 'auto' (the cheapest by the cost model of cpshard.attention.cost)"
         )
 
 
@@ -115,14 +117,29 @@ def _validate(
             f"meta is for rank {meta.rank} of {meta.world_size} but the process group gives rank "
             f"{rank} of {world}; pass the CP group the batch was sharded over"
         )
-    if method == "ulysses":
-        for what, h in (("query", hq), ("key/value", hkv)):
-            if h % world != 0:
-                raise ValueError(
-                    f"ulysses needs the number of {what} heads divisible by the CP size: got "
-                    f"{h} {what} heads at cp_size={world}; use method='ring' or 'all_gather', "
-                    f"or a CP size dividing {h}"
-                )
+    if method != "auto":
+        method_named(method).check(hq, hkv, world)
+
+
+def resolve_method(
+    method: str,
+    plan: AttentionPlan,
+    shape: CallShape,
+    world: int,
+    cost_model: CostModel | None = None,
+) -> str:
+    """``method`` itself, or for ``"auto"`` the cheapest method that serves this call.
+
+    Decided from global facts only (the batch's token meta and the call's shapes, equal on every
+    rank), so every rank picks the same method without a collective; a method whose check refuses
+    the call (ulysses with head counts not divisible by ``world``) is never picked.
+    """
+    if method != "auto":
+        return method
+    facts = plan_facts(plan.meta, shape.causal, shape.window)
+    model = CostModel() if cost_model is None else cost_model
+    best, _ = choose_method(facts, shape, model, servable(shape.q_heads, shape.kv_heads, world))
+    return best
 
 
 def _check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
@@ -147,7 +164,7 @@ def cp_sdpa(
     *,
     group: ProcessGroup | None,
     meta: TokenMeta,
-    method: str = "all_gather",
+    method: str = "auto",
     causal: bool = True,
     scale: float | None = None,
     backend: KernelBackend = "auto",
@@ -170,7 +187,9 @@ def cp_sdpa(
         v: ``[B, Hkv, L, D]`` local values.
         group: The CP process group; ``None`` (or size 1) runs the same code without collectives.
         meta: Token meta of the sharded batch (``meta.world_size`` equals the group size).
-        method: ``"all_gather"``, ``"ring"`` or ``"ulysses"`` (see :data:`AttentionMethod`).
+        method: ``"auto"`` (the cheapest method by :mod:`cpshard.attention.cost`, same on every
+            rank), ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"selective"`` (see
+            :data:`AttentionMethod` and :mod:`cpshard.attention.methods`).
         causal: Causal masking by global position.
         scale: Score scale; ``None`` -> ``1 / sqrt(D)``.
         backend: Local kernel: ``"auto"`` (CPU flash op on CPU, fp32 math elsewhere),
@@ -196,33 +215,29 @@ def cp_sdpa(
     _check_sinks(sinks, q.shape[1])
     if group is not None and world == 1:
         group = None
-    planner = attention_plan(meta) if plan is None else plan
-    if torch.compiler.is_compiling() and not planner.planned(method, causal, window, q.device):
+    plan = attention_plan(meta) if plan is None else plan
+    shape = CallShape(
+        q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.element_size(), causal, window
+    )
+    name = resolve_method(method, plan, shape, world)
+    chosen = method_named(name)
+    # selective caches its own plans on the token meta; the others' live in the AttentionPlan
+    if (
+        torch.compiler.is_compiling()
+        and name != "selective"
+        and not plan.planned(name, causal, window, q.device)
+    ):
         raise ValueError(
-            f"CP attention with causal={causal}, window={window} ({method}) was first met inside "
+            f"CP attention with causal={causal}, window={window} ({name}) was first met inside "
             "a torch.compile'd region: its plan is host work (built once per batch) that dynamo "
             "cannot trace. Build it before the compiled call, e.g. "
-            f"cpshard.attention.plan.attention_plan(meta).for_method({method!r}, {causal}, "
+            f"cpshard.attention.plan.attention_plan(meta).for_method({name!r}, {causal}, "
             f"{window}, device) with the sharder's token_meta, or run one eager step first"
         )
-    plans = planner.for_method(method, causal, window, q.device)
+    plans = chosen.plans(plan, causal, window, q.device)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cap = None if softcap is None else float(softcap)
-    if method == "ring":
-        assert isinstance(plans, tuple)
-        return ring_attention(
-            q, k, v, plans, group, scale=sc, backend=backend, softcap=cap, sinks=sinks
-        )
-    if method == "ulysses":
-        assert isinstance(plans, PairPlan)
-        return ulysses_attention(
-            q, k, v, plans, group, world, scale=sc, backend=backend, softcap=cap, sinks=sinks
-        )
-    assert isinstance(plans, tuple)
-    local, remote = plans
-    return all_gather_attention(
-        q, k, v, local, remote, group, scale=sc, backend=backend, softcap=cap, sinks=sinks
-    )
+    return chosen.apply(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap, sinks=sinks)
 
 
 def cp_attention(
@@ -231,7 +246,7 @@ def cp_attention(
     v: torch.Tensor,
     *,
     sharder: CPAttentionSharder,
-    method: str = "all_gather",
+    method: str = "auto",
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,

@@ -10,6 +10,9 @@ Each rank adds its contribution for the block it holds and passes the accumulato
 hops each accumulator is back at its owner. ``dq`` stays local.
 Bytes sent per rank and layer (forward): ``(C-1)/C * S * 2 * Hkv * D * itemsize``.
 
+:class:`RingMethod` is the method's strategy object (its plans, input check and the
+differentiable forward whose backward is above), registered in :mod:`cpshard.attention.methods`.
+
 Imports the plan, the blockwise runner, the kernels and the merge of this package and
 :mod:`cpshard._comm` (its point-to-point transfer); nothing else of cpshard.
 """
@@ -32,9 +35,9 @@ from cpshard.attention.merge import (
     merge_into,
     sink_grad,
 )
-from cpshard.attention.plan import PairPlan
+from cpshard.attention.plan import AttentionPlan, PairPlan
 
-__all__ = ["ring_attention"]
+__all__ = ["RingMethod", "ring_attention"]
 
 _KV_TAGS = (0, 1)  # one message each for k and v (no stacked copy)
 _GRAD_TAGS = (2, 3)  # their fp32 gradient accumulators, in flight together with K/V
@@ -168,3 +171,36 @@ def ring_attention(
         q, k, v, tuple(plans), group, scale, backend, softcap, sinks
     )
     return out
+
+
+class RingMethod:
+    """The ``"ring"`` strategy: plans, input check, forward (backward by autograd)."""
+
+    name = "ring"
+
+    def check(self, q_heads: int, kv_heads: int, world: int) -> None:
+        """Every head count and CP size is served: nothing to refuse."""
+
+    def plans(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> tuple[PairPlan, ...]:
+        """Local queries against each rank's block (:meth:`~AttentionPlan.ring`)."""
+        return plan.ring(causal, window, device)
+
+    def apply(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plans: Any,
+        group: ProcessGroup | None,
+        *,
+        scale: float,
+        backend: KernelBackend,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`ring_attention` with the plans of :meth:`plans`."""
+        return ring_attention(
+            q, k, v, plans, group, scale=scale, backend=backend, softcap=softcap, sinks=sinks
+        )

@@ -6,6 +6,9 @@ attends its heads over the stream with the mask from the token meta, and a secon
 returns ``[B, Hq, L, D]``. Backward mirrors it. Needs ``Hq % C == 0`` and ``Hkv % C == 0``; query
 head group ``j`` then uses exactly key head group ``j`` (the ``repeat_kv`` convention).
 
+:class:`UlyssesMethod` is the method's strategy object (its plans, the head-count check and the
+differentiable forward whose backward is above), registered in :mod:`cpshard.attention.methods`.
+
 Imports the plan, the blockwise runner and the kernels of this package and :mod:`cpshard._comm`
 (its all-to-all); nothing else of cpshard.
 """
@@ -21,9 +24,9 @@ from cpshard._comm import all_to_all_stacked, group_rank_and_size
 from cpshard.attention.blockwise import attend, attend_backward
 from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.merge import add_sinks, sink_grad
-from cpshard.attention.plan import PairPlan
+from cpshard.attention.plan import AttentionPlan, PairPlan
 
-__all__ = ["ulysses_attention"]
+__all__ = ["UlyssesMethod", "ulysses_attention"]
 
 
 def _seq_to_heads(
@@ -145,3 +148,45 @@ def ulysses_attention(
         q, k, v, plan, group, world, scale, backend, softcap, sinks
     )
     return out
+
+
+class UlyssesMethod:
+    """The ``"ulysses"`` strategy: plans, head-count check, forward (backward by autograd)."""
+
+    name = "ulysses"
+
+    def check(self, q_heads: int, kv_heads: int, world: int) -> None:
+        """Raise ``ValueError`` unless both head counts are divisible by the CP size."""
+        for what, h in (("query", q_heads), ("key/value", kv_heads)):
+            if h % world != 0:
+                raise ValueError(
+                    f"ulysses needs the number of {what} heads divisible by the CP size: got "
+                    f"{h} {what} heads at cp_size={world}; use method='ring' or 'all_gather', "
+                    f"or a CP size dividing {h}"
+                )
+
+    def plans(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> PairPlan:
+        """The whole stream against itself (:meth:`~AttentionPlan.ulysses`)."""
+        return plan.ulysses(causal, window, device)
+
+    def apply(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plans: Any,
+        group: ProcessGroup | None,
+        *,
+        scale: float,
+        backend: KernelBackend,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`ulysses_attention` with the plan of :meth:`plans`."""
+        world = 1 if group is None else group_rank_and_size(group)[1]
+        return ulysses_attention(
+            q, k, v, plans, group, world, scale=scale, backend=backend, softcap=softcap,
+            sinks=sinks,
+        )  # fmt: skip

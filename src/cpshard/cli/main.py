@@ -29,6 +29,10 @@ _COMMANDS = {
         "cpshard.cli.balance",
         "layout balance (causal work, padding, remote K/V) on packed batches",
     ),
+    "plan": (
+        "cpshard.cli.plan",
+        "per layout and attention method: pairs, bytes moved vs needed, modelled step time",
+    ),
 }
 
 

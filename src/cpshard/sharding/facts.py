@@ -87,6 +87,17 @@ class ShardFacts(CallerCoordinates):
         default_factory=dict, init=False, repr=False, compare=False
     )
 
+    @property
+    def attention_method(self) -> str | None:
+        """The CP attention method the dispatcher runs for this batch (``attention="auto"``
+        resolved per batch), or ``None`` (no token meta, or the shard brings its own context).
+
+        Recorded by the dispatcher in the token meta's per-batch cache.
+        """
+        meta = self.token_meta
+        got = None if meta is None else meta.plan_cache.get("attention_method")
+        return got if isinstance(got, str) else None
+
 
 class CPContext:
     """A context-manager factory that also carries the facts of the shard that made it.

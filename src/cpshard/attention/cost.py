@@ -1,0 +1,277 @@
+"""The cost model behind ``attention="auto"``: modelled step time of each method from the plan.
+
+For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L`` tokens each):
+
+* **compute**: ``pairs_r`` visible query-key pairs of ``r``'s queries (from the token meta, exact),
+  ``4 * D * Hq`` FLOP per pair forward and :data:`BACKWARD_FACTOR` times that backward, at
+  ``compute_rate`` FLOP/s. ``all_gather``, ``ring`` and ``selective`` compute the same pairs;
+  ``ulysses`` computes ``1/C`` of the heads of every pair of the stream (perfectly balanced).
+* **communication**: bytes over ``link_bandwidth`` (bytes/s one rank receives, or sends, at
+  once), plus ``latency`` per collective or ring step. Forward K/V move in the input dtype, the
+  backward's dK/dV in the fp32 accumulation dtype (fp64 for fp64).
+
+  - ``all_gather``: ``(C-1) * L`` K/V slots in, the reduce-scatter of as many dK/dV out;
+  - ``selective``: the slots ``r``'s queries see in and those peers need of ``r`` out (the larger
+    of the two bounds the all-to-all), forward and (dK/dV) backward;
+  - ``ring``: ``C-1`` hops of ``L`` K/V slots forward; backward K/V and dK/dV travel together;
+  - ``ulysses``: q, k, v to heads and the output back, forward; grad-out in and dq, dk, dv out,
+    backward; each ``(C-1)/C`` of the local tensors.
+* **overlap**: ``all_gather`` and ``selective`` hide their exchange behind the own-keys compute
+  (``max(comm, local) + remote``); ``ring`` hides each hop behind one block's compute, step by
+  step (the remote pairs spread evenly over the ``C - 1`` remote blocks; the last block's compute
+  and the gradient accumulators' last hop are not hidden); ``ulysses`` hides nothing.
+
+A step lasts as long as its slowest rank: a method's cost is the max over ranks. The model ignores
+kernel efficiency differences (tile waste, small-tile launch overhead), intra-node vs inter-node
+topology (one bandwidth for every pair of ranks) and contention between concurrent transfers.
+
+Every input is a global fact of the batch (the token meta every rank holds) or of the call (shapes
+and dtype, equal on every rank), so every rank computes the same costs and picks the same method
+without a collective. Ties go to the first method in :data:`cpshard.names.METHOD_NAMES` order.
+
+Imports the selective plan's host arrays and the method registry; never a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpshard.attention.methods import METHODS
+from cpshard.attention.selective_plan import (
+    MetaArrays,
+    exchange_counts,
+    meta_arrays,
+    query_bounds,
+)
+from cpshard.sharding.meta import TokenMeta
+
+__all__ = [
+    "BACKWARD_FACTOR",
+    "CallShape",
+    "CostModel",
+    "PlanFacts",
+    "choose_method",
+    "method_costs",
+    "plan_facts",
+]
+
+BACKWARD_FACTOR = 2.5
+"""Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Hardware rates of the model, and the call shape assumed before the model runs.
+
+    Attributes:
+        link_bandwidth: Bytes per second one rank receives (or sends) at once. Default 100 GB/s:
+            between NVLink inside a node (~450 GB/s) and InfiniBand across nodes (~50 GB/s).
+        compute_rate: Attention FLOP per second per rank. Default 400 TFLOP/s (bf16
+            FlashAttention on an H100/H200 class GPU).
+        latency: Seconds per collective or ring step. Default 20 us.
+        q_heads: Query heads assumed where the call is not known yet (the dispatcher).
+        kv_heads: Key/value heads assumed likewise.
+        head_dim: Head dim assumed likewise.
+        itemsize: Bytes per element assumed likewise (2: bf16).
+    """
+
+    link_bandwidth: float = 100e9
+    compute_rate: float = 400e12
+    latency: float = 20e-6
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    itemsize: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("link_bandwidth", "compute_rate"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"CostModel.{name} must be > 0, got {value!r}")
+        if self.latency < 0:
+            raise ValueError(f"CostModel.latency must be >= 0, got {self.latency!r}")
+        for name in ("q_heads", "kv_heads", "head_dim", "itemsize"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CostModel.{name} must be >= 1, got {getattr(self, name)!r}")
+
+    def shape(self, batch: int, causal: bool = True, window: int | None = None) -> CallShape:
+        """The assumed :class:`CallShape` for ``batch`` rows."""
+        return CallShape(
+            batch, self.q_heads, self.kv_heads, self.head_dim, self.itemsize, causal, window
+        )
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What one attention call looks like (equal on every rank).
+
+    Attributes:
+        batch: Rows ``B`` of q/k/v.
+        q_heads: ``Hq``.
+        kv_heads: ``Hkv``.
+        head_dim: ``D``.
+        itemsize: Bytes per element of q/k/v.
+        causal: Causal masking.
+        window: Sliding window or ``None``.
+    """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    causal: bool = True
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """Global per-rank facts of one batch and mask, identical on every rank.
+
+    Attributes:
+        world: CP size ``C``.
+        local_len: Tokens per rank ``L``.
+        meta_rows: Rows of the token meta (1: one structure for every batch row).
+        pairs: ``[C]`` visible query-key pairs of each rank's queries (summed over meta rows).
+        local_pairs: ``[C]`` of those, the pairs whose key is on the same rank.
+        exchange: ``[C, C]`` key slots rank ``t`` needs from rank ``o``
+            (:func:`~cpshard.attention.selective_plan.exchange_counts`).
+    """
+
+    world: int
+    local_len: int
+    meta_rows: int
+    pairs: np.ndarray
+    local_pairs: np.ndarray
+    exchange: np.ndarray
+
+    @property
+    def recv_slots(self) -> np.ndarray:
+        """``[C]`` remote key slots each rank's queries see (what selective receives)."""
+        got: np.ndarray = self.exchange.sum(axis=1) - np.diag(self.exchange)
+        return got
+
+    @property
+    def send_slots(self) -> np.ndarray:
+        """``[C]`` key slots each rank's peers need from it (what selective sends)."""
+        got: np.ndarray = self.exchange.sum(axis=0) - np.diag(self.exchange)
+        return got
+
+
+def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    c = a.world
+    pairs = np.zeros(c, dtype=np.int64)
+    local = np.zeros(c, dtype=np.int64)
+    for g in range(a.pos.shape[0]):
+        codes = a.enc(a.doc[g], a.pos[g])
+        every = np.sort(codes)
+        w = int(a.weights[g])
+        for r in range(c):
+            lo, hi = query_bounds(a, g, r, causal, window)
+            own = np.sort(codes[a.rank_slice(r)])
+            pairs[r] += w * int(
+                (np.searchsorted(every, hi, "left") - np.searchsorted(every, lo, "left")).sum()
+            )
+            local[r] += w * int(
+                (np.searchsorted(own, hi, "left") - np.searchsorted(own, lo, "left")).sum()
+            )
+    return pairs, local
+
+
+def plan_facts(meta: TokenMeta, causal: bool = True, window: int | None = None) -> PlanFacts:
+    """The :class:`PlanFacts` of ``meta``'s batch for one mask (cached on the meta).
+
+    Args:
+        meta: Token meta of a sharded batch (any rank's: the facts are global).
+        causal: Causal masking.
+        window: Sliding window or ``None``.
+
+    Returns:
+        The facts; cost ``O(S log S)`` host work for a stream of ``S`` tokens, plus ``C^2``
+        binary searches of each rank's merged key intervals.
+    """
+    key = f"plan_facts|{causal}|{window}"
+    hit = meta.plan_cache.get(key)
+    if isinstance(hit, PlanFacts):
+        return hit
+    a = meta_arrays(meta)
+    pairs, local = _pairs(a, causal, window)
+    facts = PlanFacts(
+        a.world, a.local_len, int(a.weights.sum()), pairs, local, exchange_counts(a, causal, window)
+    )
+    meta.plan_cache[key] = facts
+    return facts
+
+
+def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[str, float]:
+    """Modelled seconds of one layer's forward + backward attention, per method (max over ranks).
+
+    Args:
+        facts: The batch's :class:`PlanFacts` for the call's mask.
+        shape: The call.
+        model: Rates.
+
+    Returns:
+        ``{method name: seconds}`` for every method of the registry.
+    """
+    c, n = facts.world, facts.local_len
+    rows = shape.batch / facts.meta_rows  # a one-row meta serves every batch row
+    flop = 4.0 * shape.head_dim * shape.q_heads * rows
+    fwd = facts.pairs * flop / model.compute_rate  # [C] seconds
+    fwd_local = facts.local_pairs * flop / model.compute_rate
+    bwd, bwd_local = fwd * BACKWARD_FACTOR, fwd_local * BACKWARD_FACTOR
+    acc = max(4, shape.itemsize)
+    slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch  # elements of one K/V slot
+    bw, lat = model.link_bandwidth, model.latency
+
+    def overlapped(in_slots: np.ndarray, out_slots: np.ndarray) -> float:
+        moved = np.maximum(in_slots, out_slots) * slot
+        t_f = np.maximum(moved * shape.itemsize / bw + lat, fwd_local) + (fwd - fwd_local)
+        t_b = np.maximum(moved * acc / bw + lat, bwd_local) + (bwd - bwd_local)
+        return float((t_f + t_b).max())
+
+    costs: dict[str, float] = {}
+    if c == 1:
+        base = float((fwd + bwd).max())
+        return {name: base for name in METHODS}
+    full = np.full(c, (c - 1) * n, dtype=np.float64)
+    costs["all_gather"] = overlapped(full, full)
+    # Ring: C lock-stepped steps; step s computes one block while the next one travels, so
+    # every step costs max(hop, its compute) except the last (nothing left to send); the
+    # backward's hops carry K/V and the fp32 dK/dV, and the accumulators take one more hop home.
+    remote_f = (fwd - fwd_local) / (c - 1)
+    remote_b = (bwd - bwd_local) / (c - 1)
+    hop_f = n * slot * shape.itemsize / bw + lat
+    hop_b = n * slot * (shape.itemsize + acc) / bw + lat
+    t_ring = (
+        np.maximum(hop_f, fwd_local) + (c - 2) * np.maximum(hop_f, remote_f) + remote_f
+        + np.maximum(hop_b, bwd_local) + (c - 2) * np.maximum(hop_b, remote_b) + remote_b
+        + n * slot * acc / bw + lat
+    )  # fmt: skip
+    costs["ring"] = float(t_ring.max())
+    heads = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * shape.batch * (c - 1) / c * n
+    out = shape.q_heads * shape.head_dim * shape.batch * (c - 1) / c * n
+    uly_comm = ((heads + out) * shape.itemsize + (out * shape.itemsize + heads * acc)) / bw
+    total = float(facts.pairs.sum()) * flop / model.compute_rate * (1 + BACKWARD_FACTOR)
+    costs["ulysses"] = uly_comm + total / c + 4 * lat
+    costs["selective"] = overlapped(
+        facts.recv_slots.astype(np.float64), facts.send_slots.astype(np.float64)
+    )
+    return {name: costs[name] for name in METHODS}
+
+
+def choose_method(
+    facts: PlanFacts, shape: CallShape, model: CostModel, candidates: tuple[str, ...]
+) -> tuple[str, dict[str, float]]:
+    """The cheapest of ``candidates`` (ties: registry order), and every method's cost.
+
+    Raises:
+        ValueError: no candidate.
+    """
+    if not candidates:
+        raise ValueError("attention='auto' has no method to choose from for this call")
+    costs = method_costs(facts, shape, model)
+    best = min(candidates, key=lambda m: (costs[m], list(METHODS).index(m)))
+    return best, costs
