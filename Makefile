@@ -12,9 +12,13 @@ $(BIN)/python:
 # torch is pinned to the CPU build that these machines install from local disk;
 # any other request pulls a multi-GB CUDA build.
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	@echo "== make: installing into $(VENV) (first run only, a few minutes): pip, torch 2.13.0 (CPU), cpshard[test] =="
+	$(BIN)/pip install --progress-bar off --upgrade pip
+	@echo "== make: installing torch==2.13.0 (CPU build) =="
+	$(BIN)/pip install --progress-bar off torch==2.13.0
+	@echo "== make: installing cpshard and its test extras (transformers, trl, accelerate, pytest, ruff, mypy) =="
+	$(BIN)/pip install --progress-bar off -e '.[test]'
+	@echo "== make: install done =="
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "CommRecorder",
     "GradMode",
     "all_gather_dim0",
     "all_gather_fixed",
@@ -302,6 +304,44 @@ def _world_cp_mesh(mesh_device: str) -> DeviceMesh:
     return init_device_mesh(mesh_device, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
+# --- Trainer integrations (cpshard.integrations) ---------------------------------------------
+
+
+def world_rank_and_size() -> tuple[int, int]:
+    """``(rank, world_size)`` in the default group, ``(0, 1)`` without one."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def dp_cp_mesh(mesh_device: str, cp_size: int) -> DeviceMesh:
+    """A 2-D ``("dp", "cp")`` mesh over every rank of the default group, CP innermost.
+
+    Rank ``r`` sits at ``(r // cp_size, r % cp_size)``: the CP groups are runs of consecutive
+    ranks (one node's GPUs first), the order accelerate's own meshes use.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(mesh_device, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+
+
+def broadcast_objects(objs: list[Any], group: ProcessGroup) -> list[Any]:
+    """The picklable ``objs`` of ``group``'s first rank, on every rank of ``group``.
+
+    Args:
+        objs: This rank's objects (same length on every rank; only the first rank's are read).
+        group: The process group (e.g. a CP group).
+
+    Returns:
+        A new list holding the first rank's objects.
+    """
+    out = list(objs)
+    src = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(out, src=src, group=group)
+    return out
+
+
 def destroy_process_group() -> None:
     """Leave the default process group if one is initialised."""
     if dist.is_initialized():
@@ -533,3 +573,75 @@ def ring_shift_start(
         ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
     works = dist.batch_isend_irecv(ops)
     return Transfer(list(works), recvs, sends, targets)
+
+
+# --- counting collectives (tests, benchmarks) -------------------------------------------------
+
+
+class CommRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Records every c10d collective and point-to-point op issued while it is active.
+
+    A scoped dispatch mode, nothing global: ``with CommRecorder() as rec: ...`` then read
+    :attr:`events` or :meth:`count` / :meth:`bytes_sent`. Each event is ``(kind, bytes)``:
+    ``kind`` one of ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``all_reduce``,
+    ``broadcast``, ``send``, ``recv``, ``barrier`` or the c10d op name; ``bytes`` the payload this
+    rank hands to the op as input (what it sends; ``0`` for a receive). Host-staged collectives
+    are recorded once, as the host op they run.
+    """
+
+    _KINDS = (
+        ("allgather", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("alltoall", "all_to_all"),
+        ("allreduce", "all_reduce"),
+        ("broadcast", "broadcast"),
+        ("recv", "recv"),
+        ("send", "send"),
+        ("barrier", "barrier"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.events: list[tuple[str, int]] = []
+
+    @classmethod
+    def _kind(cls, name: str) -> str:
+        op = name.split(".")[1] if "." in name else name
+        for key, kind in cls._KINDS:
+            if key in op:
+                return kind
+        return op
+
+    @staticmethod
+    def _nbytes(x: object) -> int:
+        items = x if isinstance(x, list | tuple) else [x]
+        return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if name.startswith("c10d."):
+            kind = self._kind(name)
+            if kind in ("send", "all_reduce", "broadcast"):  # (tensors, ...): the payload first
+                sent = self._nbytes(args[0]) if args else 0
+            elif kind in ("recv", "barrier"):
+                sent = 0
+            else:  # (output, input, ...)
+                sent = self._nbytes(args[1]) if len(args) > 1 else 0
+            self.events.append((kind, sent))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of recorded ops (of ``kind``; every kind for ``None``)."""
+        return sum(1 for k, _ in self.events if kind is None or k == kind)
+
+    def bytes_sent(self, kind: str | None = None) -> int:
+        """Bytes handed to the recorded ops as input (of ``kind``)."""
+        return sum(b for k, b in self.events if kind is None or k == kind)
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """``{kind: (ops, bytes)}`` of everything recorded."""
+        out: dict[str, tuple[int, int]] = {}
+        for k, b in self.events:
+            n, total = out.get(k, (0, 0))
+            out[k] = (n + 1, total + b)
+        return out

@@ -31,7 +31,7 @@ from cpshard.attention.context import cp_attention_context
 from cpshard.attention.hf import cp_attention_scope
 from cpshard.attention.plan import attention_plan
 from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
-from cpshard.guards.model import install_model_guard
+from cpshard.guards.model import install_model_guard, remember_shard
 from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.layouts.closed_form import (
     ClosedFormLayout,
@@ -165,9 +165,12 @@ def make_cp_batch_and_ctx(
             ``cp_sharder``'s too); a shard with its own context keeps it.
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
-            (one all-gather of a few int64 values) and raise on every rank if they differ; also
-            makes ``gather_token_tensor`` check dtype and shape across ranks. Pass ``False`` only
-            if the loop guarantees identical batches on every CP rank.
+            (one all-gather of a few int64 values; what it covers:
+            :mod:`cpshard.guards.consistency`) and raise on every rank if they differ; also
+            makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
+            the hashing of the values (not the all-gather: names, shapes, arguments and the flag
+            itself are still compared); pass it only if the loop guarantees identical batches
+            on every CP rank.
         model: The model the batch is for (optional): its token mixers outside attention
             (Mamba / Mamba2 mixers, Gated DeltaNet, short convolutions, ...) are then checked
             and run exactly under ``ctx`` (:mod:`cpshard.mixers`); without it they are not seen.
@@ -186,12 +189,13 @@ def make_cp_batch_and_ctx(
     """
     cp_mesh = _comm.validate_cp_mesh(cp_mesh)
     mixers = _token_mixers(model, cp_mesh, batch, strict, layout)  # before any collective
-    if check_consistency:
-        _check_consistency(
-            cp_mesh, batch, layout, attention, padding_token_id,
-            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
-             "extra_token_keys": extra_token_keys, "strict": strict},
-        )  # fmt: skip
+    # Always the one collective; check_consistency=False only skips the hashing (ranks that
+    # disagree on the flag then raise alike instead of mismatching collectives).
+    _check_consistency(
+        cp_mesh, batch, layout, attention, padding_token_id,
+        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
+         "extra_token_keys": extra_token_keys, "strict": strict}, check_consistency is not False,
+    )  # fmt: skip
     _check_method(attention)
     ctx, out, sharder = _dispatch(
         cp_mesh,
@@ -475,12 +479,11 @@ def prepare_cp_forward(
     # Token mixers outside attention: the verdict (or the error) on every rank, before any
     # collective; the ctx then runs them exactly (cpshard.mixers).
     mixers = _token_mixers(model, cp_mesh, batch, strict, layout)
-    if check_consistency:
-        _check_consistency(
-            cp_mesh, batch, layout, attention, padding_token_id,
-            {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
-             "extra_token_keys": extra_token_keys, "strict": strict},
-        )  # fmt: skip
+    _check_consistency(  # one collective either way; False skips only the hashing
+        cp_mesh, batch, layout, attention, padding_token_id,
+        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
+         "extra_token_keys": extra_token_keys, "strict": strict}, check_consistency is not False,
+    )  # fmt: skip
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:
@@ -504,6 +507,7 @@ def prepare_cp_forward(
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
     )
+    remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
     if sharder is not None:
         check_model_sharder(bound)
     elif hasattr(model, "set_attn_implementation"):

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 FAULT_RANK = 1
 FAULT_STEP = 1
-STALL_S = 12.0  # a stalled rank stays alive this long without joining the collective
+STALL_S = 25.0  # a stalled rank stays absent this long, past the tests' 10 s pg timeout
 
 
 class InjectedFault(RuntimeError):

@@ -102,7 +102,8 @@ def same_batch_passes(cp_mesh: DeviceMesh, packed: bool) -> int | None:
     mine = _base(packed)
     if cp_mesh.get_local_rank() == cp_mesh.size() - 1:
         _diverge(mine, "content", {})
-    # the opt-out runs no collective: a divergent batch is the caller's responsibility then
+    # the opt-out reads no values (its one exchange still runs): a divergent batch is the
+    # caller's responsibility then
     _, _, off = cpshard.make_cp_batch_and_ctx(cp_mesh, mine, check_consistency=False)
     assert not off.check_consistency
     return sharder.padded_seq_len

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _ranks import CALL_DEADLINE_S
 from cpshard.cli.main import main
 
 pytestmark = pytest.mark.multirank
@@ -118,6 +119,18 @@ def test_parity_reports_indivisible_heads_for_ulysses(capsys: pytest.CaptureFixt
     assert "skipped: heads 8/4 not divisible by 3 ranks" in out
 
 
+def test_parity_with_every_cp_row_skipped_fails_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 17: it printed PASS and exited 0 when no cp=N run was compared at all."""
+    argv = ["parity", "--model", "tiny", "--ranks", "3", "--steps", "1", "--seq-len", "30"]
+    argv += ["--methods", "ulysses", "--layouts", "contiguous", "--no-progress"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: every CP row was skipped (skipped: heads 8/4 not divisible by 3 ranks)" in out
+    assert "PASS" not in out
+
+
 def test_parity_under_torchrun_on_two_gloo_ranks(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     if not Path(torchrun).exists():
@@ -130,7 +143,9 @@ def test_parity_under_torchrun_on_two_gloo_ranks(tmp_path: Path) -> None:
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "cpshard", "parity"]
     cmd += ["--ranks", "2", "--model", "tiny", "--steps", "2", "--seq-len", "32"]
     cmd += ["--methods", "ring", "--layouts", "round_robin,packed", "--json", str(js)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=CALL_DEADLINE_S, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("| model |") == 1  # only rank 0 prints the table
     assert "2 gloo ranks (torchrun)" in proc.stdout

@@ -12,9 +12,9 @@ from cpshard.tools.launch import LocalRanks, RankFailure
 
 pytestmark = pytest.mark.multirank
 
-TIMEOUT_S = 4.0  # the process-group timeout of the ranks
-SLACK_S = 6.0  # error delivery and process exit on a loaded 2-core machine
-WAIT_S = 60.0  # how long every rank may take to end on its own (the launcher kills none earlier)
+TIMEOUT_S = 10.0  # the process-group timeout of the ranks (a correct step is far below it)
+SLACK_S = 60.0  # error delivery and process exit on a loaded 2-core machine
+WAIT_S = 300.0  # how long every rank may take to end on its own (the launcher kills none earlier)
 
 
 @pytest.mark.parametrize(

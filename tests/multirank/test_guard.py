@@ -41,19 +41,19 @@ DENSE = [
 
 @pytest.mark.parametrize("variant", DENSE)
 def test_divergent_dense_batch_raises_everywhere(ranks: Ranks, variant: str) -> None:
-    msgs = ranks(2, divergent_batch, variant, False, False, timeout=20)
+    msgs = ranks(2, divergent_batch, variant, False, False)
     assert len(set(msgs)) == 1  # the same error on every rank
 
 
 @pytest.mark.parametrize("variant", ["content", "seq_lens", "seq_len", "layout"])
 def test_divergent_packed_batch_raises_everywhere(ranks: Ranks, variant: str) -> None:
-    msgs = ranks(3, divergent_batch, variant, True, False, timeout=20)
+    msgs = ranks(3, divergent_batch, variant, True, False)
     assert len(set(msgs)) == 1
 
 
 @pytest.mark.parametrize("variant", ["content", "seq_len", "pad_id"])
 def test_divergent_batch_through_prepare_cp_forward(ranks: Ranks, variant: str) -> None:
-    msgs = ranks(3, divergent_batch, variant, False, True, timeout=20)
+    msgs = ranks(3, divergent_batch, variant, False, True)
     assert len(set(msgs)) == 1
 
 
@@ -65,7 +65,7 @@ def test_same_batch_passes(ranks: Ranks, world: int, packed: bool) -> None:
 
 @pytest.mark.parametrize("variant", ["dtype", "shape", "not_a_tensor", "trim"])
 def test_divergent_gather_raises_everywhere(ranks: Ranks, variant: str) -> None:
-    msgs = ranks(2, divergent_gather, variant, timeout=20)
+    msgs = ranks(2, divergent_gather, variant)
     assert len(set(msgs)) == 1
 
 
@@ -83,34 +83,34 @@ def test_divergent_gather_raises_everywhere(ranks: Ranks, variant: str) -> None:
 )
 @pytest.mark.parametrize("world", [1, 2])
 def test_stale_state_raises_everywhere(ranks: Ranks, world: int, case: str) -> None:
-    msgs = ranks(world, stale_state, case, timeout=30)
+    msgs = ranks(world, stale_state, case)
     assert len(set(msgs)) == 1
 
 
 @pytest.mark.parametrize("case", ["labels", "attention_mask", "outside_ctx", "no_position_ids"])
 def test_hf_calls_under_ctx_raise(ranks: Ranks, case: str) -> None:
-    msgs = ranks(2, hf_calls_under_ctx, case, timeout=30)
+    msgs = ranks(2, hf_calls_under_ctx, case)
     assert len(set(msgs)) == 1
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_model_without_position_ids_raises(ranks: Ranks, world: int) -> None:
-    msgs = ranks(world, plain_model_without_position_ids, timeout=30)
+    msgs = ranks(world, plain_model_without_position_ids)
     assert len(set(msgs)) == 1
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_reference_model_under_its_own_ctx(ranks: Ranks, world: int) -> None:
-    ranks(world, reference_model_on_policy_batch, timeout=30)
+    ranks(world, reference_model_on_policy_batch)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_wrapped_hf_model(ranks: Ranks, world: int) -> None:
-    ranks(world, ddp_wrapped_hf_model, timeout=30)
+    ranks(world, ddp_wrapped_hf_model)
 
 
 def test_routing_and_suspend(ranks: Ranks) -> None:
-    ranks(2, routing, timeout=30)
+    ranks(2, routing)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -121,4 +121,4 @@ def test_no_aliasing(ranks: Ranks, world: int, layout: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bad_inputs_raise_on_every_rank(ranks: Ranks, world: int) -> None:
-    assert len(set(ranks(world, bad_inputs_everywhere, timeout=30))) == 1
+    assert len(set(ranks(world, bad_inputs_everywhere))) == 1

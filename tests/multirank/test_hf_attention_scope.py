@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_generate_outside_ctx_keeps_own_attention(ranks: Ranks, world: int, impl: str) -> None:
-    ranks(world, generation_between_cp_forwards, impl, timeout=120)
+    ranks(world, generation_between_cp_forwards, impl)
 
 
 def test_flex_attention_stays_configured(ranks: Ranks) -> None:

@@ -17,7 +17,7 @@ def test_model_owned_models_match_one_process(ranks: Ranks, world: int, which: s
 
 
 def test_vlm_under_fsdp2_dp2_cp2_matches_one_process(ranks: Ranks) -> None:
-    ranks(4, vlm_fsdp2_dp_cp, timeout=120)
+    ranks(4, vlm_fsdp2_dp_cp)
 
 
 @pytest.mark.parametrize("world", [2, 3])

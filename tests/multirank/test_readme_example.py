@@ -12,4 +12,4 @@ pytestmark = pytest.mark.multirank
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_readme_example_matches_one_process(ranks: Ranks, world: int) -> None:
-    ranks(world, readme_example_matches_one_process, timeout=120)
+    ranks(world, readme_example_matches_one_process)

@@ -24,7 +24,7 @@ def test_readme_section_is_the_example_verbatim() -> None:
 
 @pytest.mark.parametrize("fsdp_over", ["dp", "dp_cp"])
 def test_readme_train_step_matches_one_process(ranks: Ranks, fsdp_over: str) -> None:
-    ranks(4, readme_train_step, fsdp_over, timeout=120)
+    ranks(4, readme_train_step, fsdp_over)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.multirank
 
 @pytest.mark.parametrize("recipe", ["dp_shard+sync_grads", "flat_dp_cp+scale"])
 def test_fsdp2_dp2_cp2_matches_one_process(ranks: Ranks, recipe: str) -> None:
-    ranks(4, fsdp2_dp_cp, recipe, timeout=120)
+    ranks(4, fsdp2_dp_cp, recipe)
 
 
 def test_forgetting_sync_grads_is_caught(ranks: Ranks) -> None:
-    errs = ranks(4, fsdp2_forgotten_sync_is_wrong, timeout=120)
+    errs = ranks(4, fsdp2_forgotten_sync_is_wrong)
     assert min(errs) > 1e-3
 
 
@@ -45,7 +45,7 @@ def test_grpo_step_on_packed_rows_matches_cp1(
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_accumulation_adamw_five_steps_matches_cp1(ranks: Ranks, world: int) -> None:
-    ranks(world, accumulation_adamw, timeout=120)
+    ranks(world, accumulation_adamw)
 
 
 @pytest.mark.parametrize("layout", [*PACKED_LAYOUTS, "dense"])  # dense: auto layout

@@ -89,6 +89,12 @@ RULES: tuple[Rule, ...] = (
         exempt=("cpshard.tools", "cpshard.cli", "cpshard.launch"),
     ),
     Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models sit on the core, below tools"),
+    Rule(
+        "cpshard",
+        ("cpshard.integrations", "trl", "accelerate"),
+        "the trainer integrations are optional (trl, accelerate): only they import those",
+        exempt=("cpshard.integrations",),
+    ),
     Rule("cpshard.tools", ("cpshard.cli",), "the cli is built on tools, not the reverse"),
     Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
     Rule(

@@ -152,13 +152,16 @@ def test_hf_function_is_plain_sdpa_outside_the_context_and_validates() -> None:
     out, _ = cpshard_attention_forward(_Attn(), q, k, v, keep, scaling=0.3)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2))
-    # inside it, masks come from the token meta: an explicit one is rejected
-    # inside it, masks come from the token meta (an explicit one is rejected); no dropout
+    # inside it, masks come from the token meta: a mask the module made itself is rejected,
+    # naming the module; an all-ones 2-D keep-mask (BioGPT builds one) is no mask; no dropout
     with cp_attention_context(None, _meta(), "all_gather"):
         with pytest.raises(
-            ValueError, match=r"got an attention_mask of shape \(1, 8\).*padding_mask"
+            ValueError, match=r"_Attn computed its own attention mask \(shape \(1, 1, 8, 8\)\)"
         ):
-            cpshard_attention_forward(_Attn(), q, k, v, torch.ones(1, 8))
+            cpshard_attention_forward(_Attn(), q, k, v, keep)
+        ones, _ = cpshard_attention_forward(_Attn(), q, k, v, torch.ones(1, 8), scaling=0.3)
+        nothing, _ = cpshard_attention_forward(_Attn(), q, k, v, None, scaling=0.3)
+        torch.testing.assert_close(ones, nothing)
         with pytest.raises(ValueError, match=r"does not support dropout, got dropout=0.1 in train"):
             cpshard_attention_forward(_Attn(), q, k, v, None, dropout=0.1)
         cpshard_attention_forward(_Attn().eval(), q, k, v, None, dropout=0.1)  # eval: ignored
@@ -171,8 +174,9 @@ def test_hf_function_is_plain_sdpa_outside_the_context_and_validates() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"s_aux": torch.zeros(4)}, "got s_aux=.*not supported by CP attention"),
-        ({"head_mask": torch.ones(4)}, "got head_mask=.*not supported"),
+        ({"position_bias": torch.zeros(4)}, "_Attn passed position_bias=.*does not know"),
+        ({"head_mask": torch.ones(4)}, "_Attn passed head_mask=.*refuses it"),
+        ({"s_aux": torch.zeros(3)}, r"sinks must have shape \[Hq\]=\(4,\)"),
         ({"sliding_window": 0}, "sliding_window must be a positive int"),
         ({"sliding_window": 3, "is_causal": False}, "needs causal attention"),
         ({"softcap": -1.0}, "softcap must be a positive finite number"),

@@ -183,3 +183,31 @@ def test_batch_must_be_a_mapping() -> None:
         cpshard.make_cp_batch_and_ctx(None, [_ids()])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"batch must be a dict.*got tuple"):
         cpshard.prepare_cp_forward(torch.nn.Linear(2, 2), None, (_ids(),))  # type: ignore[arg-type]
+
+
+def _block_causal(lens: list[int]) -> torch.Tensor:
+    """BoolTensor [S, S]: causal attention within each document."""
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    ar = torch.arange(len(doc))
+    return (doc[:, None] == doc[None, :]) & (ar[None, :] <= ar[:, None])
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_four_d_document_mask_is_refused_with_its_seq_lens(kind: str) -> None:
+    """Issue 17: a block-diagonal 4-D mask was reduced to padding (documents dropped)."""
+    m = torch.stack([_block_causal([3, 5]), _block_causal([8])])[:, None]
+    mask = m if kind == "bool" else torch.zeros(m.shape).masked_fill(~m, torch.finfo().min)
+    with pytest.raises(ValueError, match=r"seq_lens=\[\[3, 5\], \[8\]\]"):
+        attention_mask_to_padding_mask(mask)
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "bias"])
+def test_four_d_mask_that_is_not_causal_padding_is_refused(kind: str) -> None:
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None, None]
+    if kind == "bidirectional":
+        mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    else:  # an additive bias (ALiBi-like) that padding cannot carry
+        mask = torch.zeros(1, 1, 4, 4).masked_fill(~causal, float("-inf"))
+        mask[0, 0, 3, 0] = -0.5
+    with pytest.raises(ValueError, match="honoured only as causal padding"):
+        attention_mask_to_padding_mask(mask)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,10 @@ def _batch() -> dict[str, Any]:
 
 def _changed(a: torch.Tensor, b: torch.Tensor) -> set[str]:
     return {FIELDS[i] for i in range(len(FIELDS)) if a[i] != b[i]}
+
+
+def _differs(a: dict[str, Any], b: dict[str, Any]) -> set[str]:
+    return _changed(_fp(a), _fp(b))
 
 
 def test_fingerprint_is_fixed_size_and_sensitive() -> None:
@@ -203,19 +208,81 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
     assert sharder.token_meta is not None
     ids = torch.randint(0, 32, (3, 16))
     with cp_attention_context(None, sharder.token_meta, "all_gather"):
+        padded = torch.ones(3, 16, dtype=torch.long)
+        padded[:, -2:] = 0
         with pytest.raises(ValueError, match="got an attention_mask .* inside a CP context"):
-            model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
+            model(input_ids=ids, attention_mask=padded)
         model(input_ids=ids)
+        # an all-ones keep-mask masks nothing (BioGPT builds one itself): the same as none
+        model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
 
 
 @pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
-def test_content_hash_is_the_weighted_sum_mod_2_64(shape: tuple[int, ...]) -> None:
+def test_content_hash_is_a_nonlinear_sum_over_every_element(shape: tuple[int, ...]) -> None:
+    """sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel mod 2**64, w_k = k * G, checked against
+    plain Python integers."""
     from cpshard.guards.consistency import _content_hash
 
     x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
-    flat = x.reshape(-1)
-    direct = (flat * (torch.arange(flat.numel()) * 2 + 1)).sum() + flat.numel()  # wraps
-    assert int(_content_hash(x)) == int(direct)
+    m = (1 << 64) - 1
+    total = x.numel()
+    for k, v in enumerate(x.reshape(-1).tolist()):
+        w = (k * 0x9E3779B97F4A7C15) & m
+        total += ((v & m) ^ w) * (((v + w) & m) | 1)
+    assert int(_content_hash(x)) & m == total & m
+
+
+def test_content_hash_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpshard.guards import consistency
+
+    x = torch.randn(5, 7, 3)
+    whole = int(consistency._content_hash(x))
+    monkeypatch.setattr(consistency, "_CHUNK", 4)
+    assert int(consistency._content_hash(x)) == whole
+
+
+def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> None:
+    """Issue 17: float values outside a 4096-value sample, crafted collisions of a weighted sum,
+    numpy / list / string entries: each changes the fingerprint."""
+    from cpshard.guards.consistency import _content_hash
+
+    emb = torch.randn(2, 4096, 8, generator=torch.Generator().manual_seed(0))
+    later = emb.clone()
+    later[1, 4000, 5] += 1e-3  # one value of a late token row
+    assert _differs({"inputs_embeds": emb}, {"inputs_embeds": later}) == {"inputs_embeds"}
+    # the old hash was sum_k x_k (2k+1): +3 at k=0 and -1 at k=1 left it unchanged
+    ids = torch.tensor([[10, 20, 30, 40]])
+    crafted = ids.clone()
+    crafted[0, 0] += 3
+    crafted[0, 1] -= 1
+    flat, flat2 = ids.reshape(-1), crafted.reshape(-1)
+    w = torch.arange(4) * 2 + 1
+    assert int((flat * w).sum()) == int((flat2 * w).sum())  # a collision of the old hash
+    assert int(_content_hash(ids)) != int(_content_hash(crafted))
+    assert _differs({"input_ids": ids}, {"input_ids": crafted}) == {"input_ids"}
+    swapped = ids[:, [1, 0, 2, 3]]
+    assert int(_content_hash(ids)) != int(_content_hash(swapped))
+    # non-tensor entries, by content
+    base = {"input_ids": ids, "note": "a", "rows": [1, 2], "arr": np.arange(4), "f": 0.5}
+    for key, value in (
+        ("note", "b"), ("rows", [2, 1]), ("arr", np.array([0, 1, 2, 4])), ("f", 0.25),
+        ("arr", np.arange(4.0)), ("rows", [[1, 2], "x"]),
+    ):  # fmt: skip
+        assert _differs(base, {**base, key: value}), (key, value)
+    assert not _differs(base, {**base, "arr": np.arange(4), "rows": [1, 2]})
+    # the key's name counts: two extra keys cannot swap their values unnoticed
+    two = {"input_ids": ids, "a": torch.ones(3), "b": torch.zeros(3)}
+    assert _differs(two, {**two, "a": torch.zeros(3), "b": torch.ones(3)})
+
+
+def test_opted_out_fingerprint_reads_no_value_but_keeps_its_shape() -> None:
+    ids = torch.tensor([[1, 2, 3]])
+    a = _fp({"input_ids": ids}, hashed=False)
+    b = _fp({"input_ids": ids + 1}, hashed=False)
+    assert torch.equal(a, b)  # no content read
+    assert not torch.equal(a, _fp({"input_ids": ids}))  # the flag itself is compared
+    msg = mismatch_message(torch.stack([_fp({"input_ids": ids}), a]))
+    assert msg is not None and "disagree on check_consistency" in msg and "[0]" in msg
 
 
 def test_custom_shard_batch_ctx_supports_with_statement() -> None:

@@ -172,3 +172,49 @@ def test_fractional_lengths_raise_instead_of_truncating() -> None:
         PackSpec.from_seq_lens([[2.5, 3]], 8)  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"cu_seqlens: must be whole numbers; got 4.5"):
         PackSpec.from_cu_seqlens(torch.tensor([0.0, 4.5, 8.0]), 8)
+
+
+def test_shift_labels_takes_the_documents_as_the_batch_does() -> None:
+    """seq_lens (lists, flat list, tensor), cu_seqlens (list, int32 tensor) and restarting
+    position_ids give the same labels as the PackSpec they describe."""
+    ids = torch.arange(20).view(2, 10) + 5
+    spec = PackSpec.from_seq_lens([[3, 5], [10]], 10)
+    want = shift_labels_packed(ids, spec)
+    assert torch.equal(shift_labels_packed(ids, [[3, 5], [10]]), want)
+    assert torch.equal(shift_labels_packed(ids, seq_lens=[[3, 5], [10]]), want)
+    assert torch.equal(shift_labels_packed(ids, seq_lens=spec.doc_lens), want)
+    assert torch.equal(shift_labels_packed(ids, position_ids=spec.position_ids(),
+                                           padding_mask=spec.padding_mask()), want)  # fmt: skip
+    one = ids[:1]
+    want1 = shift_labels_packed(one, PackSpec.from_seq_lens([[4, 6]], 10))
+    assert want1.tolist() == [[6, 7, 8, -100, 10, 11, 12, 13, 14, -100]]
+    for docs in ([4, 6], [[4, 6]], torch.tensor([4, 6]), torch.tensor([[4, 6]])):
+        assert torch.equal(shift_labels_packed(one, docs), want1)
+    for cu in ([0, 4, 10], torch.tensor([0, 4, 10], dtype=torch.int32)):
+        assert torch.equal(shift_labels_packed(one, cu_seqlens=cu), want1)
+    assert torch.equal(shift_labels_packed(one, ignore_index=-1, seq_lens=[4, 6]),
+                       want1.masked_fill(want1 == -100, -1))  # fmt: skip
+
+
+def test_shift_labels_bad_documents_say_what_and_how_to_fix() -> None:
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match="exactly one of a PackSpec, seq_lens, cu_seqlens"):
+        shift_labels_packed(ids)
+    with pytest.raises(ValueError, match="exactly one"):
+        shift_labels_packed(ids[:1], [4, 6], cu_seqlens=[0, 4, 10])
+    with pytest.raises(ValueError, match="seq_lens given twice"):
+        shift_labels_packed(ids, [[4], [6]], seq_lens=[[4], [6]])
+    with pytest.raises(ValueError, match="looks like offsets.*cu_seqlens="):
+        shift_labels_packed(ids[:1], [0, 4, 10])
+    with pytest.raises(ValueError, match=r"cu_seqlens: describes one \[1, T\] stream.*B=2"):
+        shift_labels_packed(ids, cu_seqlens=[0, 4, 10])
+    with pytest.raises(ValueError, match=r"must describe the batch's \[B, S\] = \[2, 10\]"):
+        shift_labels_packed(ids, [[4, 6]])  # one row for a batch of two
+    with pytest.raises(ValueError, match="must sum to <= the row length S=10"):
+        shift_labels_packed(ids, [[4, 7], [1]])
+    with pytest.raises(ValueError, match="must end at the stream length T=10"):
+        shift_labels_packed(ids[:1], cu_seqlens=[0, 4, 9])
+    with pytest.raises(ValueError, match="padding_mask: is read only with position_ids"):
+        shift_labels_packed(ids, [[4], [6]], padding_mask=torch.zeros(2, 10, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"labels: must be \[B, S\]"):
+        shift_labels_packed(ids[0], [4, 6])

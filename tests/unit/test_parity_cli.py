@@ -127,6 +127,31 @@ def test_default_plan_is_the_14_demo_rows() -> None:
     assert len({r.ref_key for r in rows}) == 2
 
 
+def test_default_demo_has_a_pre_embedding_and_a_model_owned_row_beside_the_hf_rows() -> None:
+    """Issue 17: `cpshard parity` with no arguments (`make demo`) runs the 14 HF rows plus one
+    vlm (pre-embedding) and one prefix (model-owned) CP row, as in the seed's table."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    parity_cli.add_arguments(p)
+    args = p.parse_args([])
+    names = parity_cli._validate(args)
+    assert names["models"] == ["llama", "vlm", "prefix"]
+    rows = plan_rows(
+        ParityCase(),
+        models=names["models"],
+        dtypes=names["dtypes"],
+        layouts=names["layouts"],
+        methods=names["methods"],
+        world=args.ranks,
+        one_row=parity_cli._DEMO_ONE_ROW,
+    )
+    cp = [(r.case.model, r.case.method) for r in rows if r.kind == "cp"]
+    assert cp.count(("vlm", "all_gather")) == 1 and cp.count(("prefix", "own")) == 1
+    assert len([m for m, _ in cp if m == "llama"]) == 12 and len(cp) == 14
+    assert len(rows) == 18 and all(r.skip is None for r in rows)
+
+
 def test_plan_skips_ulysses_when_heads_do_not_divide() -> None:
     rows = plan_rows(
         ParityCase(),

@@ -24,8 +24,10 @@ def test_facts_are_frozen_and_read_only() -> None:
     assert sharder.check_consistency is False and sharder.cp_mesh is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts.padded_seq_len = 9  # type: ignore[misc]
-    with pytest.raises(AttributeError):
-        sharder.padded_seq_len = 9  # type: ignore[misc]
+    # the seed's record_on: an assignment on the sharder replaces its facts, never edits them
+    sharder.padded_seq_len = 9
+    assert facts.padded_seq_len == 7 and sharder.facts is not facts
+    assert (sharder.padded_seq_len, sharder.original_seq_len) == (9, 7)
     with pytest.raises(AttributeError):
         sharder.cp_mesh = None  # type: ignore[misc]
 

@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 from cpshard._comm import Transfer, all_gather_stacked_start, reduce_scatter_stacked_start
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
-from cpshard.attention.merge import accumulation_dtype, merge_into
+from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
 from cpshard.attention.plan import PairPlan
 
 __all__ = ["all_gather_attention"]
@@ -58,6 +58,7 @@ class _AllGatherAttention(torch.autograd.Function):
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         full: torch.Tensor | None = None
         pending: Transfer | None = None
@@ -74,16 +75,18 @@ class _AllGatherAttention(torch.autograd.Function):
             o, l_ = attend(q, k_all, v_all, remote, scale=scale, backend=backend, softcap=softcap)
             merge_into(out, lse, o, l_)
             del o, l_
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
         # As in the ring: keep the returned tensor, not an fp32 copy, for the flash backward.
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
-        ctx.save_for_backward(q, k, v, full, keep, lse)
+        ctx.save_for_backward(q, k, v, full, keep, lse, sinks)
         ctx.args = (local, remote, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, full, out, lse = ctx.saved_tensors
+        q, k, v, full, out, lse, sinks = ctx.saved_tensors
         local, remote, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -113,7 +116,8 @@ class _AllGatherAttention(torch.autograd.Function):
             mk, mv = _stream_views(pending.wait()[0])
             dk += mk
             dv += mv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
+        ds = None if sinks is None else sink_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6), ds
 
 
 def all_gather_attention(
@@ -127,6 +131,7 @@ def all_gather_attention(
     scale: float,
     backend: KernelBackend = "auto",
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable all-gather CP attention (inputs already validated).
 
@@ -141,11 +146,13 @@ def all_gather_attention(
         scale: Score scale.
         backend: Kernel backend.
         softcap: Soft-cap of the scores, or ``None``.
+        sinks: ``[Hq]`` attention-sink logits (:func:`~cpshard.attention.merge.add_sinks`), or
+            ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, local, remote, group, scale, backend, softcap
+        q, k, v, local, remote, group, scale, backend, softcap, sinks
     )
     return out

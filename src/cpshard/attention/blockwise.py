@@ -25,6 +25,11 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
+def _ordered(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Slots (dim 2) of ``t`` in the plan's slot order (see ``PairPlan.slot_order``)."""
+    return t if order is None else t.index_select(2, order)
+
+
 def _forward_tasks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,17 +87,24 @@ def attend(
     b, h, n, d = q.shape
     out = torch.zeros((b, h, n, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-    for rows, tasks in plan.groups:
-        if rows is None:
+    for g, (rows, tasks) in enumerate(plan.groups):
+        order = plan.order_of(g)
+        if rows is None and order is None:
             _forward_tasks(q, k, v, tasks, out, lse, scale, backend, softcap)
             continue
-        og = torch.zeros((rows.shape[0], h, n, d), dtype=acc, device=q.device)
-        lg = torch.full((rows.shape[0], h, n), float("-inf"), dtype=acc, device=q.device)
-        _forward_tasks(
-            _rows(q, rows), _rows(k, rows), _rows(v, rows), tasks, og, lg, scale, backend, softcap
-        )
-        out.index_copy_(0, rows, og)
-        lse.index_copy_(0, rows, lg)
+        nb = b if rows is None else rows.shape[0]
+        og = torch.zeros((nb, h, n, d), dtype=acc, device=q.device)
+        lg = torch.full((nb, h, n), float("-inf"), dtype=acc, device=q.device)
+        qg, kg, vg = (_ordered(_rows(t, rows), order) for t in (q, k, v))
+        _forward_tasks(qg, kg, vg, tasks, og, lg, scale, backend, softcap)
+        if order is not None:  # back to the tensors' own slot order
+            og = torch.empty_like(og).index_copy_(2, order, og)
+            lg = torch.empty_like(lg).index_copy_(2, order, lg)
+        if rows is None:
+            out, lse = og, lg
+        else:
+            out.index_copy_(0, rows, og)
+            lse.index_copy_(0, rows, lg)
     return out, lse
 
 
@@ -172,22 +184,30 @@ def attend_backward_into(
         Whether anything was added (``False`` when no query sees any key).
     """
     out_q = out.to(q.dtype)
-    for rows, tasks in plan.groups:
+    for g, (rows, tasks) in enumerate(plan.groups):
         if not tasks:
             continue
-        if rows is None:
+        order = plan.order_of(g)
+        if rows is None and order is None:
             _backward_tasks(
                 grad_out, q, k, v, out_q, lse, tasks, dq, dk, dv, scale, backend, softcap
             )
             continue
         gq, gk, gv = (torch.zeros_like(_rows(t, rows)) for t in (dq, dk, dv))
-        _backward_tasks(
-            _rows(grad_out, rows), _rows(q, rows), _rows(k, rows), _rows(v, rows),
-            _rows(out_q, rows), _rows(lse, rows), tasks, gq, gk, gv, scale, backend, softcap,
-        )  # fmt: skip
-        dq.index_add_(0, rows, gq)
-        dk.index_add_(0, rows, gk)
-        dv.index_add_(0, rows, gv)
+        go_, q_, k_, v_, o_, l_ = (
+            _ordered(_rows(t, rows), order) for t in (grad_out, q, k, v, out_q, lse)
+        )
+        _backward_tasks(go_, q_, k_, v_, o_, l_, tasks, gq, gk, gv, scale, backend, softcap)
+        if order is not None:  # back to the tensors' own slot order
+            gq, gk, gv = (torch.zeros_like(t).index_add_(2, order, t) for t in (gq, gk, gv))
+        if rows is None:
+            dq += gq
+            dk += gk
+            dv += gv
+        else:
+            dq.index_add_(0, rows, gq)
+            dk.index_add_(0, rows, gk)
+            dv.index_add_(0, rows, gv)
     return not plan.empty
 
 

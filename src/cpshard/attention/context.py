@@ -53,6 +53,7 @@ from cpshard.sharding.meta import TokenMeta
 __all__ = [
     "active_cp_attention",
     "active_mode",
+    "check_meta_of_active_context",
     "checkpoint_context_fn",
     "cp_attention_context",
     "cp_context_active",
@@ -102,6 +103,8 @@ class _CPSDPAMode(TorchFunctionMode):
         # Contexts a recomputation re-enters with the routing (e.g. an HF model's "cpshard"
         # attention implementation, which is selected only while its ctx() is open).
         self.on_recompute: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+        # CP attention calls served in this context (the model guard's backstop counts them).
+        self.attention_calls = 0
 
     def __torch_function__(
         self,
@@ -153,6 +156,7 @@ class _CPSDPAMode(TorchFunctionMode):
         """CP attention for a named SDPA call (checked first)."""
         q, k = call["query"], call["key"]
         self.check_checkpoint()
+        self.attention_calls += 1
         if call["attn_mask"] is not None:
             raise ValueError(
                 "scaled_dot_product_attention got an explicit attn_mask inside "
@@ -220,6 +224,26 @@ def active_mode() -> _CPSDPAMode | None:
     if not modes or modes[-1].suspended:
         return None
     return modes[-1]
+
+
+def check_meta_of_active_context(meta: TokenMeta, where: str) -> None:
+    """Raise when a CP context is active for another batch than ``meta``'s.
+
+    ``cp_attention(q, k, v, sharder=...)`` inside ``ctx()`` with a sharder that has since sharded
+    another batch would apply the new batch's masks to the tensors of the old one: the context
+    knows which batch its forward runs on.
+
+    Raises:
+        ValueError: the active context's token meta is neither ``meta`` nor equal to it.
+    """
+    mode = active_mode()
+    if mode is not None and mode.meta is not meta and not same_shard(meta, mode.meta):
+        raise ValueError(
+            f"{where} got a sharder whose last batch is not the one this ctx() runs (the sharder "
+            "has sharded another batch since): its masks would be applied to this batch's "
+            "tensors. Pass the sharder returned together with this batch (ctx, batch, sharder = "
+            "prepare_cp_forward(...) once per batch), or shard the next batch after this forward"
+        )
 
 
 def cp_context_active() -> bool:

@@ -125,6 +125,21 @@ def _validate(
                 )
 
 
+def _check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be a floating-point tensor [Hq] (one logit per query head), got "
+            f"{type(sinks).__name__}"
+        )
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape [Hq]=({heads},) (one logit per query head), got "
+            f"{tuple(sinks.shape)}"
+        )
+
+
 def cp_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,6 +154,7 @@ def cp_sdpa(
     window: int | None = None,
     softcap: float | None = None,
     plan: AttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention over the global sequence from local CP shards.
 
@@ -163,6 +179,9 @@ def cp_sdpa(
         softcap: Soft-cap of the scores, ``cap * tanh(s / cap)`` (Gemma 2), or ``None``; runs
             the chunked math kernel of :mod:`cpshard.attention.softcap`.
         plan: The batch's attention plan; ``None`` -> the one cached on ``meta``.
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``): one extra logit per head in
+            the softmax denominator with a zero value row, merged once through the LSE after
+            every key block; differentiable. ``None`` = no sinks.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
@@ -174,6 +193,7 @@ def cp_sdpa(
     """
     rank, world = (0, 1) if group is None else group_rank_and_size(group)
     _validate(q, k, v, meta, method, rank, world, plan, causal, window, softcap)
+    _check_sinks(sinks, q.shape[1])
     if group is not None and world == 1:
         group = None
     plans = (attention_plan(meta) if plan is None else plan).for_method(
@@ -183,16 +203,18 @@ def cp_sdpa(
     cap = None if softcap is None else float(softcap)
     if method == "ring":
         assert isinstance(plans, tuple)
-        return ring_attention(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap)
+        return ring_attention(
+            q, k, v, plans, group, scale=sc, backend=backend, softcap=cap, sinks=sinks
+        )
     if method == "ulysses":
         assert isinstance(plans, PairPlan)
         return ulysses_attention(
-            q, k, v, plans, group, world, scale=sc, backend=backend, softcap=cap
+            q, k, v, plans, group, world, scale=sc, backend=backend, softcap=cap, sinks=sinks
         )
     assert isinstance(plans, tuple)
     local, remote = plans
     return all_gather_attention(
-        q, k, v, local, remote, group, scale=sc, backend=backend, softcap=cap
+        q, k, v, local, remote, group, scale=sc, backend=backend, softcap=cap, sinks=sinks
     )
 
 
@@ -225,14 +247,19 @@ def cp_attention(
         ``[B, Hq, L, D]`` in q's dtype.
 
     Raises:
-        ValueError: the sharder has no token meta yet, or any error of :func:`cp_sdpa`.
+        ValueError: the sharder has no token meta yet; inside a ``ctx()`` made for another batch
+            than the sharder's last one (a sharder that has since sharded another batch); or any
+            error of :func:`cp_sdpa`.
     """
+    from cpshard.attention.context import check_meta_of_active_context  # imports this module
+
     meta = sharder.token_meta
     if meta is None:
         raise ValueError(
             "cp_attention needs sharder.token_meta, which is None: the sharder has not sharded a "
             "batch yet; call it through prepare_cp_forward / shard_batch first"
         )
+    check_meta_of_active_context(meta, "cp_attention")
     return cp_sdpa(
         q, k, v, group=cp_group(sharder.cp_mesh), meta=meta, method=method, causal=causal,
         scale=scale, window=window, softcap=softcap,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,10 +36,13 @@ from cpshard.attention.hf_options import run_cp_hf_attention
 __all__ = [
     "ATTENTION_NAME",
     "attention_implementations",
+    "check_cp_attention_support",
     "cp_attention_scope",
     "cpshard_attention_forward",
     "cpshard_attention_mask",
+    "interface_attention_modules",
     "use_cp_attention",
+    "uses_attention_interface",
 ]
 
 ATTENTION_NAME = "cpshard"
@@ -83,12 +88,16 @@ def cpshard_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         return out, None
-    if attention_mask is not None:
+    if attention_mask is not None and not _is_no_mask(attention_mask):
+        # The mask builder returns None under CP and the model guard refuses a caller's mask:
+        # this one was computed inside the model's attention itself (e.g. doge's dynamic mask).
         raise ValueError(
-            f"the 'cpshard' attention got an attention_mask of shape "
-            f"{tuple(attention_mask.shape)}; masks come from the CP token meta (document ids, "
-            "positions and the batch's padding_mask), so pass padding as padding_mask to the "
-            "sharder and no attention_mask to the model"
+            f"{type(module).__name__} computed its own attention mask (shape "
+            f"{tuple(attention_mask.shape)}) and passed it to the 'cpshard' attention: a "
+            "model-made mask over this rank's local tokens (a dynamic/learned mask or score "
+            "bias) cannot be applied under CP (it would be silently wrong). This model cannot "
+            "run under cpshard CP; run it at cp=1 with its own attn_implementation (without "
+            "prepare_cp_forward), or configure it without that mask"
         )
     if dropout > 0.0 and module.training:
         raise ValueError(
@@ -108,12 +117,23 @@ def cpshard_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
         ValueError: under CP, the model was handed an ``attention_mask`` (it would be ignored).
     """
     if cp_context_active():
-        _reject_mask_under_cp(kwargs.get("attention_mask"))
+        given = kwargs.get("attention_mask")
+        if given is not None and not _is_no_mask(given):
+            _reject_mask_under_cp(given)
         return None
     from transformers.masking_utils import sdpa_mask
 
     mask: torch.Tensor | None = sdpa_mask(*args, **kwargs)
     return mask
+
+
+def _is_no_mask(mask: object) -> bool:
+    """A 2-D keep-mask of all ones (some models, e.g. BioGPT, build one themselves): no mask."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    if mask.dtype == torch.bool:
+        return bool(mask.all())
+    return bool((mask == 1).all())
 
 
 def _reject_mask_under_cp(mask: object) -> None:
@@ -226,3 +246,117 @@ def cp_attention_scope(
         A context manager: ``with cp_attention_scope(model, ctx): model(...)``.
     """
     return _scope(model, inner)
+
+
+def uses_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' attention registry.
+
+    Read from the forward's source (``ALL_ATTENTION_FUNCTIONS`` / ``_attn_implementation``), the
+    structural fact transformers' own ``_can_set_attn_implementation`` checks per file.
+    """
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return False
+    try:
+        src = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in src or "_attn_implementation" in src
+
+
+_READS_MASK = re.compile(r"attention_mask\s*\[|attention_mask\.(?!shape\b|dim\b)\w+\(")
+
+
+def _reads_mask(cls: type) -> bool:
+    """Whether ``cls.forward`` reads the mask's values itself (indexes it, calls its methods)."""
+    try:
+        src = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return False
+    return _READS_MASK.search(src) is not None
+
+
+def interface_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules whose forward calls the attention registry (one call each per forward)."""
+    return [m for m in model.modules() if uses_attention_interface(type(m))]
+
+
+def _off_interface(model: torch.nn.Module) -> list[str]:
+    """Classes of attention-like submodules (``*Attention*`` with projections) off the registry."""
+    names: list[str] = []
+    for m in model.modules():
+        name = type(m).__name__
+        if "Attention" not in name or uses_attention_interface(type(m)) or name in names:
+            continue
+        projects = any(
+            isinstance(c, torch.nn.Linear) or type(c).__name__ == "Conv1D" for c in m.children()
+        )
+        if projects or any(True for _ in m.parameters(recurse=False)):
+            names.append(name)
+    return names
+
+
+def check_cp_attention_support(model: torch.nn.Module) -> None:
+    """Raise unless every attention of the HF ``model`` runs through cpshard's registered one.
+
+    Four facts, all local (no collective, the same verdict on every rank): transformers'
+    ``_can_set_attn_implementation`` of every sub-model (it reads whether the model's attention
+    classes dispatch through ``AttentionInterface``), the attention-like submodules that bypass
+    it, interface attention modules that read the mask's values themselves (sparse indexers:
+    under CP there is no mask) or configs whose alibi bias rides on the mask, and a trial
+    switch: after ``set_attn_implementation("cpshard")`` every (sub-)config must report
+    ``"cpshard"`` (it is switched back at once).
+
+    Raises:
+        ValueError: naming the module class(es), why, and what to do.
+    """
+    from transformers import PreTrainedModel
+
+    subs = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    for sub in subs:
+        can = getattr(type(sub), "_can_set_attn_implementation", None)
+        if callable(can) and not can():
+            off = _off_interface(sub) or [type(sub).__name__]
+            raise ValueError(
+                f"{type(model).__name__}: {', '.join(off)} computes attention itself instead of "
+                "through transformers' AttentionInterface, so cpshard cannot route it to CP "
+                "attention (it would attend over this rank's shard only, or across packed "
+                "documents: silently wrong). Feature: attention off the AttentionInterface. Use "
+                "a model whose attention goes through the interface (e.g. the Llama-style "
+                "families), or train this one without cpshard (cp=1, no prepare_cp_forward)"
+            )
+    for sub in subs:
+        cfg = sub.config
+        if getattr(cfg, "alibi", False) is True or "alibi" in str(
+            getattr(cfg, "position_embedding_type", "")
+        ):
+            raise ValueError(
+                f"{type(model).__name__}: config {type(cfg).__name__} enables alibi, whose "
+                "position bias the model adds to the attention mask it builds; under CP there "
+                "is no mask (CP attention takes visibility from the token meta), so the bias "
+                "would be silently dropped. Feature: alibi carried by the mask. Use a RoPE "
+                "configuration of the model, or train it without cpshard (cp=1, no "
+                "prepare_cp_forward)"
+            )
+    readers = sorted({type(m).__name__ for m in interface_attention_modules(model)
+                      if _reads_mask(type(m))})  # fmt: skip
+    if readers:
+        raise ValueError(
+            f"{type(model).__name__}: {', '.join(readers)} reads the attention mask itself (e.g. "
+            "a sparse-attention indexer that selects keys from it, or a mask it edits), but "
+            "under CP there is no mask over the sequence (visibility comes from the token meta "
+            "inside CP attention), so it cannot run exactly. Feature: a mask-reading attention. "
+            "Train this model without cpshard (cp=1, no prepare_cp_forward)"
+        )
+    with _selected(model):
+        wrong = [
+            f"{type(sub).__name__} ({sub.config._attn_implementation!r})"
+            for sub in subs
+            if getattr(sub.config, "_attn_implementation", ATTENTION_NAME) != ATTENTION_NAME
+        ]
+    if wrong:
+        raise ValueError(
+            f"{type(model).__name__}: set_attn_implementation('cpshard') did not take on "
+            f"{', '.join(wrong)}; its attention would run locally over this rank's shard "
+            "(silently wrong). Train this model without cpshard (cp=1, no prepare_cp_forward)"
+        )

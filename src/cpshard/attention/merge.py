@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulation_dtype", "empty_partial", "merge", "merge_into"]
+__all__ = ["accumulation_dtype", "add_sinks", "empty_partial", "merge", "merge_into", "sink_grad"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,3 +104,46 @@ def merge_into(
     lse, w_a, w_b = _weights(lse_acc, lse_b.to(lse_acc.dtype))
     out_acc.mul_(w_a.unsqueeze(-1)).add_(out_b.to(out_acc.dtype) * w_b.unsqueeze(-1))
     lse_acc.copy_(lse)
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Merge per-head attention sinks into a *final* partial result, in place.
+
+    A sink is one extra logit per head in the softmax denominator whose value row is zero
+    (gpt-oss ``s_aux``): ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j' exp(s_ij'))``. It is the
+    partial ``(out = 0, lse = sink_h)``, merged once after every key block has been merged.
+
+    Args:
+        out: ``[B, H, L, D]`` merged output over every key (accumulation dtype), updated.
+        lse: ``[B, H, L]`` its log-sum-exp (``-inf`` where no key is visible), updated to
+            include the sink.
+        sinks: ``[H]`` sink logits of these heads.
+    """
+    s = sinks.detach().to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    total = torch.logaddexp(lse, s)  # finite: a sink is finite
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    lse.copy_(total)
+
+
+def sink_grad(
+    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Gradient of the sink logits: ``-sum_{b,i} exp(sink_h - lse_i) * <dO_i, O_i>``.
+
+    The q/k/v gradients need no change: given the output and LSE *with* the sink, the usual
+    flash backward is exact (the sink's value row is zero).
+
+    Args:
+        grad_out: ``[B, H, L, D]`` upstream gradient of these queries.
+        out: ``[B, H, L, D]`` output with the sink.
+        lse: ``[B, H, L]`` log-sum-exp with the sink.
+        sinks: ``[H]`` sink logits.
+
+    Returns:
+        ``[H]`` in ``sinks``' dtype: this rank's queries' share (CP sums it like any parameter
+        gradient).
+    """
+    acc = lse.dtype
+    row = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    p = torch.exp(sinks.detach().to(acc).view(1, -1, 1) - lse)
+    return (-(p * row).sum(dim=(0, 2))).to(sinks.dtype)

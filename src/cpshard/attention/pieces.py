@@ -1,23 +1,50 @@
-"""Cut the visible pairs of (query run, key run) pairs into kernel calls (host side, numpy).
+"""Pair query runs with key runs and cut their visible pairs into kernel calls (host, numpy).
 
 A *run* is a maximal stretch of slots of one document with consecutive positions, contiguous in
-the tensor. Every (query run, key run) pair of one document is cut into *pieces* whose pairs are
-all visible (``FULL``: every key at or before every query and inside the window; ``CAUSAL``: the
-same positions on both sides, the kernel's ``is_causal``; ``EDGE``: a bounded piece on a sliding
-window's border). Pieces with few pairs and window borders are grouped into masked tiles of at
-most :data:`TILE` x :data:`TILE` slots whose mask is the union of their pieces' patterns.
+the tensor. A stretch of padding (slots whose document id is ``-1 - position``: every pad sees
+only itself) is one run too, of the *pad class*, whatever its length.
+
+Pairing is by sorted intervals, never all against all: the key runs are sorted by (class, first
+position) and every query run finds its key runs with two binary searches (:func:`pair_runs`):
+the key runs of its document that start before it ends (causal) and end inside its window; a
+pad run finds the pad runs whose positions overlap its own. Every pair is then cut, vectorized,
+into *pieces* whose pairs are all visible:
+
+* ``FULL``: every key at or before every query (and inside the window) -> kernel without a mask;
+* ``CAUSAL``: the same positions on both sides -> the kernel's own ``is_causal``;
+* ``EDGE``: a bounded piece on the border of a sliding window (at most :data:`TILE` square);
+* ``IDENT``: a stretch of padding against itself (the diagonal; at most :data:`PAD_TILE` long).
+
+Small pieces (at most :data:`SMALL_PAIRS` pairs), window borders and pad diagonals that lie in the
+same aligned :data:`TILE` x :data:`TILE` cell of (query slot, key slot) are grouped into one
+*masked tile* whose bool mask is the union of their patterns; a piece alone in its cell keeps its
+kernel call (a mask only where its pattern needs one: the pad diagonal shares one identity).
+The host work is a few sorts and searches over the runs plus one Python step per kernel call.
 
 Imports only torch and numpy; :mod:`cpshard.attention.plan` is its one user.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-__all__ = ["SMALL_PAIRS", "TILE", "Cutter", "Task", "runs", "tasks_of"]
+__all__ = [
+    "PAD_TILE",
+    "SMALL_PAIRS",
+    "TILE",
+    "Pieces",
+    "RunTable",
+    "Task",
+    "cut_pairs",
+    "pair_runs",
+    "run_table",
+    "tasks_by_key",
+    "tasks_of",
+]
 
 TILE = 64
 """Largest extent (query and key slots) of a grouped masked tile and of a window-border piece."""
@@ -25,21 +52,26 @@ TILE = 64
 SMALL_PAIRS = 32 * 32
 """Pieces with at most this many query-key pairs are grouped into masked tiles."""
 
-_FULL, _CAUSAL, _EDGE = 0, 1, 2
+PAD_TILE = 256
+"""Longest pad diagonal of one kernel call (its identity mask costs ``PAD_TILE`` pairs per pad:
+long pad stretches take few calls, at a small extra cost)."""
 
-# piece: (q index start, q position start, nq, k index start, k position start, nk, kind)
-_Piece = tuple[int, int, int, int, int, int, int]
+FULL, CAUSAL, EDGE, IDENT = 0, 1, 2, 3
+
+PAD_CLASS = np.iinfo(np.int64).min
+"""The class of pad runs (no document id can be this value after :func:`run_table`)."""
+
+_I64 = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):
     """One kernel call: query slots ``[q0, q1)`` against key slots ``[k0, k1)``.
 
     Attributes:
         q0, q1: Query slice of the query tensor.
         k0, k1: Key slice of the key tensor.
         causal: Run the kernel with ``is_causal=True`` (``q1 - q0 == k1 - k0``).
-        mask: Bool ``[1, q1 - q0, k1 - k0]`` (``True`` = visible) for a grouped tile, else ``None``.
+        mask: Bool ``[1, q1 - q0, k1 - k0]`` (``True`` = visible) for a masked tile, else ``None``.
         first: No earlier task of the same pair writes any of these query rows (assign, not merge).
     """
 
@@ -52,155 +84,385 @@ class Task:
     first: bool
 
 
-def runs(pos: np.ndarray, doc: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """Maximal runs ``(start, end, document, first position)`` of consecutive positions."""
-    n = pos.shape[0]
-    if n == 0:
-        return []
-    brk = np.ones(n, dtype=bool)
-    brk[1:] = (pos[1:] != pos[:-1] + 1) | (doc[1:] != doc[:-1])
+class RunTable(NamedTuple):
+    """The runs of one slot set, as columns: run ``i`` is slots ``[start[i], start[i] + n[i])``
+    with positions ``[pos[i], pos[i] + n[i])`` in class ``cls[i]`` (document id, or
+    :data:`PAD_CLASS`) of row group ``grp[i]`` (runs of different groups never meet)."""
+
+    start: _I64
+    n: _I64
+    pos: _I64
+    cls: _I64
+    grp: _I64
+
+
+class Pieces(NamedTuple):
+    """Visible pieces as columns (slot starts, position starts, extents, kind)."""
+
+    qi: _I64
+    qp: _I64
+    nq: _I64
+    ki: _I64
+    kp: _I64
+    nk: _I64
+    kind: _I64
+
+    @staticmethod
+    def empty() -> Pieces:
+        z = np.zeros(0, dtype=np.int64)
+        return Pieces(z, z, z, z, z, z, z)
+
+    def take(self, sel: npt.NDArray[np.bool_] | _I64) -> Pieces:
+        return Pieces(*(c[sel] for c in self))
+
+    @staticmethod
+    def concat(parts: list[Pieces]) -> Pieces:
+        parts = [p for p in parts if p.qi.size]
+        if not parts:
+            return Pieces.empty()
+        return Pieces(*(np.concatenate(cols) for cols in zip(*parts, strict=True)))
+
+
+def run_table(pos: _I64, doc: _I64, merge_pads: bool, breaks: int = 0) -> RunTable:
+    """The runs of one slot set per row group.
+
+    Args:
+        pos: ``[G, N]`` positions, one row per row group (the slots are numbered row-major:
+            slot ``g * N + i``).
+        doc: ``[G, N]`` document ids.
+        merge_pads: Slots with ``doc == -1 - pos`` form pad runs (class :data:`PAD_CLASS`) instead
+            of one one-token document each (only valid when every negative id is such a pad).
+        breaks: Also end runs at every multiple of ``breaks`` slots (the rank blocks of the
+            stream; a divisor of ``N``), or ``0``.
+    """
+    n = pos.shape[1]
+    flat_pos, flat_doc = pos.reshape(-1), doc.reshape(-1)
+    if flat_pos.size == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return RunTable(z, z, z, z, z)
+    cls = flat_doc
+    if merge_pads:
+        cls = np.where(flat_doc == -1 - flat_pos, PAD_CLASS, flat_doc)
+    brk = np.empty(flat_pos.size, dtype=bool)
+    brk[0] = True
+    np.not_equal(flat_pos[1:], flat_pos[:-1] + 1, out=brk[1:])
+    brk[1:] |= cls[1:] != cls[:-1]
+    brk[:: breaks if breaks else n] = True
+    if breaks:
+        brk[::n] = True
     starts = np.flatnonzero(brk)
-    ends = np.append(starts[1:], n)
-    return list(
-        zip(starts.tolist(), ends.tolist(), doc[starts].tolist(), pos[starts].tolist(), strict=True)
+    lens = np.diff(np.append(starts, flat_pos.size))
+    return RunTable(starts, lens, flat_pos[starts], cls[starts], starts // n)
+
+
+def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tuple[_I64, _I64]:
+    """Index pairs ``(query run, key run)`` with at least one visible pair, by sorted intervals.
+
+    Same class and, for causal attention, a key at or before a query (inside the window); pad runs
+    meet pad runs whose positions overlap (a pad sees only itself), causal or not.
+
+    Returns:
+        ``(qi, ki)`` int64 arrays of run indices (``ki`` into ``k`` as given).
+    """
+    if not q.n.size or not k.n.size:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z
+    _, inv = np.unique(np.concatenate([q.cls, k.cls]), return_inverse=True)
+    groups = int(max(q.grp.max(), k.grp.max())) + 1
+    inv = inv.reshape(-1).astype(np.int64) * groups
+    qc, kc_all = inv[: q.cls.size] + q.grp, inv[q.cls.size :] + k.grp
+    order = np.lexsort((k.pos, kc_all))
+    kcr, kp, kn = kc_all[order], k.pos[order], k.n[order]
+    kend = kp + kn
+    w = 0 if window is None else window
+    lo = int(min(q.pos.min(), kp.min())) - w - 2
+    hi = int(max((q.pos + q.n).max(), kend.max())) + 2
+    span = hi - lo + 1
+    key_start = kcr * span + (kp - lo)
+    key_end = kcr * span + (kend - lo)
+    ends_sorted = bool(np.all(np.diff(key_end) >= 0))
+    a, b = q.pos, q.pos + q.n
+    pad = q.cls == PAD_CLASS
+    base = qc * span
+    # upper bound on a key run's first position: it starts before the query run ends
+    upper = np.where(pad | causal, b - lo, span)
+    hi_idx = np.searchsorted(key_start, base + upper, side="left")
+    # lower bound on a key run's end: a key inside the window / overlapping the pad run
+    lower = np.full(a.shape, -1, dtype=np.int64)
+    if window is not None and causal:
+        lower = a - window + 1 - lo
+    lower = np.where(pad, a - lo, lower)
+    if ends_sorted:
+        lo_idx = np.searchsorted(key_end, base + np.maximum(lower, 0), side="right")
+    else:  # overlapping key runs of one class: take the class block, filter exactly below
+        lo_idx = np.searchsorted(key_start, base, side="left")
+    counts = np.maximum(hi_idx - lo_idx, 0)
+    total = int(counts.sum())
+    qi = np.repeat(np.arange(q.n.size, dtype=np.int64), counts)
+    offs = np.cumsum(counts) - counts
+    ki = lo_idx[qi] + (np.arange(total, dtype=np.int64) - offs[qi])
+    keep = kcr[ki] == qc[qi]
+    keep &= (kp[ki] < b[qi]) | ~(pad[qi] | causal)
+    keep &= np.where(pad[qi], kend[ki] > a[qi], kend[ki] - lo > lower[qi])
+    qi, ki = qi[keep], ki[keep]
+    return qi, order[ki]
+
+
+def _emit(out: list[tuple[int, ...]], qi: int, qp: int, ki: int, kp: int, qa: int, qb: int,
+          ka: int, kb: int, kind: int) -> None:  # fmt: skip
+    out.append((qi + qa - qp, qa, qb - qa, ki + ka - kp, ka, kb - ka, kind))
+
+
+def _full(out: list[tuple[int, ...]], base: tuple[int, int, int, int], w: int, qa: int, qb: int,
+          ka: int, kb: int) -> None:  # fmt: skip
+    """Positions with every key ``<=`` every query, clipped by the window ``w`` (recursive)."""
+    if (qb - 1) - ka < w:
+        _emit(out, *base, qa, qb, ka, kb, FULL)
+    elif qa - (kb - 1) >= w:
+        return
+    elif qb - qa <= TILE and kb - ka <= TILE:
+        _emit(out, *base, qa, qb, ka, kb, EDGE)
+    elif qb - qa >= kb - ka:
+        m = (qa + qb) // 2
+        _full(out, base, w, qa, m, ka, kb)
+        _full(out, base, w, m, qb, ka, kb)
+    else:
+        m = (ka + kb) // 2
+        _full(out, base, w, qa, qb, ka, m)
+        _full(out, base, w, qa, qb, m, kb)
+
+
+def _diag(out: list[tuple[int, ...]], base: tuple[int, int, int, int], w: int, a: int,
+          b: int) -> None:  # fmt: skip
+    """The causal square of positions ``[a, b)``, clipped by the window ``w`` (recursive)."""
+    if (b - 1) - a < w:
+        _emit(out, *base, a, b, a, b, CAUSAL)
+    elif b - a <= TILE:
+        _emit(out, *base, a, b, a, b, EDGE)
+    else:
+        m = (a + b) // 2
+        _diag(out, base, w, a, m)
+        _diag(out, base, w, m, b)
+        _full(out, base, w, m, b, a, m)
+
+
+def _rect(qi: _I64, qp: _I64, ki: _I64, kp: _I64, qa: _I64, qb: _I64, ka: _I64, kb: _I64,
+          kind: int) -> Pieces:  # fmt: skip
+    return Pieces(qi + qa - qp, qa, qb - qa, ki + ka - kp, ka, kb - ka,
+                  np.full(qa.shape, kind, dtype=np.int64))  # fmt: skip
+
+
+def _clip_window(p: Pieces, window: int) -> Pieces:
+    """Window-clip FULL and CAUSAL pieces: inside -> kept, outside -> dropped, straddling ->
+    cut recursively into pieces inside the window and bounded ``EDGE`` pieces."""
+    a, b, c, d = p.qp, p.qp + p.nq, p.kp, p.kp + p.nk
+    full = p.kind == FULL
+    inside = np.where(full, (b - 1) - c < window, (b - 1) - a < window)
+    outside = full & (a - (d - 1) >= window)
+    keep = p.take(inside)
+    cut = np.flatnonzero(~inside & ~outside)
+    out: list[tuple[int, ...]] = []
+    for j in cut.tolist():
+        base = (int(p.qi[j]), int(p.qp[j]), int(p.ki[j]), int(p.kp[j]))
+        qa, qb = int(a[j]), int(b[j])
+        if full[j]:
+            _full(out, base, window, qa, qb, int(c[j]), int(d[j]))
+        else:
+            _diag(out, base, window, qa, qb)
+    if not out:
+        return keep
+    arr = np.array(out, dtype=np.int64).reshape(-1, 7)
+    return Pieces.concat([keep, Pieces(*(arr[:, i].copy() for i in range(7)))])
+
+
+def cut_pairs(
+    q: RunTable, k: RunTable, qi: _I64, ki: _I64, causal: bool, window: int | None
+) -> Pieces:
+    """Cut the run pairs ``(q[qi], k[ki])`` of :func:`pair_runs` into visible pieces."""
+    qs, qp, qn = q.start[qi], q.pos[qi], q.n[qi]
+    ks, kp, kn = k.start[ki], k.pos[ki], k.n[ki]
+    a, b, c, d = qp, qp + qn, kp, kp + kn
+    pad = q.cls[qi] == PAD_CLASS
+    parts: list[Pieces] = []
+    lo, hi = np.maximum(a, c), np.minimum(b, d)
+    sel = pad & (hi > lo)
+    if sel.any():  # a pad stretch against itself: the diagonal of the shared positions
+        s = sel
+        parts.append(_rect(qs[s], qp[s], ks[s], kp[s], lo[s], hi[s], lo[s], hi[s], IDENT))
+    reg = ~pad
+    if not causal:
+        s = reg
+        parts.append(_rect(qs[s], qp[s], ks[s], kp[s], a[s], b[s], c[s], d[s], FULL))
+        return Pieces.concat(parts)
+    m = np.minimum(d, a)
+    s = reg & (m > c)  # keys before every query
+    parts.append(_rect(qs[s], qp[s], ks[s], kp[s], a[s], b[s], c[s], m[s], FULL))
+    s = reg & (hi > lo)  # the shared positions: a causal square
+    parts.append(_rect(qs[s], qp[s], ks[s], kp[s], lo[s], hi[s], lo[s], hi[s], CAUSAL))
+    after = np.maximum(d, a)
+    s = reg & (b > after) & (d > lo)  # queries after every key of the overlap's columns
+    parts.append(_rect(qs[s], qp[s], ks[s], kp[s], after[s], b[s], lo[s], d[s], FULL))
+    pieces = Pieces.concat(parts)
+    if window is None:
+        return pieces
+    ident = pieces.kind == IDENT
+    return Pieces.concat([pieces.take(ident), _clip_window(pieces.take(~ident), window)])
+
+
+def _split_ident(p: Pieces) -> Pieces:
+    """Cut pad diagonals longer than :data:`PAD_TILE` into diagonals of at most that."""
+    long = (p.kind == IDENT) & (p.nq > PAD_TILE)
+    if not long.any():
+        return p
+    lp = p.take(long)
+    parts = (lp.nq + PAD_TILE - 1) // PAD_TILE
+    idx = np.repeat(np.arange(lp.nq.size), parts)
+    off = (np.arange(idx.size) - np.repeat(np.cumsum(parts) - parts, parts)) * PAD_TILE
+    n = np.minimum(lp.nq[idx] - off, PAD_TILE)
+    cut = Pieces(lp.qi[idx] + off, lp.qp[idx] + off, n, lp.ki[idx] + off, lp.kp[idx] + off, n,
+                 lp.kind[idx])  # fmt: skip
+    return Pieces.concat([p.take(~long), cut])
+
+
+def _pairs(p: Pieces, window: int | None) -> _I64:
+    """Visible pairs of every piece (closed forms; EDGE pieces are at most TILE square)."""
+    out = np.where(
+        p.kind == FULL, p.nq * p.nk, np.where(p.kind == CAUSAL, p.nq * (p.nq + 1) // 2, p.nq)
     )
+    for j in np.flatnonzero(p.kind == EDGE).tolist():
+        out[j] = int(_pattern(p, j, window).sum())
+    return out
 
 
-class Cutter:
-    """Cuts one (query run, key run) pair of a document into visible pieces."""
-
-    def __init__(self, causal: bool, window: int | None) -> None:
-        self.causal = causal
-        self.window = window
-        self.pieces: list[_Piece] = []
-        self._qi = self._qp = self._ki = self._kp = 0
-
-    def pair(self, qi: int, qp: int, nq: int, ki: int, kp: int, nk: int) -> None:
-        """Add the pieces of query slots ``qi..`` (positions ``qp..``) x key slots ``ki..``."""
-        self._qi, self._qp, self._ki, self._kp = qi, qp, ki, kp
-        a, b, c, d = qp, qp + nq, kp, kp + nk
-        if not self.causal:
-            self._emit(a, b, c, d, _FULL)
-            return
-        if min(d, a) > c:  # keys before every query
-            self._full(a, b, c, min(d, a))
-        lo, hi = max(a, c), min(b, d)
-        if hi > lo:  # the shared positions: a causal square
-            self._diag(lo, hi)
-        if b > max(d, a) and d > lo:  # queries after every key of the overlap's columns
-            self._full(max(d, a), b, lo, d)
-
-    def _emit(self, qa: int, qb: int, ka: int, kb: int, kind: int) -> None:
-        self.pieces.append(
-            (self._qi + qa - self._qp, qa, qb - qa, self._ki + ka - self._kp, ka, kb - ka, kind)
-        )
-
-    def _full(self, qa: int, qb: int, ka: int, kb: int) -> None:
-        """Positions with every key ``<=`` every query; clipped by the window."""
-        w = self.window
-        if w is None or (qb - 1) - ka < w:
-            self._emit(qa, qb, ka, kb, _FULL)
-        elif qa - (kb - 1) >= w:
-            return
-        elif qb - qa <= TILE and kb - ka <= TILE:
-            self._emit(qa, qb, ka, kb, _EDGE)
-        elif qb - qa >= kb - ka:
-            m = (qa + qb) // 2
-            self._full(qa, m, ka, kb)
-            self._full(m, qb, ka, kb)
-        else:
-            m = (ka + kb) // 2
-            self._full(qa, qb, ka, m)
-            self._full(qa, qb, m, kb)
-
-    def _diag(self, a: int, b: int) -> None:
-        """The causal square of positions ``[a, b)``; clipped by the window."""
-        w = self.window
-        if w is None or (b - 1) - a < w:
-            self._emit(a, b, a, b, _CAUSAL)
-        elif b - a <= TILE:
-            self._emit(a, b, a, b, _EDGE)
-        else:
-            m = (a + b) // 2
-            self._diag(a, m)
-            self._diag(m, b)
-            self._full(m, b, a, m)
-
-
-def _pattern(p: _Piece, causal: bool, window: int | None) -> np.ndarray:
-    """Bool ``[nq, nk]`` visibility of one piece (one document, consecutive positions)."""
-    _, qp, nq, _, kp, nk, _ = p
-    diff = (qp + np.arange(nq))[:, None] - (kp + np.arange(nk))[None, :]
-    vis = np.ones((nq, nk), dtype=bool)
-    if causal:
-        vis &= diff >= 0
+def _pattern(p: Pieces, j: int, window: int | None) -> npt.NDArray[np.bool_]:
+    """Bool ``[nq, nk]`` visibility of piece ``j``."""
+    nq, nk, kind = int(p.nq[j]), int(p.nk[j]), int(p.kind[j])
+    if kind == FULL:
+        return np.ones((nq, nk), dtype=bool)
+    if kind == IDENT:
+        return np.eye(nq, dtype=bool)
+    diff = (int(p.qp[j]) + np.arange(nq))[:, None] - (int(p.kp[j]) + np.arange(nk))[None, :]
+    vis = diff >= 0
     if window is not None:
         vis &= diff < window
     return vis
 
 
-def _pairs_of(p: _Piece, causal: bool, window: int | None) -> int:
-    _, _, nq, _, _, nk, kind = p
-    if kind == _FULL:
-        return nq * nk
-    if kind == _CAUSAL:
-        return nq * (nq + 1) // 2
-    return int(_pattern(p, causal, window).sum())
+KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
 
 
 def tasks_of(
-    pieces: list[_Piece], causal: bool, window: int | None, device: torch.device
+    pieces: Pieces, window: int | None, device: torch.device
 ) -> tuple[tuple[Task, ...], int, int]:
-    """Kernel calls for the pieces: big ones direct, small ones grouped into masked tiles."""
-    needed = 0
-    computed = 0
-    raw: list[tuple[int, int, int, int, bool, np.ndarray | None]] = []
-    small: list[_Piece] = []
-    for p in pieces:
-        qi, _, nq, ki, _, nk, kind = p
-        needed += _pairs_of(p, causal, window)
-        if kind != _EDGE and nq * nk > SMALL_PAIRS:
-            raw.append((qi, qi + nq, ki, ki + nk, kind == _CAUSAL, None))
-            computed += nq * (nq + 1) // 2 if kind == _CAUSAL else nq * nk
-        else:
-            small.append(p)
-    small.sort(key=lambda p: (p[0], p[3]))
-    tile: list[_Piece] = []
-    bounds = (0, 0, 0, 0)
+    """Kernel calls for the pieces of one pair: ``(tasks, computed pairs, needed pairs)``."""
+    return tasks_by_key(pieces, np.zeros(pieces.qi.size, dtype=np.int64), 1, window, device)[0]
 
-    def flush() -> None:
-        nonlocal computed
-        if not tile:
-            return
-        q0, q1, k0, k1 = bounds
-        mask = np.zeros((q1 - q0, k1 - k0), dtype=bool)
-        for p in tile:
-            qi, _, nq, ki, _, nk, _ = p
-            mask[qi - q0 : qi - q0 + nq, ki - k0 : ki - k0 + nk] |= _pattern(p, causal, window)
-        computed += mask.size
-        raw.append((q0, q1, k0, k1, False, mask))
-        tile.clear()
 
-    for p in small:
-        qi, _, nq, ki, _, nk, _ = p
-        if tile:
-            q0, q1, k0, k1 = bounds
-            nb = (min(q0, qi), max(q1, qi + nq), min(k0, ki), max(k1, ki + nk))
-            if nb[1] - nb[0] <= TILE and nb[3] - nb[2] <= TILE:
-                tile.append(p)
-                bounds = nb
-                continue
-            flush()
-        tile.append(p)
-        bounds = (qi, qi + nq, ki, ki + nk)
-    flush()
-    raw.sort(key=lambda t: (t[0], t[2]))
-    tasks = []
-    # A task is "first" when no earlier task wrote any of its rows: it assigns instead of merging.
-    written = np.zeros(max((t[1] for t in raw), default=0), dtype=bool)
-    for q0, q1, k0, k1, is_causal, mask in raw:
-        first = not bool(written[q0:q1].any())
-        written[q0:q1] = True
-        m = None if mask is None else torch.from_numpy(mask)[None].to(device)
-        tasks.append(Task(q0, q1, k0, k1, is_causal, m, first))
-    return tuple(tasks), computed, needed
+def tasks_by_key(
+    pieces: Pieces, keys: _I64, n_keys: int, window: int | None, device: torch.device
+) -> KeyedTasks:
+    """Kernel calls of several pairs at once: ``(tasks, computed, needed)`` per key.
+
+    ``keys[i]`` in ``[0, n_keys)`` names the pair of piece ``i`` (a row group, a ring block);
+    slots are those of that pair's tensors. Large FULL / CAUSAL pieces are direct calls; the
+    small ones, window borders and pad diagonals of one aligned :data:`TILE` cell of one pair
+    become one masked tile (a lone small FULL / CAUSAL piece stays a direct call; a lone pad
+    diagonal shares one identity mask). Every mask is made in one host buffer and moved to
+    ``device`` in one transfer; tasks hold views of it.
+    """
+    p = _split_ident(pieces)
+    if p.qi.size != pieces.qi.size:  # pad diagonals were cut: their keys repeat
+        keys = _split_keys(pieces, keys)
+    out: KeyedTasks = [((), 0, 0)] * n_keys
+    if not p.qi.size:
+        return out
+    needed_k = np.bincount(keys, weights=_pairs(p, window), minlength=n_keys)
+    small = (p.kind >= EDGE) | (p.nq * p.nk <= SMALL_PAIRS)
+    cq, ck = p.qi // TILE, p.ki // TILE
+    fits = small & ((p.qi + p.nq - 1) // TILE == cq) & ((p.ki + p.nk - 1) // TILE == ck)
+    span_k = int(ck.max()) + 1
+    span_q = int(cq.max()) + 1
+    cell = np.where(fits, (keys * span_q + cq) * span_k + ck, -1)
+    fit_idx = np.flatnonzero(fits)
+    _, inverse, count = np.unique(cell[fit_idx], return_inverse=True, return_counts=True)
+    grouped = np.zeros(p.qi.size, dtype=bool)
+    grouped[fit_idx] = count[inverse.reshape(-1)] > 1
+    # direct calls: every piece that is not in a cell with others
+    direct = np.flatnonzero(~grouped)
+    q0s, k0s = p.qi[direct], p.ki[direct]
+    q1s, k1s = q0s + p.nq[direct], k0s + p.nk[direct]
+    kinds, tkeys = p.kind[direct], keys[direct]
+    dq, dk = p.nq[direct], p.nk[direct]
+    computed_k = np.bincount(
+        tkeys, weights=np.where(kinds == CAUSAL, dq * (dq + 1) // 2, dq * dk), minlength=n_keys
+    )
+    masks: list[npt.NDArray[np.bool_]] = []
+    mask_of: dict[int, int] = {}
+    for i in np.flatnonzero(kinds == EDGE).tolist():
+        mask_of[i] = len(masks)
+        masks.append(_pattern(p, int(direct[i]), window))
+    # masked tiles: the cells holding several pieces
+    members = fit_idx[grouped[fit_idx]]
+    tiles: list[tuple[int, int, int, int, int]] = []
+    if members.size:
+        cells = cell[members]
+        order = np.argsort(cells, kind="stable")
+        members, cells = members[order], cells[order]
+        bounds = np.flatnonzero(np.diff(cells)) + 1
+        for grp in np.split(members, bounds):
+            q0, q1 = int(p.qi[grp].min()), int((p.qi[grp] + p.nq[grp]).max())
+            k0, k1 = int(p.ki[grp].min()), int((p.ki[grp] + p.nk[grp]).max())
+            mask = np.zeros((q1 - q0, k1 - k0), dtype=bool)
+            for j in grp.tolist():
+                r, c = int(p.qi[j]) - q0, int(p.ki[j]) - k0
+                mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])] |= _pattern(p, j, window)
+            key = int(keys[grp[0]])
+            computed_k[key] += mask.size
+            mask_of[direct.size + len(tiles)] = len(masks)
+            masks.append(mask)
+            tiles.append((q0, q1, k0, k1, key))
+    if tiles:
+        t = np.array(tiles, dtype=np.int64)
+        q0s, q1s = np.concatenate([q0s, t[:, 0]]), np.concatenate([q1s, t[:, 1]])
+        k0s, k1s = np.concatenate([k0s, t[:, 2]]), np.concatenate([k1s, t[:, 3]])
+        tkeys = np.concatenate([tkeys, t[:, 4]])
+        kinds = np.concatenate([kinds, np.full(len(tiles), -1, dtype=np.int64)])
+    dev_masks: list[torch.Tensor | None] = [None] * q0s.size
+    if masks:
+        buf = np.zeros((len(masks), TILE, TILE), dtype=bool)
+        for i, m in enumerate(masks):
+            buf[i, : m.shape[0], : m.shape[1]] = m
+        big = torch.from_numpy(buf).to(device)
+        for i, m_i in mask_of.items():
+            dev_masks[i] = big[m_i : m_i + 1, : masks[m_i].shape[0], : masks[m_i].shape[1]]
+    ident = np.flatnonzero(kinds == IDENT)
+    if ident.size:
+        eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
+        for i in ident.tolist():
+            dev_masks[i] = eye[:, : int(q1s[i] - q0s[i]), : int(k1s[i] - k0s[i])]
+    # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
+    order = np.lexsort((k0s, q0s, tkeys))
+    shift = (int(q1s.max()) + 1) * tkeys[order]  # pairs never see each other's rows
+    reach = np.maximum.accumulate(q1s[order] + shift)
+    firsts = np.ones(order.size, dtype=bool)
+    firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
+    sorted_keys = tkeys[order]
+    cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
+    tasks = [
+        Task(a, b, c, d, kind == CAUSAL, dev_masks[i], f)
+        for i, a, b, c, d, kind, f in zip(
+            order.tolist(), q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(),
+            k1s[order].tolist(), kinds[order].tolist(), firsts.tolist(), strict=True,
+        )
+    ]  # fmt: skip
+    for key in range(n_keys):
+        lo, hi = int(cuts[key]), int(cuts[key + 1])
+        out[key] = (tuple(tasks[lo:hi]), int(computed_k[key]), int(needed_k[key]))
+    return out
+
+
+def _split_keys(pieces: Pieces, keys: _I64) -> _I64:
+    """The keys of :func:`_split_ident`'s output, in its order."""
+    long = (pieces.kind == IDENT) & (pieces.nq > PAD_TILE)
+    parts = (pieces.nq[long] + PAD_TILE - 1) // PAD_TILE
+    return np.concatenate([keys[~long], np.repeat(keys[long], parts)])

@@ -11,30 +11,49 @@ data-dependent Python branching).
 
 For a query set and a key set (the local shard and the gathered stream, one ring block, or the
 whole stream for Ulysses) the plan finds the *runs* of each side (maximal stretches of one
-document with consecutive positions, contiguous in the tensor), pairs every query run with the key
-runs of its document, and cuts each pair into *pieces* whose pairs are all visible:
+document with consecutive positions, contiguous in the tensor; a stretch of padding is one run),
+pairs query runs with key runs by sorted intervals (:func:`~cpshard.attention.pieces.pair_runs`:
+binary searches, never all against all), and cuts each pair into *pieces* whose pairs are all
+visible:
 
 * ``FULL``: every key at or before every query (and inside the window) -> kernel without a mask;
 * ``CAUSAL``: the same positions on both sides -> the kernel's own ``is_causal``;
-* ``EDGE``: a bounded piece on the border of a sliding window (at most :data:`TILE` square).
+* ``EDGE``: a bounded piece on the border of a sliding window (at most :data:`TILE` square);
+* ``IDENT``: padding against itself (a pad sees only itself).
 
 Visibility: ``same document & k_pos <= q_pos`` (causal) ``& q_pos - k_pos < window`` (sliding
-window). Pieces too small to be worth a kernel call (many tiny documents, 1-token documents,
-padding, window borders) are grouped into *masked tiles* of at most :data:`TILE` x :data:`TILE`
-slots, whose bool mask is the union of their pieces' patterns, prepared once here. So no dense
-``[Lq, Lk]`` mask is ever built for document structure; memory stays ``O(L * D)`` plus one tile.
+window). Small pieces of one aligned :data:`TILE` x :data:`TILE` cell (many tiny documents, window
+borders, padding) are grouped into *masked tiles* whose bool mask is the union of their pieces'
+patterns, prepared once here. So no dense ``[Lq, Lk]`` mask is ever built for document structure;
+memory stays ``O(L * D)`` plus one tile per masked call.
+
+The local queries are paired once with the runs of the whole stream (cut at the rank blocks);
+the ring's per-block plans, the all-gather's and its split are selections of those pieces. Ulysses
+attends the whole stream to itself: where the rank-major stream cuts documents into many runs (a
+head-tail layout cuts each into ``2C`` chunks, which would pair as ``(2C)^2``), its plan carries a
+slot order (:attr:`PairPlan.slot_order`) that sorts the stream by position, and the runner
+(:mod:`.blockwise`) attends in that order: one run per document again.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from cpshard.attention.pieces import SMALL_PAIRS, TILE, Cutter, Task, runs, tasks_of
+from cpshard.attention.pieces import (
+    SMALL_PAIRS,
+    TILE,
+    Pieces,
+    RunTable,
+    Task,
+    cut_pairs,
+    pair_runs,
+    run_table,
+    tasks_by_key,
+)
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -59,12 +78,21 @@ class PairPlan:
         computed: Query-key pairs the kernels compute (causal pieces count their triangle).
         needed: Query-key pairs the mask makes visible (per meta row, summed).
         empty: No query sees any key (a plain bool, so compiled code reads a constant).
+        slot_order: Per group, ``None`` or a LongTensor ``[N]`` permutation of the slots: the
+            tasks of that group index the query and key tensors *taken in this order* (only
+            for a pair whose query and key sets are the same slots, Ulysses' stream against
+            itself). Empty = ``None`` for every group. :mod:`.blockwise` applies it.
     """
 
     groups: tuple[tuple[torch.Tensor | None, tuple[Task, ...]], ...]
     computed: int
     needed: int
     empty: bool
+    slot_order: tuple[torch.Tensor | None, ...] = ()
+
+    def order_of(self, group: int) -> torch.Tensor | None:
+        """The slot order of group ``group`` (``None``: the tensors' own order)."""
+        return self.slot_order[group] if self.slot_order else None
 
 
 def check_window(window: int | None, causal: bool) -> None:
@@ -87,6 +115,86 @@ def check_window(window: int | None, causal: bool) -> None:
             f"sliding_window={window} needs causal attention, got is_causal=False; CP attention "
             "supports windows only with causal masking"
         )
+
+
+def _merge_pads(pos: np.ndarray, doc: np.ndarray) -> bool:
+    """Whether every negative document id is a pad of the convention ``-1 - position`` (then a
+    stretch of padding is one run); otherwise every negative id stays its own document."""
+    return bool(np.all((doc >= 0) | (doc == -1 - pos)))
+
+
+def _row_groups(pos: np.ndarray | None, doc: np.ndarray) -> list[list[int]]:
+    """Batch rows with equal (positions, documents), in order of first appearance (``pos=None``:
+    every row has the same positions): rows are bucketed by a weighted sum (one pass) and
+    compared exactly inside a bucket."""
+    w = np.random.default_rng(0).integers(1, 1 << 61, size=(doc.shape[1],), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        sums = (doc * w).sum(axis=1)
+        if pos is not None:
+            sums = sums * 3 + (pos * w[::-1]).sum(axis=1)
+    h: list[int] = np.asarray(sums).tolist()
+    groups: list[list[int]] = []
+    for r in range(doc.shape[0]):
+        for g in groups:
+            f = g[0]
+            same_pos = pos is None or np.array_equal(pos[f], pos[r])
+            if h[f] == h[r] and same_pos and np.array_equal(doc[f], doc[r]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
+
+
+def _sort_order(pos: np.ndarray) -> np.ndarray:
+    """Slots sorted by position (a scatter when the positions are a permutation of
+    ``0..N-1``, the stream of every built-in layout; else a stable sort)."""
+    n = pos.shape[0]
+    if n and int(pos.min()) == 0 and int(pos.max()) == n - 1:
+        order = np.full(n, -1, dtype=np.int64)
+        order[pos] = np.arange(n, dtype=np.int64)
+        if bool((order >= 0).all()):
+            return order
+    return np.argsort(pos, kind="stable").astype(np.int64)
+
+
+def _plan_of(
+    pieces: Pieces,
+    group_of: np.ndarray,
+    rows: list[list[int]] | None,
+    window: int | None,
+    device: torch.device,
+    orders: list[np.ndarray | None] | None = None,
+) -> PairPlan:
+    """One :class:`PairPlan` from pieces whose slots are relative to their row group."""
+    n_groups = 1 if rows is None else len(rows)
+    keyed = tasks_by_key(pieces, group_of, n_groups, window, device)
+    return _assemble(keyed, rows, device, orders)
+
+
+def _assemble(
+    keyed: list[tuple[tuple[Task, ...], int, int]],
+    rows: list[list[int]] | None,
+    device: torch.device,
+    orders: list[np.ndarray | None] | None = None,
+) -> PairPlan:
+    groups = []
+    computed = needed = 0
+    for g, (tasks, c, n) in enumerate(keyed):
+        weight = 1 if rows is None else len(rows[g])
+        computed += c * weight
+        needed += n * weight
+        idx = None if rows is None else torch.tensor(rows[g], dtype=torch.long, device=device)
+        groups.append((idx, tasks))
+    slot_order: tuple[torch.Tensor | None, ...] = ()
+    if orders is not None and any(o is not None for o in orders):
+        slot_order = tuple(None if o is None else torch.from_numpy(o).to(device) for o in orders)
+    return PairPlan(tuple(groups), computed, needed, all(not t for _, t in groups), slot_order)
+
+
+def _pieces(q: RunTable, k: RunTable, causal: bool, window: int | None) -> Pieces:
+    qi, ki = pair_runs(q, k, causal, window)
+    return cut_pairs(q, k, qi, ki, causal, window)
 
 
 def pair_plan(
@@ -112,33 +220,23 @@ def pair_plan(
         causal: Causal masking by global position.
         window: Sliding window or ``None``.
         device: Device of the masks and row indices.
-        skip_keys: Key slots ``[start, end)`` that no query attends to in this plan (the
-            all-gather's local block, planned apart), or ``None``.
+        skip_keys: Key slots ``[start, end)`` that no query attends to in this plan, or ``None``.
 
     Returns:
         The :class:`PairPlan`.
     """
+    merge = _merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc)
+    nq, nk = q_pos.shape[1], k_pos.shape[1]
+    q = run_table(q_pos, q_doc, merge)
+    k = run_table(k_pos, k_doc, merge)
+    pieces = _pieces(q, k, causal, window)
+    group = pieces.qi // max(nq, 1)
+    pieces = pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk)
     if skip_keys is not None:
-        # A document id that no query slot has: the skipped keys form runs that meet no query.
-        k_doc = k_doc.copy()
-        k_doc[:, skip_keys[0] : skip_keys[1]] = min(int(q_doc.min()), int(k_doc.min())) - 1
-    groups = []
-    computed = needed = 0
-    for g in range(q_pos.shape[0]):
-        by_doc: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-        for s, e, d, p in runs(k_pos[g], k_doc[g]):
-            by_doc[d].append((s, p, e - s))
-        cut = Cutter(causal, window)
-        for s, e, d, p in runs(q_pos[g], q_doc[g]):
-            for ks, kp, nk in by_doc.get(d, ()):
-                cut.pair(s, p, e - s, ks, kp, nk)
-        tasks, c, n = tasks_of(cut.pieces, causal, window, device)
-        weight = 1 if rows is None else len(rows[g])
-        computed += c * weight
-        needed += n * weight
-        idx = None if rows is None else torch.tensor(rows[g], dtype=torch.long, device=device)
-        groups.append((idx, tasks))
-    return PairPlan(tuple(groups), computed, needed, all(not t for _, t in groups))
+        s, e = skip_keys
+        keep = (pieces.ki + pieces.nk <= s) | (pieces.ki >= e)
+        pieces, group = pieces.take(keep), group[keep]
+    return _plan_of(pieces, group, rows, window, device)
 
 
 @dataclass(frozen=True)
@@ -148,7 +246,8 @@ class AttentionPlan:
     Built from the :class:`~cpshard.sharding.meta.TokenMeta` once (host copies of its positions and
     document ids); the per-method plans (:meth:`all_gather`, :meth:`ring`, :meth:`ulysses`) are
     made on first use for each ``(causal, window, device)`` and then reused by every layer and
-    by the backward.
+    by the backward. The local queries are paired with the whole stream once per
+    ``(causal, window)``; every method's plan of this rank selects from those pieces.
 
     Attributes:
         meta: The token meta the plan belongs to.
@@ -158,21 +257,30 @@ class AttentionPlan:
     _rows: list[list[int]] | None = field(init=False, repr=False, compare=False)
     _pos: np.ndarray = field(init=False, repr=False, compare=False)
     _doc: np.ndarray = field(init=False, repr=False, compare=False)
+    _merge: bool = field(init=False, repr=False, compare=False)
     _cache: dict[tuple[Any, ...], Any] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
     def __post_init__(self) -> None:
-        pos = self.meta.positions.detach().cpu().numpy().astype(np.int64)
-        doc = self.meta.document_ids.detach().cpu().numpy().astype(np.int64)
-        groups: dict[bytes, list[int]] = {}
-        for r in range(pos.shape[0]):
-            groups.setdefault(pos[r].tobytes() + b"|" + doc[r].tobytes(), []).append(r)
-        firsts = [g[0] for g in groups.values()]
-        rows = None if len(groups) == 1 else list(groups.values())
+        pos = self.meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+        doc = self.meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+        if pos.shape[0] != doc.shape[0]:
+            pos = np.broadcast_to(pos, doc.shape)
+            doc = np.broadcast_to(doc, pos.shape)
+        rows = None
+        firsts = [0]
+        if pos.shape[0] > 1:
+            same_pos = bool((pos == pos[:1]).all())
+            same_doc = bool((doc == doc[:1]).all())
+            if not (same_pos and same_doc):
+                groups = _row_groups(None if same_pos else pos, doc)
+                firsts = [g[0] for g in groups]
+                rows = None if len(groups) == 1 else groups
         object.__setattr__(self, "_rows", rows)
-        object.__setattr__(self, "_pos", pos[firsts])
-        object.__setattr__(self, "_doc", doc[firsts])
+        object.__setattr__(self, "_pos", np.ascontiguousarray(pos[firsts]))
+        object.__setattr__(self, "_doc", np.ascontiguousarray(doc[firsts]))
+        object.__setattr__(self, "_merge", _merge_pads(self._pos, self._doc))
 
     @property
     def rank(self) -> int:
@@ -189,36 +297,88 @@ class AttentionPlan:
         """Local tokens per rank."""
         return self.meta.local_len
 
-    def _slots(self, rank: int | None) -> tuple[np.ndarray, np.ndarray]:
-        if rank is None:
-            return self._pos, self._doc
-        n = self.local_len
-        return self._pos[:, rank * n : (rank + 1) * n], self._doc[:, rank * n : (rank + 1) * n]
-
-    def _pair(
-        self,
-        q: int | None,
-        k: int | None,
-        causal: bool,
-        window: int | None,
-        device: torch.device,
-        skip: int | None = None,
-    ) -> PairPlan:
-        key = ("pair", q, k, causal, window, str(device), skip)
+    def _cached(self, key: tuple[Any, ...], build: Any) -> Any:
         hit = self._cache.get(key)
         if hit is None:
-            n = self.local_len
-            hit = pair_plan(
-                *self._slots(q), *self._slots(k), self._rows, causal=causal, window=window,
-                device=device, skip_keys=None if skip is None else (skip * n, (skip + 1) * n),
-            )  # fmt: skip
+            hit = build()
             self._cache[key] = hit
-        assert isinstance(hit, PairPlan)
         return hit
+
+    def _local_pieces(self, causal: bool, window: int | None) -> tuple[Pieces, np.ndarray]:
+        """Local queries of every row group against the whole stream (runs cut at the rank
+        blocks), paired once; slots relative to the group. Returns ``(pieces, group)``."""
+
+        def build() -> tuple[Pieces, np.ndarray]:
+            n, r = self.local_len, self.rank
+            pos, doc = self._pos, self._doc
+            q = run_table(pos[:, r * n : (r + 1) * n], doc[:, r * n : (r + 1) * n], self._merge)
+            k = run_table(pos, doc, self._merge, breaks=n)
+            pieces = _pieces(q, k, causal, window)
+            group = pieces.qi // max(n, 1)
+            stream = pos.shape[1]
+            return pieces._replace(qi=pieces.qi - group * n, ki=pieces.ki - group * stream), group
+
+        got: tuple[Pieces, np.ndarray] = self._cached(("pieces", causal, window), build)
+        return got
+
+    def _blocks(self, causal: bool, window: int | None, device: torch.device) -> list[PairPlan]:
+        """Local queries against every rank's block (key slots relative to the block): the
+        ring's plans, made together (one mask transfer)."""
+
+        def build() -> list[PairPlan]:
+            n, c = self.local_len, self.world_size
+            pieces, group = self._local_pieces(causal, window)
+            block = pieces.ki // max(n, 1)
+            rel = pieces._replace(ki=pieces.ki - block * n)
+            n_groups = 1 if self._rows is None else len(self._rows)
+            keyed = tasks_by_key(rel, block * n_groups + group, c * n_groups, window, device)
+            return [
+                _assemble(keyed[b * n_groups : (b + 1) * n_groups], self._rows, device)
+                for b in range(c)
+            ]
+
+        plans: list[PairPlan] = self._cached(("blocks", causal, window, str(device)), build)
+        own = self._cache.get(("own", causal, window, str(device)))
+        if own is not None:  # the all-gather's own-block plan came first: one object for both
+            plans[self.rank] = own
+        return plans
+
+    def _own_block(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
+        """Local queries against this rank's own block (the ring's plan of this rank)."""
+        ring = self._cache.get(("blocks", causal, window, str(device)))
+        if ring is not None:
+            own: PairPlan = ring[self.rank]
+            return own
+
+        def build() -> PairPlan:
+            n, r = self.local_len, self.rank
+            pieces, group = self._local_pieces(causal, window)
+            keep = pieces.ki // max(n, 1) == r
+            pieces, group = pieces.take(keep), group[keep]
+            return _plan_of(pieces._replace(ki=pieces.ki - r * n), group, self._rows, window,
+                            device)  # fmt: skip
+
+        plan: PairPlan = self._cached(("own", causal, window, str(device)), build)
+        return plan
+
+    def _stream(self, causal: bool, window: int | None, device: torch.device,
+                skip: int | None) -> PairPlan:  # fmt: skip
+        """Local queries against the whole stream, rank ``skip``'s block left out (or none)."""
+
+        def build() -> PairPlan:
+            n = self.local_len
+            pieces, group = self._local_pieces(causal, window)
+            if skip is not None:
+                keep = pieces.ki // max(n, 1) != skip
+                pieces, group = pieces.take(keep), group[keep]
+            return _plan_of(pieces, group, self._rows, window, device)
+
+        plan: PairPlan = self._cached(("stream", causal, window, str(device), skip), build)
+        return plan
 
     def all_gather(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
         """Local queries against the whole gathered stream."""
-        return self._pair(self.rank, None, causal, window, device)
+        return self._stream(causal, window, device, None)
 
     def all_gather_split(
         self, causal: bool, window: int | None, device: torch.device
@@ -231,19 +391,46 @@ class AttentionPlan:
         Together they cover exactly the pairs of :meth:`all_gather`.
         """
         return (
-            self._pair(self.rank, self.rank, causal, window, device),
-            self._pair(self.rank, None, causal, window, device, skip=self.rank),
+            self._own_block(causal, window, device),
+            self._stream(causal, window, device, self.rank),
         )
 
     def ring(self, causal: bool, window: int | None, device: torch.device) -> tuple[PairPlan, ...]:
         """Local queries against each rank's block, index ``r`` for rank ``r``."""
-        return tuple(
-            self._pair(self.rank, r, causal, window, device) for r in range(self.world_size)
-        )
+        return tuple(self._blocks(causal, window, device))
 
     def ulysses(self, causal: bool, window: int | None, device: torch.device) -> PairPlan:
-        """The whole stream against itself (each rank holds a slice of the heads)."""
-        return self._pair(None, None, causal, window, device)
+        """The whole stream against itself (each rank holds a slice of the heads).
+
+        Where sorting the stream by position joins its runs (at least halves their number), the
+        plan's :attr:`PairPlan.slot_order` is that sort and its tasks index the sorted stream.
+        """
+
+        def build() -> PairPlan:
+            pos, doc = self._pos, self._doc
+            stream = pos.shape[1]
+            runs = run_table(pos, doc, self._merge)
+            order = np.stack([_sort_order(row) for row in pos])
+            spos = np.take_along_axis(pos, order, axis=1)
+            sdoc = np.take_along_axis(doc, order, axis=1)
+            sorted_runs = run_table(spos, sdoc, self._merge)
+            # per row group: sort where that at least halves the runs
+            per = np.bincount(runs.grp, minlength=pos.shape[0])
+            per_sorted = np.bincount(sorted_runs.grp, minlength=pos.shape[0])
+            use = 2 * per_sorted <= per
+            if use.all():
+                runs = sorted_runs
+            elif use.any():
+                mpos, mdoc = np.where(use[:, None], spos, pos), np.where(use[:, None], sdoc, doc)
+                runs = run_table(mpos, mdoc, self._merge)
+            orders = [order[g] if use[g] else None for g in range(pos.shape[0])]
+            pieces = _pieces(runs, runs, causal, window)
+            group = pieces.qi // max(stream, 1)
+            pieces = pieces._replace(qi=pieces.qi - group * stream, ki=pieces.ki - group * stream)
+            return _plan_of(pieces, group, self._rows, window, device, orders)
+
+        plan: PairPlan = self._cached(("ulysses", causal, window, str(device)), build)
+        return plan
 
     def for_method(
         self, method: str, causal: bool, window: int | None, device: torch.device

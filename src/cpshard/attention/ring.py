@@ -25,7 +25,13 @@ from torch.distributed import ProcessGroup
 from cpshard._comm import Transfer, group_rank_and_size, ring_shift_start
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
-from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
+from cpshard.attention.merge import (
+    accumulation_dtype,
+    add_sinks,
+    empty_partial,
+    merge_into,
+    sink_grad,
+)
 from cpshard.attention.plan import PairPlan
 
 __all__ = ["ring_attention"]
@@ -50,6 +56,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rank, world = _rank_and_size(group)
         kv: list[torch.Tensor] = [k, v]  # step 0 attends to the inputs themselves, no copy
@@ -76,17 +83,19 @@ class _RingAttention(torch.autograd.Function):
         del kv
         if out is None or lse is None:  # no query sees any key (cannot happen for a real meta)
             out, lse = empty_partial(tuple(q.shape), accumulation_dtype(q.dtype), q.device)
+        if sinks is not None:
+            add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
         # The flash backward reads the output in q's dtype: for bf16/fp16 keep the returned
         # tensor, not a second, fp32 copy of it (for fp32 they are the same tensor).
         keep = result if pick_backend(q, backend) == "cpu_flash" else out
-        ctx.save_for_backward(q, k, v, keep, lse)
+        ctx.save_for_backward(q, k, v, keep, lse, sinks)
         ctx.args = (plans, group, scale, backend, softcap)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         plans, group, scale, backend, softcap = ctx.args
         rank, world = _rank_and_size(group)
         acc = accumulation_dtype(q.dtype)
@@ -122,7 +131,8 @@ class _RingAttention(torch.autograd.Function):
         if grad_xfer is not None:
             dkv = grad_xfer.wait()  # our own block's accumulator, back after C hops
         dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)
+        ds = None if sinks is None else sink_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5), ds
 
 
 def ring_attention(
@@ -135,6 +145,7 @@ def ring_attention(
     scale: float,
     backend: KernelBackend = "auto",
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable ring CP attention (inputs already validated).
 
@@ -147,11 +158,13 @@ def ring_attention(
         scale: Score scale.
         backend: Kernel backend.
         softcap: Soft-cap of the scores, or ``None``.
+        sinks: ``[Hq]`` attention-sink logits (:func:`~cpshard.attention.merge.add_sinks`), or
+            ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, tuple(plans), group, scale, backend, softcap
+        q, k, v, tuple(plans), group, scale, backend, softcap, sinks
     )
     return out

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from cpshard._comm import all_to_all_stacked
+from cpshard._comm import all_to_all_stacked, group_rank_and_size
 from cpshard.attention.blockwise import attend, attend_backward
 from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.merge import add_sinks, sink_grad
 from cpshard.attention.plan import PairPlan
 
 __all__ = ["ulysses_attention"]
@@ -56,6 +57,15 @@ def _heads_to_seq(
     ]
 
 
+def _head_slice(t: torch.Tensor, group: ProcessGroup | None, world: int) -> torch.Tensor:
+    """The ``[H / C]`` slice of a per-head ``[H]`` tensor that this rank attends (heads chunk r)."""
+    if group is None:
+        return t
+    n = t.shape[0] // world
+    r = group_rank_and_size(group)[0]
+    return t[r * n : (r + 1) * n]
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -69,24 +79,35 @@ class _UlyssesAttention(torch.autograd.Function):
         scale: float,
         backend: KernelBackend,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         qh, kh, vh = _seq_to_heads([q, k, v], group, world)
         out, lse = attend(qh, kh, vh, plan, scale=scale, backend=backend, softcap=softcap)
-        ctx.save_for_backward(qh, kh, vh, out, lse)
+        mine = None
+        if sinks is not None:  # this rank's slice of the heads
+            mine = _head_slice(sinks, group, world)
+            add_sinks(out, lse, mine)
+        ctx.save_for_backward(qh, kh, vh, out, lse, sinks, mine)
         ctx.args = (plan, group, world, scale, backend, softcap)
         (local,) = _heads_to_seq([out.to(q.dtype)], group, world)
         return local
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        qh, kh, vh, out, lse = ctx.saved_tensors
+        qh, kh, vh, out, lse, sinks, mine = ctx.saved_tensors
         plan, group, world, scale, backend, softcap = ctx.args
         (gh,) = _seq_to_heads([grad_out.contiguous()], group, world)
         res = attend_backward(
             gh, qh, kh, vh, out, lse, plan, scale=scale, backend=backend, softcap=softcap
         )
         dq, dk, dv = _heads_to_seq(list(res), group, world)
-        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), *([None] * 6)
+        ds = None
+        if sinks is not None:  # this rank's heads over the whole stream; zero elsewhere
+            ds = torch.zeros_like(sinks)
+            n = mine.shape[0]
+            r = 0 if group is None else group_rank_and_size(group)[0]
+            ds[r * n : (r + 1) * n] = sink_grad(gh, out, lse, mine)
+        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), *([None] * 6), ds
 
 
 def ulysses_attention(
@@ -100,6 +121,7 @@ def ulysses_attention(
     scale: float,
     backend: KernelBackend = "auto",
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable Ulysses CP attention (inputs already validated, heads divisible by C).
 
@@ -113,11 +135,13 @@ def ulysses_attention(
         scale: Score scale.
         backend: Kernel backend.
         softcap: Soft-cap of the scores, or ``None``.
+        sinks: ``[Hq]`` attention-sink logits (:func:`~cpshard.attention.merge.add_sinks`), or
+            ``None``.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
     """
     out: torch.Tensor = _UlyssesAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, plan, group, world, scale, backend, softcap
+        q, k, v, plan, group, world, scale, backend, softcap, sinks
     )
     return out

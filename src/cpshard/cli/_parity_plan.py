@@ -69,6 +69,7 @@ def plan_rows(
     layouts: list[str],
     methods: list[str],
     world: int,
+    one_row: frozenset[str] = frozenset(),
 ) -> list[Row]:
     """Every row of a run, in table order (model, dtype, batch kind, layout, method).
 
@@ -79,6 +80,8 @@ def plan_rows(
         layouts: cpshard layouts for models that do not own theirs.
         methods: Attention methods.
         world: CP size of the cp=N side.
+        one_row: Models that get only their first dtype, batch kind, layout and method (the
+            demo's model-owned and pre-embedding rows beside the HF rows).
     """
     rows: list[Row] = []
     for model in models:
@@ -98,6 +101,8 @@ def plan_rows(
                 if spec.native_loss is not None:
                     rows.append(Row("reference", replace(case, layout="auto"), "none"))
                 mine_methods = [OWN_ATTENTION] if spec.attention == "own" else methods
+                if model in one_row:
+                    mine, mine_methods = mine[:1], mine_methods[:1]
                 for layout in mine:
                     for method in mine_methods:
                         lay = "auto" if layout == AUTO_LAYOUT else layout
@@ -109,4 +114,8 @@ def plan_rows(
                                 _ulysses_skip(method, world),
                             )
                         )
+                if model in one_row:
+                    break
+            if model in one_row:
+                break
     return rows

@@ -19,7 +19,7 @@ CPU), with the cp=1 reference on rank 0: `torchrun --nproc-per-node 4 -m cpshard
 Exit status: 0 iff every row passed, 1 if any row failed, 2 on bad input (checked before any
 work starts). Examples:
 
-    cpshard parity                                    # the demo: 14 rows, 3 steps, 4 ranks
+    cpshard parity                                    # the demo: 18 rows, 3 steps, 4 ranks
     cpshard parity --models all --steps 50 --json parity.json --plot parity.png  # thorough
     cpshard parity --models llama,tiny --dtypes float32,bfloat16 --ranks 2
 
@@ -74,6 +74,11 @@ def _tolerance_text() -> str:
 
 DESCRIPTION = f"{__doc__}\n{_tolerance_text()}"
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+DEMO = "demo"
+# The demo: every row of the HF model, and one row of each model kind that is not HF (the
+# pre-embedding VLM, the model that owns its CP), as in the seed's table.
+_DEMO_MODELS = ("llama", "vlm", "prefix")
+_DEMO_ONE_ROW = frozenset({"vlm", "prefix"})
 
 
 class UsageError(ValueError):
@@ -86,9 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--models",
         "--model",
-        default="llama",
+        default=DEMO,
         help=f"comma list of {', '.join(MODELS)}, or all (vlm: pre-embedding, layout chosen by "
-        "the dispatcher; prefix: model-owned sharder)",
+        "the dispatcher; prefix: model-owned sharder), or demo: every llama row plus one vlm "
+        "and one prefix row",
     )
     p.add_argument(
         "--methods", default=",".join(METHOD_NAMES), help="comma list of attention methods"
@@ -158,9 +164,12 @@ def _check_writable(path: str, flag: str) -> None:
 
 def _validate(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every check that does not need a rank; raises :class:`UsageError`."""
+    chosen = args.models.strip()
     names = {
         "models": list(MODELS)
-        if args.models.strip() == "all"
+        if chosen == "all"
+        else list(_DEMO_MODELS)
+        if chosen == DEMO
         else _csv(args.models, MODELS, "--models"),
         "methods": _csv(args.methods, METHOD_NAMES, "--methods"),
         "layouts": _csv(args.layouts, DENSE_LAYOUTS + PACKED_LAYOUTS, "--layouts"),
@@ -337,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         layouts=names["layouts"],
         methods=names["methods"],
         world=args.ranks,
+        one_row=_DEMO_ONE_ROW if args.models.strip() == DEMO else frozenset(),
     )
     import torch
 
@@ -375,8 +385,10 @@ def run(args: argparse.Namespace) -> int:
         ok = runner.agree(ok)
     finally:
         runner.close()
+    # every CP row skipped: nothing was compared, not a pass (the same verdict on every rank)
+    compared = any(r.kind == "cp" and r.skip is None for r in rows)
     if not runner.is_main:
-        return 0 if ok else 1
+        return 0 if ok and compared else 1
     for r in records:
         if r.error is not None:
             print(f"\n{r.model} {r.dtype} {r.batch} {r.layout} {r.method}: {r.error}")
@@ -394,6 +406,14 @@ def run(args: argparse.Namespace) -> int:
         write_plot(args.plot, records)
         print(f"wrote {args.plot}")
     failed = [r for r in records if r.passed is False]
+    if ok and not compared:
+        reasons = sorted({r.skipped for r in records if r.kind == "cp" and r.skipped})
+        print(
+            f"FAIL: every CP row was skipped ({'; '.join(reasons) or 'no CP rows planned'}), so "
+            "no cp=N run was compared with cp=1. Choose rows that can run, e.g. other "
+            "--methods or --ranks"
+        )
+        return 1
     verdict = "PASS" if ok else f"FAIL ({len(failed)} rows)"
     print(f"{verdict} in {time.perf_counter() - t0:.1f} s")
     return 0 if ok else 1

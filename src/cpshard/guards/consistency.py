@@ -8,10 +8,30 @@ int64 vector (its size never depends on the batch), so a data-loader bug that ha
 different batches raises the same ``ValueError`` on every rank, naming the fields and the ranks
 that differ, before any data-sized collective could crash (gloo aborts on a size mismatch) or hang.
 
-Content hashes are weighted sums in int64 arithmetic (mod ``2**64``) with odd per-position weights,
-so any single changed value, and any swap of two values, changes the hash. Integer and bool
-tensors are hashed in full; floating-point tensors (``inputs_embeds``, float masks, extra keys) by
-a strided sample of at most :data:`FLOAT_SAMPLE` values plus their shape and dtype.
+What it covers, exactly (with ``check_consistency=True``, the default):
+
+* every key of the batch: its name, and its type, dtype, shape and device (``None``, bools,
+  numbers and strings: their value; lists: each element's);
+* every value of every tensor of the batch, whatever its key or dtype: token ids, positions,
+  labels, masks, ``inputs_embeds`` (every token row, every element), ``seq_lens``, extra keys;
+* every non-tensor entry by content: numpy arrays (dtype, shape, every byte), lists, tuples and
+  dicts (their items in order, tensors inside by content), ``None``, bools, numbers, strings and
+  bytes; any other object by its type only (its ``repr`` may hold a per-process address);
+* the arguments: layout, attention method, pad id, ``pad_multiple``, ``num_chunks``,
+  ``extra_token_keys``, a given sharder's type, and ``loss_mask`` by content.
+
+Content hash (:func:`_content_hash`): ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1)`` mod ``2**64``
+over every element (``x_k`` the value, or the bits of a float; ``w_k = k * G`` a per-position
+key). Non-linear per element, so the compensating changes that fool a weighted sum, and swaps of
+values, change it. It reads each element once (four int64 passes; the cost is in
+``BENCHMARKS.md``), in bounded chunks.
+
+Not covered: tensors handed only to the token verbs (``sharder.shard_token_tensor(advantages)``
+has no collective to ride; ``gather_token_tensor`` compares dtype, shape and arguments, not
+values): keeping them equal on every CP rank is the caller's job, like the batch with the check
+off. ``check_consistency=False`` skips the hashing (no value is read), not the collective: the
+ranks still exchange the names, types, shapes, arguments and the flag itself, so ranks that
+disagree on the flag raise the same error instead of mismatching collectives.
 
 The fingerprint is computed defensively: it never raises on a malformed batch (a bad value only
 changes a hash), so a batch that is invalid on one rank only is reported here, on every rank,
@@ -36,17 +56,19 @@ from cpshard import _comm
 
 __all__ = [
     "FIELDS",
-    "FLOAT_SAMPLE",
     "batch_fingerprint",
     "check_batch_consistency",
     "check_dispatch_consistency",
     "check_verb_consistency",
+    "content_hash",
     "mismatch_message",
+    "verb_descriptor",
+    "verb_mismatch_message",
 ]
 
-FLOAT_SAMPLE = 4096
 # One slot per field, in this order; the vector exchanged is ``len(FIELDS)`` int64 values.
 FIELDS = (
+    "check_consistency",
     "batch type",
     "B",
     "S",
@@ -93,48 +115,111 @@ def _describe(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return f"{type(value).__name__}[{', '.join(_describe(v) for v in value[:64])}]"
+    if hasattr(value, "__array_interface__"):  # numpy: dtype and shape
+        dtype, shape = getattr(value, "dtype", "?"), getattr(value, "shape", "?")
+        return f"{type(value).__name__}({dtype}, {shape})"
     return type(value).__name__
 
 
-def _content_hash(t: torch.Tensor) -> torch.Tensor:
-    """0-d int64 tensor: ``sum_k x_k * (2k + 1) + numel`` over the flat values, mod ``2**64``.
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_CHUNK = 1 << 20  # elements hashed at a time: int64 temporaries stay at 8 MB
 
-    Computed without a ``[N]`` temporary: viewing the values as ``[R, C]`` (``k = C*i + j``),
-    ``sum_k x_k (2k + 1) = 2C * sum_i i*rowsum_i + 2 * sum_j j*colsum_j + sum_k x_k``, and int64
-    arithmetic wraps, so the identity holds exactly. Floating-point tensors contribute the bits of
-    a strided sample of at most :data:`FLOAT_SAMPLE` values.
+
+def _as_int64_bits(x: torch.Tensor) -> torch.Tensor:
+    """The values of ``x`` as int64: integers and bools by value, floats by their bits."""
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.is_floating_point():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        x = x.contiguous().view(bits[x.element_size()])
+    return x.reshape(-1).to(torch.long)
+
+
+def _content_hash(t: torch.Tensor) -> torch.Tensor:
+    """0-d int64 tensor: ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel``, mod ``2**64``.
+
+    Every element of every tensor is hashed: ``x_k`` are the values (integers and bools) or the
+    bits (floating point, so ``-0.0`` and each NaN payload count as different values),
+    ``w_k = k * G`` a per-position key (``G`` the odd 64-bit golden ratio). Each term is a product
+    of two different functions of the value, i.e. non-linear: the compensating changes that fool
+    a weighted sum (``+3`` here, ``-1`` there) and swaps of values change it. Four int64 passes
+    over the values, in chunks of :data:`_CHUNK` elements, so the temporaries stay small for
+    ``inputs_embeds``.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
-    x = t.detach()
-    if x.is_floating_point() or x.is_complex():
-        flat = x.reshape(-1)
-        step = max(1, flat.numel() // FLOAT_SAMPLE)
-        flat = flat[::step].contiguous()
-        if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(-1)
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        x = flat.view(bits[flat.element_size()])
-    x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
-    rows = x.sum(dim=1, dtype=torch.long)  # [R]
-    cols = x.sum(dim=0, dtype=torch.long)  # [C]
-    r, c = x.shape
-    total = rows.sum()
-    # sum_i i*rows_i = R*total - sum_i cumsum(rows)_i (no arange), likewise for the columns
-    row_weighted = r * total - rows.cumsum(0).sum()
-    col_weighted = c * total - cols.cumsum(0).sum()
-    return 2 * c * row_weighted + 2 * col_weighted + total + x.numel()
+    flat = t.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1)
+    n = flat.numel()
+    total = torch.zeros((), dtype=torch.long, device=flat.device)
+    for start in range(0, n, _CHUNK):
+        x = _as_int64_bits(flat[start : start + _CHUNK])
+        w = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.long)
+        w.mul_(_GOLDEN)
+        a = x ^ w
+        w.add_(x).bitwise_or_(1)
+        total = total + a.mul_(w).sum()
+    return total + n
+
+
+content_hash = _content_hash  # public: the sharder's batch record hashes its local tensors too
+
+
+def _wrap(x: int | torch.Tensor) -> int | torch.Tensor:
+    """A Python int wrapped to int64 (mod ``2**64``, signed) like the tensor arithmetic."""
+    if isinstance(x, torch.Tensor):
+        return x
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _digest(value: Any, depth: int = 0) -> int | torch.Tensor:
+    """A content hash of a batch value that is not hashed as a tensor (never raises).
+
+    numpy arrays: dtype, shape and every byte; ``None``, bools, numbers, strings and bytes: their
+    ``repr``; lists, tuples and dicts: their items, in order (tensors inside by content, via
+    :func:`_content_hash`); any other object: its type name only (its ``repr`` may hold a memory
+    address that differs across ranks).
+    """
+    if isinstance(value, torch.Tensor):
+        return _content_hash(value)
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return _str_hash(f"{type(value).__name__}:{value!r}")
+    ndarray = getattr(value, "__array_interface__", None) is not None and hasattr(value, "tobytes")
+    if ndarray:
+        try:
+            head = f"ndarray:{value.dtype}:{tuple(value.shape)}:".encode()
+            raw = value.tobytes() if value.dtype != object else repr(value.tolist()).encode()
+            digest = hashlib.blake2b(head + raw, digest_size=8).digest()
+            return int.from_bytes(digest, "little") & _MASK
+        except Exception:  # never raise here: the batch is validated after the exchange
+            return _str_hash(type(value).__name__)
+    if isinstance(value, list | tuple | dict) and depth < 8:
+        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        total: int | torch.Tensor = _str_hash(f"{type(value).__name__}:{len(items)}")
+        for i, (k, v) in enumerate(items):
+            h = _digest(v, depth + 1)
+            total = _wrap(total + (_str_hash(repr(k)) ^ (i + 1)) * (2 * i + 1) + h * (4 * i + 3))
+        if isinstance(total, torch.Tensor):
+            return total
+        return total & _MASK
+    return _str_hash(f"object:{type(value).__name__}")
 
 
 def _as_hashable_tensor(value: Any) -> torch.Tensor | None:
-    """Integer lists (``seq_lens``) as a tensor, so lists and tensors hash alike; else None."""
+    """A tensor, or a list of ints / bools as one (``seq_lens``: lists and tensors hash alike)."""
     if isinstance(value, torch.Tensor):
         return value
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    if not all(isinstance(v, int) for v in value):  # bools are ints
+        return None
     try:
-        t = torch.as_tensor(value)
+        return torch.as_tensor(value, dtype=torch.long)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         return None
-    return t if t.dtype in (torch.long, torch.int32, torch.bool) else None
 
 
 def batch_fingerprint(
@@ -144,6 +229,7 @@ def batch_fingerprint(
     attention: str,
     padding_token_id: object,
     options: Mapping[str, Any] | None = None,
+    hashed: bool = True,
 ) -> torch.Tensor:
     """LongTensor ``[len(FIELDS)]`` summarising everything the CP ranks must agree on.
 
@@ -154,11 +240,15 @@ def batch_fingerprint(
         padding_token_id: The pad id as given.
         options: Further arguments that must agree (``pad_multiple``, ``loss_mask``, ...); tensors
             are hashed by content, other values by their ``repr``.
+        hashed: ``False`` (``check_consistency=False``): the content slots stay 0 (no value is
+            read); the names, types, shapes and arguments are still compared, and so is this
+            flag itself.
 
     Returns:
         A LongTensor on the batch's device, one slot per entry of :data:`FIELDS`.
     """
     slots: dict[str, torch.Tensor | int] = dict.fromkeys(FIELDS, 0)
+    slots["check_consistency"] = 1 if hashed else 2
     slots["batch type"] = _str_hash(type(batch).__name__)
     slots["layout"] = _str_hash(repr(layout))
     slots["attention"] = _str_hash(repr(attention))
@@ -169,8 +259,8 @@ def batch_fingerprint(
     for name in sorted(opts):
         v = opts[name]
         opt_text.append(f"{name}={_describe(v)}")
-        if isinstance(v, torch.Tensor):
-            other = other + _content_hash(v) * (len(opt_text) + 1)
+        if isinstance(v, torch.Tensor) and hashed:
+            other = other + _content_hash(v) * (2 * len(opt_text) + 1)
     slots["options"] = _str_hash(";".join(opt_text))
     if not isinstance(batch, Mapping):
         slots["keys"] = _str_hash(_describe(batch))
@@ -185,19 +275,14 @@ def batch_fingerprint(
         slots["B"], slots["S"] = int(primary.shape[0]), int(primary.shape[1])
     else:
         slots["B"] = slots["S"] = -1
-    for i, key in enumerate(sorted(batch, key=str)):
+    for i, key in enumerate(sorted(batch, key=str) if hashed else ()):
         value = batch[key]
         t = _as_hashable_tensor(value)
         field = _CONTENT.get(str(key), "other keys")
-        if t is not None:
-            h = _content_hash(t)
-        elif isinstance(value, list | tuple):  # ragged seq_lens and the like
-            h = torch.tensor(_str_hash(repr(value)), dtype=torch.long)
-        else:
-            continue
-        if field == "other keys":
-            h = h * (2 * i + 3)
-        slots[field] = h + slots[field]
+        h = _content_hash(t) if t is not None else _digest(value)
+        if field == "other keys":  # the key's name too, so two keys' values cannot swap
+            h = (h ^ _str_hash(str(key))) * (2 * i + 3)
+        slots[field] = _wrap(h + slots[field])
     slots["other keys"] = other + slots["other keys"]
     return _pack(slots)
 
@@ -224,6 +309,15 @@ def mismatch_message(table: torch.Tensor) -> str | None:
     bad = [i for i in range(len(FIELDS)) if len({row[i] for row in rows}) > 1]
     if not bad:
         return None
+    flags = [row[0] for row in rows]
+    if len(set(flags)) > 1:
+        on = [r for r, f in enumerate(flags) if f == 1]
+        off = [r for r, f in enumerate(flags) if f != 1]
+        return (
+            f"the {len(rows)} ranks of the CP group disagree on check_consistency: ranks {on} "
+            f"pass True, ranks {off} pass False. It must be the same on every rank (the check "
+            "is one collective either way); pass the same value everywhere"
+        )
     parts = []
     for i in bad:
         column = [row[i] for row in rows]
@@ -250,14 +344,16 @@ def check_batch_consistency(
     attention: str,
     padding_token_id: object,
     options: Mapping[str, Any] | None = None,
+    hashed: bool = True,
 ) -> None:
     """Raise the same ``ValueError`` on every CP rank unless all ranks hold the same batch.
 
-    One all-gather of ``len(FIELDS)`` int64 values; no collective without CP.
+    One all-gather of ``len(FIELDS)`` int64 values; no collective without CP (and no hashing).
 
     Args:
         cp_mesh: 1-D CP mesh (already validated) or ``None``.
-        batch, layout, attention, padding_token_id, options: See :func:`batch_fingerprint`.
+        batch, layout, attention, padding_token_id, options, hashed: See
+            :func:`batch_fingerprint`.
 
     Raises:
         ValueError: the fingerprints differ; the message names the fields and the ranks.
@@ -272,6 +368,7 @@ def check_batch_consistency(
         attention=attention,
         padding_token_id=padding_token_id,
         options=options,
+        hashed=hashed,
     )
     table = _comm.all_gather_fixed(fp, group, cp_mesh.device_type)
     message = mismatch_message(table)
@@ -286,9 +383,13 @@ def check_dispatch_consistency(
     attention: str,
     padding_token_id: object,
     options: dict[str, Any],
+    hashed: bool = True,
 ) -> None:
-    """:func:`check_batch_consistency` for the dispatcher's arguments (sharders and extra keys are
-    compared by type and spec, tensors by content)."""
+    """:func:`check_batch_consistency` for the dispatcher's arguments.
+
+    Sharders and extra keys are compared by type and spec, tensors by content;
+    ``hashed=False``: no values are read, the collective is the same.
+    """
     described = {
         k: (type(v).__name__ if k in ("cp_sharder", "extra_token_keys") and v is not None else v)
         for k, v in options.items()
@@ -302,6 +403,7 @@ def check_dispatch_consistency(
         attention=attention,
         padding_token_id=padding_token_id,
         options=described,
+        hashed=hashed,
     )
 
 
@@ -376,15 +478,34 @@ def check_verb_consistency(
     """
     desc = torch.tensor(_verb_descriptor(t, seq_dim, trim, fill, grad), dtype=torch.long)
     rows = _comm.all_gather_fixed(desc, group, cp_mesh.device_type).tolist()
+    message = verb_mismatch_message(verb, rows)
+    if message is not None:
+        raise ValueError(message)
+
+
+def verb_descriptor(t: object, *, seq_dim: object, trim: object, fill: object,
+                    grad: object) -> list[int]:  # fmt: skip
+    """The :data:`VERB_DESCRIPTOR_LEN` int64 values that describe a verb call (never raises);
+    a verb that carries them in its own data collective compares them with
+    :func:`verb_mismatch_message`."""
+    return _verb_descriptor(t, seq_dim, trim, fill, grad)
+
+
+def verb_mismatch_message(verb: str, rows: list[list[int]]) -> str | None:
+    """The error text when the ranks' descriptors (one row per rank) differ, else ``None``."""
     parts = []
     for field, sl in _verb_field_slices():
         if len({tuple(row[sl]) for row in rows}) > 1:
             values = ", ".join(f"rank {r}: {_readable(field, row)}" for r, row in enumerate(rows))
             parts.append(f"{field} ({values})")
-    if parts:
-        raise ValueError(
-            f"{verb} was called with different tensors or arguments on the {len(rows)} CP "
-            f"ranks: {'; '.join(parts)}. Every rank must pass its local shard of the same "
-            "per-token tensor (same dtype, same shape) with the same arguments; cast or reshape "
-            "before the call"
-        )
+    if not parts:
+        return None
+    return (
+        f"{verb} was called with different tensors or arguments on the {len(rows)} CP "
+        f"ranks: {'; '.join(parts)}. Every rank must pass its local shard of the same "
+        "per-token tensor (same dtype, same shape) with the same arguments; cast or reshape "
+        "before the call"
+    )
+
+
+VERB_DESCRIPTOR_LEN = 2 + _MAX_DIMS + 2 + 4

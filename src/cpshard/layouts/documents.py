@@ -248,6 +248,93 @@ class PackSpec:
             rows.append(tuple(e - s for s, e in itertools.pairwise(starts)))
         return cls(int(row_len), tuple(rows))
 
+    @classmethod
+    def from_documents(
+        cls,
+        row_shape: tuple[int, int],
+        *,
+        spec: PackSpec | None = None,
+        seq_lens: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | None = None,
+        cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> PackSpec:
+        """The spec of a ``[B, S]`` batch from whichever spelling the caller holds.
+
+        The same spellings a packed batch accepts (``seq_lens``, ``cu_seqlens`` or restarting
+        ``position_ids``), or a ready :class:`PackSpec`; exactly one of them.
+
+        Args:
+            row_shape: ``(B, S)`` of the batch the documents describe.
+            spec: A :class:`PackSpec` (checked against ``row_shape``).
+            seq_lens: Per-row document lengths (lists or an int tensor ``[B, n]``; a flat list
+                is one row); the rest of each row is padding.
+            cu_seqlens: Offsets ``[D + 1]`` (list or tensor) of one ``[1, T]`` stream.
+            position_ids: ``[B, S]`` positions restarting at 0 per document.
+            padding_mask: With ``position_ids`` only: ``[B, S]`` bool, ``True`` = pad (suffix).
+
+        Raises:
+            ValueError: not exactly one spelling, a spelling that does not fit ``row_shape``,
+                or invalid lengths / offsets / positions.
+        """
+        given = {
+            "spec": spec,
+            "seq_lens": seq_lens,
+            "cu_seqlens": cu_seqlens,
+            "position_ids": position_ids,
+        }
+        named = [k for k, v in given.items() if v is not None]
+        if len(named) != 1:
+            raise _fix(
+                "documents",
+                "give exactly one of a PackSpec, seq_lens, cu_seqlens or position_ids",
+                named or "none",
+                "pass e.g. seq_lens=[[3, 5], [8]] (per row) or cu_seqlens=[0, 3, 8]",
+            )
+        if padding_mask is not None and position_ids is None:
+            raise _fix(
+                "padding_mask",
+                "is read only with position_ids (seq_lens / cu_seqlens imply the padding)",
+                "a padding_mask with " + named[0],
+                "drop padding_mask, or pass position_ids",
+            )
+        bsz, seq_len = row_shape
+        if spec is not None:
+            if not isinstance(spec, PackSpec):
+                raise _fix("spec", "must be a PackSpec", type(spec).__name__, "pass seq_lens=")
+            out = spec
+        elif seq_lens is not None:
+            items = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
+            flat = isinstance(items, Sequence) and not isinstance(items, str | bytes)
+            if flat and len(items) > 1 and all(_is_scalar(n) for n in items) and items[0] == 0:
+                raise _fix(
+                    "seq_lens",
+                    "are document lengths (each >= 1); a list starting at 0 looks like offsets",
+                    list(items)[:8],
+                    "pass offsets as cu_seqlens=..., or the lengths themselves",
+                )
+            out = cls.from_seq_lens(seq_lens, seq_len)
+        elif cu_seqlens is not None:
+            if bsz != 1:
+                raise _fix(
+                    "cu_seqlens",
+                    "describes one [1, T] stream",
+                    f"a batch of B={bsz} rows",
+                    "flatten the rows to [1, B*S] or pass seq_lens per row",
+                )
+            out = cls.from_cu_seqlens(torch.as_tensor(cu_seqlens), seq_len)
+        else:
+            assert position_ids is not None
+            out = cls.from_position_ids(position_ids, padding_mask)
+        if (out.num_rows, out.row_len) != (bsz, seq_len):
+            raise _fix(
+                named[0],
+                f"must describe the batch's [B, S] = [{bsz}, {seq_len}]",
+                f"{out.num_rows} rows of length {out.row_len}",
+                "give one entry per row of the unsharded batch",
+            )
+        return out
+
     # ------------------------------------------------------------------ derived facts
     @property
     def num_rows(self) -> int:

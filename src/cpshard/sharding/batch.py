@@ -30,6 +30,7 @@ or :mod:`cpshard.models`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -77,7 +78,12 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     * 4-D ``[B, 1|H, S, S]``: bool (``True`` = attend) or floating-point *additive* (``0`` =
       attend, negative = masked); a token is a pad iff it cannot attend to itself (its diagonal
       entry is masked). A float mask with positive diagonal values (a ``0/1`` keep mask) and an
-      integer 4-D mask raise: pass it as bool.
+      integer 4-D mask raise: pass it as bool. Only a *causal padding* mask reduces to padding:
+      every real query attends exactly to the real keys at or before it (pad query rows are not
+      read). Any other structure (block-diagonal documents, bidirectional attention, additive
+      biases) raises, at every CP size: CP attention is causal within documents, so a packed
+      batch passes its documents as ``seq_lens`` (the error names the lengths a block-diagonal
+      causal mask describes).
 
     Args:
         mask: ``[B, S]`` or ``[B, 1|H, S, S]``.
@@ -105,6 +111,7 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     if mask.dim() == 4:
         diag = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
         if diag.dtype == torch.bool:
+            _check_causal_padding_mask(mask, diag)
             return ~diag
         if not diag.is_floating_point():
             raise ValueError(
@@ -119,9 +126,80 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
                 f"{diag.max().item()}): it looks like a 0/1 keep mask, which would turn every "
                 "token into padding; pass it as bool (mask > 0) or as an additive mask"
             )
-        return diag != 0
+        pad = diag != 0
+        _check_causal_padding_mask(mask == 0, ~pad)
+        return pad
     raise ValueError(
         f"attention_mask must be 2-D [B, S] or 4-D [B, 1|H, S, S], got shape {tuple(mask.shape)}"
+    )
+
+
+def _documents_of(attend: torch.Tensor, real: torch.Tensor) -> list[list[int]] | None:
+    """The per-row document lengths a block-diagonal causal mask describes, else ``None``.
+
+    Args:
+        attend: BoolTensor ``[B, S, S]`` (one head), ``True`` = query attends key.
+        real: BoolTensor ``[B, S]``.
+    """
+    seq = attend.shape[-1]
+    ar = torch.arange(seq, device=attend.device)
+    first = torch.where(attend, ar, seq).amin(dim=-1)  # [B, S]: first key each query sees
+    out: list[list[int]] = []
+    for b in range(attend.shape[0]):
+        if not bool(real[b].all()):
+            return None  # documents with padding inside: no plain seq_lens to name
+        starts = first[b]
+        # documents are runs: a query's document starts where its first key is
+        doc_start = torch.cummax(starts, 0).values
+        if not bool((doc_start == starts).all()) or int(starts[0]) != 0:
+            return None
+        want = (ar[None, :] <= ar[:, None]) & (ar[None, :] >= starts[:, None])
+        if not torch.equal(attend[b], want):
+            return None
+        bounds = [*torch.unique_consecutive(starts).tolist(), seq]
+        out.append([e - s for s, e in itertools.pairwise(bounds)])
+    return out
+
+
+def _check_causal_padding_mask(attend: torch.Tensor, real: torch.Tensor) -> None:
+    """Raise unless every real query of every head attends exactly to the real keys ``<=`` it.
+
+    Args:
+        attend: BoolTensor ``[B, 1|H, S, S]`` (``True`` = attend; for an additive mask, ``== 0``).
+        real: BoolTensor ``[B, S]`` (the diagonal: ``True`` = a real token).
+
+    Raises:
+        ValueError: the mask is not causal padding (documents, bidirectional, a bias).
+    """
+    seq = attend.shape[-1]
+    if attend.shape[-2] != seq or attend.shape[0] != real.shape[0]:
+        raise ValueError(
+            f"a 4-D attention_mask must be [B, 1|H, S, S], got shape {tuple(attend.shape)}"
+        )
+    ar = torch.arange(seq, device=attend.device)
+    causal = ar[None, :] <= ar[:, None]  # [S, S]
+    want = causal[None, None] & real[:, None, None, :]  # [B, 1, S, S]
+    wrong = (attend != want) & real[:, None, :, None]  # pad query rows are not read
+    if not bool(wrong.any()):
+        return
+    b, h, q, k = (int(i) for i in wrong.nonzero()[0].tolist())
+    docs = (
+        _documents_of(attend[:, 0], real)
+        if attend.shape[1] == 1 or bool((attend == attend[:, :1]).all())
+        else None
+    )
+    fix = (
+        f"it describes documents: pass them as seq_lens={docs} (one list per row, the packed "
+        "layouts shard them) and no attention_mask"
+        if docs is not None
+        else "pass a 2-D [B, S] padding mask (1 = token), and documents as seq_lens"
+    )
+    seen = "attends" if bool(attend[b, h, q, k]) else "does not attend"
+    raise ValueError(
+        "a 4-D attention_mask is honoured only as causal padding (each real token attends to "
+        "the real tokens at or before it); this one is not: in row "
+        f"{b}, head {h}, query {q} {seen} key {k}. CP attention is causal within documents and "
+        f"cannot follow an arbitrary mask (nor reduce it to padding: silently wrong); {fix}"
     )
 
 

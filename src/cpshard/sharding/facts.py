@@ -6,15 +6,17 @@ that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller 
 rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
 the mesh the batch was sharded on), once per shard: nothing is updated field by field.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta` and
-:mod:`cpshard.sharding.token_index`; never
+Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta`,
+:mod:`cpshard.sharding.token_index` and the content hash of :mod:`cpshard.guards.consistency`;
+never
 :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
 :mod:`cpshard.models`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from cpshard.guards.consistency import content_hash
 from cpshard.layouts.coordinates import CallerCoordinates
 from cpshard.sharding.meta import TokenMeta
 from cpshard.sharding.token_index import TokenIndex
@@ -32,9 +35,15 @@ __all__ = [
     "ShardBatchFn",
     "ShardFacts",
     "batch_tag",
+    "call_record_tensors",
+    "local_record",
+    "matches_record",
     "same_shard",
     "tag_tensor",
 ]
+
+# Local batch tensors whose content identifies a shard when their tag is lost (a clone, .to()).
+RECORDED_KEYS = ("input_ids", "position_ids")
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
 
@@ -163,3 +172,54 @@ def same_shard(tag: object, meta: object) -> bool:
         and torch.equal(tag.positions, meta.positions.to(tag.positions.device))
         and torch.equal(tag.document_ids, meta.document_ids.to(tag.document_ids.device))
     )
+
+
+def local_record(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``{key: (shape, content hash)}`` of a sharded batch's local ``input_ids`` / ``position_ids``.
+
+    One content hash per key (every element; :func:`cpshard.guards.consistency.content_hash`),
+    computed once per shard.
+    """
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    for key in RECORDED_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            out[key] = (tuple(value.shape), int(content_hash(value)))
+    return out
+
+
+def call_record_tensors(
+    module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The untagged ``input_ids`` / ``position_ids`` tensors of a model call (by name, or bound
+    to the forward's positional parameters)."""
+    named = {k: v for k, v in kwargs.items() if k in RECORDED_KEYS}
+    if args:
+        try:
+            params = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        for name, value in zip(params, args, strict=False):
+            if name in RECORDED_KEYS:
+                named.setdefault(name, value)
+    return {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and batch_tag(v) is None}
+
+
+def matches_record(
+    record: Mapping[str, tuple[tuple[int, ...], int]], tensors: Mapping[str, torch.Tensor]
+) -> bool | None:
+    """Whether call tensors are the shard's (same shape and content for every recorded key).
+
+    Returns:
+        ``None`` when no key is both recorded and given (nothing to compare), else whether
+        every common key has the recorded shape and content hash.
+    """
+    common = [k for k in tensors if k in record]
+    if not common:
+        return None
+    for key in common:
+        shape, digest = record[key]
+        t = tensors[key]
+        if tuple(t.shape) != shape or int(content_hash(t)) != digest:
+            return False
+    return True

@@ -11,6 +11,8 @@ Import rule: :mod:`cpshard.layouts` only (like all of :mod:`cpshard.sharding`, n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from cpshard.layouts.documents import PackSpec
@@ -59,7 +61,14 @@ def shift_labels(
 
 
 def shift_labels_packed(
-    labels: torch.Tensor, spec: PackSpec, ignore_index: int = -100
+    labels: torch.Tensor,
+    spec: PackSpec | Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | None = None,
+    ignore_index: int = -100,
+    *,
+    seq_lens: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shift labels (or input ids) left by one inside each document, on the global batch.
 
@@ -67,20 +76,59 @@ def shift_labels_packed(
     document; the last token of every document and every pad get ``ignore_index``. Call it before
     sharding: after sharding, neighbours may live on other ranks.
 
+    The documents are given as the batch gives them (exactly one spelling): a
+    :class:`~cpshard.layouts.documents.PackSpec` or per-row ``seq_lens`` (second argument or
+    keyword), ``cu_seqlens`` offsets of a ``[1, T]`` stream, or ``position_ids`` restarting at 0
+    per document (with an optional ``padding_mask``, ``True`` = pad).
+
     Args:
         labels: Tensor ``[B, S]`` (e.g. ``input_ids``), caller coordinates.
-        spec: Document structure of the batch, ``spec.num_rows == B``, ``spec.row_len == S``.
+        spec: A ``PackSpec`` (``spec.num_rows == B``, ``spec.row_len == S``), or ``seq_lens``:
+            per-row document lengths (lists or an int tensor; a flat list is one row).
         ignore_index: Target value that the loss ignores.
+        seq_lens: Per-row document lengths (keyword spelling of ``spec``).
+        cu_seqlens: Offsets ``[D + 1]`` (list or tensor) of one ``[1, T]`` stream (``B == 1``).
+        position_ids: ``[B, S]`` per-document positions.
+        padding_mask: ``[B, S]`` bool (``True`` = pad, a row suffix), with ``position_ids``.
 
     Returns:
         Tensor ``[B, S]`` of ``labels``' dtype and device; the input is not modified.
+
+    Raises:
+        ValueError: ``labels`` is not ``[B, S]``, not exactly one spelling of the documents, or
+            documents that do not fit ``[B, S]``.
+
+    Example:
+        >>> shift_labels_packed(torch.tensor([[5, 6, 7, 8, 9]]), [[3, 2]]).tolist()
+        [[6, 7, -100, 9, -100]]
     """
-    if labels.dim() != 2 or tuple(labels.shape) != (spec.num_rows, spec.row_len):
+    if labels.dim() != 2:
         raise ValueError(
-            f"labels: must be [B, S] = [{spec.num_rows}, {spec.row_len}] to match the pack spec; "
-            f"got shape {tuple(labels.shape)}. Fix: pass the unsharded [B, S] tensor"
+            f"labels: must be [B, S]; got shape {tuple(labels.shape)}. Fix: pass the unsharded "
+            "[B, S] tensor"
         )
-    doc = spec.document_ids().to(labels.device)
+    if isinstance(spec, PackSpec) or spec is None:
+        pack_spec = spec
+    else:  # a positional seq_lens
+        if seq_lens is not None:
+            raise ValueError(
+                "documents: seq_lens given twice (second argument and seq_lens=); pass one"
+            )
+        pack_spec, seq_lens = None, spec
+    if pack_spec is not None and tuple(labels.shape) != (pack_spec.num_rows, pack_spec.row_len):
+        raise ValueError(
+            f"labels: must be [B, S] = [{pack_spec.num_rows}, {pack_spec.row_len}] to match the "
+            f"pack spec; got shape {tuple(labels.shape)}. Fix: pass the unsharded [B, S] tensor"
+        )
+    resolved = PackSpec.from_documents(
+        (labels.shape[0], labels.shape[1]),
+        spec=pack_spec,
+        seq_lens=seq_lens,
+        cu_seqlens=cu_seqlens,
+        position_ids=position_ids,
+        padding_mask=padding_mask,
+    )
+    doc = resolved.document_ids().to(labels.device)
     same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)
     out = torch.full_like(labels, ignore_index)
     out[:, :-1] = torch.where(same, labels[:, 1:], out[:, :-1])

@@ -51,6 +51,11 @@ class TokenMeta:
             the causal order.
         document_ids: LongTensor ``[B or 1, C * L]``: document of each token; pads are negative
             and unique (see :func:`pad_document_ids`).
+        local_record: ``{key: (shape, content hash)}`` of this rank's local ``input_ids`` and
+            ``position_ids`` as the sharder returned them (filled by
+            :meth:`cpshard.CPSharder.shard`): the batch identity that survives ``.clone()`` and
+            ``.to()`` of the local tensors (see :func:`cpshard.sharding.facts.matches_record`);
+            not part of equality.
         plan_cache: Per-batch cache of derived plans (the attention plan of
             :func:`cpshard.attention.plan.attention_plan`); not part of equality.
     """
@@ -60,6 +65,9 @@ class TokenMeta:
     positions: torch.Tensor
     document_ids: torch.Tensor
     plan_cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    local_record: dict[str, tuple[tuple[int, ...], int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 2 or self.document_ids.dim() != 2:

@@ -32,6 +32,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -96,25 +97,43 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
     return PackSpec.from_cu_seqlens(torch.as_tensor(batch["cu_seqlens"]), seq_len)
 
 
+def _stream_sources(plan: PackedPlan) -> torch.Tensor:
+    """LongTensor ``[P]`` (CPU): the flat caller index (``b * S + s``) of each stream slot, ``-1``
+    for a slot no caller token fills (a layout pad). One scatter of the input map per batch."""
+    pos = plan.input_token_stream_positions.reshape(-1).numpy()
+    caller = np.full(plan.padded_len + 1, -1, dtype=np.int64)
+    caller[np.where(pos >= 0, pos, plan.padded_len)] = np.arange(pos.size, dtype=np.int64)
+    return torch.from_numpy(caller[:-1])
+
+
 def _shard_key(
-    plan: PackedPlan,
     t: torch.Tensor,
     dim: int,
     fill: float | int | bool,
-    stream_fill: torch.Tensor | None,
-    local: torch.Tensor,
+    src: torch.Tensor,
+    rows: int,
 ) -> torch.Tensor:
-    """Caller tensor with sequence dim ``dim`` -> local ``[1, L, ...]`` (seq on dim 1)."""
+    """Caller tensor with sequence dim ``dim`` -> local ``[1, L, ...]`` (seq on dim 1): one
+    ``index_select`` of this rank's tokens straight from the caller's rows (no stream), the layout
+    pads set to ``fill``.
+
+    Args:
+        t: The caller's tensor, ``[B or 1, S, ...]`` with its sequence on ``dim``.
+        dim: Its sequence dim.
+        fill: Value of the local slots no caller token fills.
+        src: LongTensor ``[L]``: the flat caller index of each local slot, ``-1`` = layout pad
+            (:func:`_stream_sources` at this rank's slots).
+        rows: ``B`` of the batch.
+    """
     moved = t.movedim(dim, 1)
-    rows = plan.input_row_shape[0]
+    seq = moved.shape[1]
+    idx = src.clamp(min=0)
     if moved.shape[0] != rows:  # a batch-size-1 tensor broadcast over the rows
-        moved = moved.expand(rows, *moved.shape[1:])
-    stream = plan.to_stream(moved, fill)
-    if stream_fill is not None:  # pad slots take values from the plan (e.g. positions)
-        pad = plan.stream_padding_mask.to(t.device)
-        pad = pad.reshape(-1, *([1] * (stream.dim() - 1)))
-        stream = torch.where(pad, stream_fill.to(stream.dtype).reshape(pad.shape), stream)
-    return stream.index_select(0, local).unsqueeze(0).movedim(1, dim).contiguous()
+        idx = idx % seq
+    picked = moved.reshape(-1, *moved.shape[2:]).index_select(0, idx)
+    pad = (src < 0).reshape(-1, *([1] * (picked.dim() - 1)))
+    picked = picked.masked_fill(pad, fill)
+    return picked.unsqueeze(0).movedim(1, dim).contiguous()
 
 
 def shard_batch_packed(
@@ -158,15 +177,20 @@ def shard_batch_packed(
     device = x.device
     rank_map = plan.rank_map.to(device)
     local = rank_map[rank]
+    caller = _stream_sources(plan).to(device)
+    src = caller.index_select(0, local)  # caller index of every local slot, -1 = layout pad
     stream_pad = plan.stream_padding_mask.to(device)
     if "padding_mask" in out:  # caller pads inside documents see only themselves too
-        stream_pad = stream_pad | plan.to_stream(out["padding_mask"].bool(), True)
+        caller_pad = out["padding_mask"].bool().reshape(-1).index_select(0, caller.clamp(min=0))
+        stream_pad = stream_pad | (caller_pad & (caller >= 0))
     docs = pad_document_ids(plan.stream_document_ids.to(device)[None], stream_pad[None])
     order = rank_map.reshape(1, -1)
     meta = TokenMeta(rank, world, order, docs.index_select(1, order[0]))
-    if not given_positions:
-        out["position_ids"] = plan.from_stream(plan.stream_position_ids.to(device), 0)
-    if out["position_ids"].dim() != 2:
+    rows = plan.input_row_shape[0]
+    if not given_positions:  # per document, straight from the plan: no caller round trip
+        out["position_ids"] = plan.stream_position_ids.to(device).index_select(0, local)[None]
+        dims.pop("position_ids", None)
+    elif out["position_ids"].dim() != 2:
         raise ValueError(
             "packed batches take 2-D position_ids [B, S] (per document); got shape "
             f"{tuple(out['position_ids'].shape)}"
@@ -175,12 +199,14 @@ def shard_batch_packed(
         t = out[key]
         if key == "padding_mask":
             continue  # set below from the stream, layout pads included
-        if key == "position_ids":
-            out[key] = _shard_key(plan, t, dim, 0, plan.stream_position_ids.to(device), local)
+        if key == "position_ids":  # layout pads continue their document's positions
+            got = _shard_key(t, dim, 0, src, rows)
+            local_stream = plan.stream_position_ids.to(device).index_select(0, local)
+            out[key] = torch.where(src[None] < 0, local_stream.to(got.dtype)[None], got)
         else:
             fill = _pad_value(key, padding_token_id, extra)
             assert fill is not None
-            out[key] = _shard_key(plan, t, dim, fill, None, local)
+            out[key] = _shard_key(t, dim, fill, src, rows)
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
     # losses and token counts can leave them out without knowing the layout.
     out["padding_mask"] = stream_pad.index_select(0, local).unsqueeze(0)

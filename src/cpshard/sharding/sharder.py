@@ -24,15 +24,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.guards.consistency import check_verb_consistency
+from cpshard.guards.consistency import verb_descriptor, verb_mismatch_message
 from cpshard.sharding.facts import (
     CPContext,
     ShardBatchFn,
     ShardFacts,
     batch_tag,
+    local_record,
     same_shard,
     tag_tensor,
 )
+from cpshard.sharding.gather import gather_with_header, slot_bytes
 from cpshard.sharding.meta import TokenMeta
 from cpshard.sharding.token_index import TokenIndex
 
@@ -119,19 +121,57 @@ class CPSharder:
             need no extra collective to learn the other ranks' maps (the built-in layouts
             capture theirs).
 
-    Read-only, from the facts of the last shard (:attr:`facts`, a
+    The facts of the last shard (:attr:`facts`, one frozen
     :class:`~cpshard.sharding.facts.ShardFacts`): ``original_seq_len``, ``padded_seq_len``,
-    ``input_row_shape``, ``input_token_stream_positions``, ``rank_map``, ``token_meta``,
-    ``cp_mesh`` and ``check_consistency``.
+    ``input_row_shape``, ``input_token_stream_positions`` (the seed's captured fields), and
+    read-only ``rank_map``, ``token_meta``, ``cp_mesh`` and ``check_consistency``.
+
+    The seed's contract works unchanged:
+
+    * ``CPSharder(shard_batch, indices, original_seq_len=..., padded_seq_len=...,
+      input_row_shape=..., input_token_stream_positions=...)``: the given facts are this
+      sharder's from the start (its verbs work before any shard) and the base of every shard;
+    * a ``shard_batch`` that records facts on the sharder it belongs to (the seed's
+      ``record_on=sharder``: ``sharder.original_seq_len = S``, ``sharder.padded_seq_len = P``)
+      instead of returning them: each assignment replaces the frozen facts (never edits them),
+      and the facts recorded during :meth:`shard` become that shard's facts when its context
+      factory carries none. ``shard_batch=None`` at construction, assigned before the first
+      shard (the seed's two-step model hooks), works too.
     """
 
     shard_batch: ShardBatchFn
     local_token_global_indices: IndicesFn | None
     layout: str = "custom"
     rank_map_fn: RankMapFn | None = None
-    _facts: ShardFacts = field(
-        default_factory=lambda: ShardFacts(None, None), init=False, repr=False, compare=False
-    )
+    _facts: ShardFacts = field(init=False, repr=False, compare=False)
+    _base: ShardFacts = field(init=False, repr=False, compare=False)
+    # Payload bytes of the checked gather's one collective: agreed by every rank without a
+    # collective (the last gather's size, seeded at shard time), see cpshard.sharding.gather.
+    _gather_slot: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        shard_batch: ShardBatchFn | None,
+        local_token_global_indices: IndicesFn | None,
+        layout: str = "custom",
+        rank_map_fn: RankMapFn | None = None,
+        *,
+        original_seq_len: int | None = None,
+        padded_seq_len: int | None = None,
+        input_row_shape: tuple[int, ...] | None = None,
+        input_token_stream_positions: torch.Tensor | None = None,
+    ) -> None:
+        # ``None`` only until assigned: the seed's hooks bind shard_batch to the sharder itself.
+        self.shard_batch = shard_batch  # type: ignore[assignment]
+        self.local_token_global_indices = local_token_global_indices
+        self.layout = layout
+        self.rank_map_fn = rank_map_fn
+        shape = None if input_row_shape is None else tuple(int(d) for d in input_row_shape)
+        self._base = ShardFacts(
+            original_seq_len, padded_seq_len, shape, input_token_stream_positions
+        )
+        self._facts = self._base
+        self._gather_slot = 0
 
     # ------------------------------------------------------------------ sharding a batch
     def shard(
@@ -158,9 +198,19 @@ class CPSharder:
         Returns:
             ``(ctx, sharded_batch)``; ``ctx.facts`` are the new facts of this sharder.
         """
+        if self.shard_batch is None:
+            raise TypeError(
+                f"this sharder (layout={self.layout!r}) has shard_batch=None; assign its "
+                "shard_batch (e.g. sharder.shard_batch = functools.partial(fn, "
+                "record_on=sharder)) before sharding a batch"
+            )
+        # Facts recorded on the sharder during shard_batch (the seed's record_on) start from the
+        # construction facts, never from an older shard's.
+        self._facts = self._base
         ctx, out = self.shard_batch(
             cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
         )
+        recorded = self._facts
         if isinstance(ctx, CPContext):
             factory, facts = ctx.factory, ctx.facts
         else:  # a custom shard_batch: `with ctx:` works too
@@ -174,17 +224,31 @@ class CPSharder:
             # Any factory may carry its shard's facts (a `facts` attribute), not only a CPContext.
             carried = getattr(ctx, "facts", None)
             factory = ctx
-            facts = carried if isinstance(carried, ShardFacts) else ShardFacts(None, None)
+            facts = carried if isinstance(carried, ShardFacts) else recorded
         facts = dataclasses.replace(facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
+        self._seed_gather_slot(out)
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
-        # model and the verbs can tell this batch from an older or newer one (by its token
-        # meta; a shard without one is not told apart, see `same_shard`).
-        tag = self._batch_tag
-        for key, value in out.items():
-            if isinstance(value, torch.Tensor) and value is not batch.get(key):
-                tag_tensor(value, tag)
+        # model and the verbs can tell this batch from an older or newer one by its token meta.
+        # A shard without a token meta brings its own context (a model-owned or custom one that
+        # cpshard cannot see entered): its tensors carry nothing, so no guard misreads them.
+        if facts.token_meta is not None:
+            for key, value in out.items():
+                if isinstance(value, torch.Tensor) and value is not batch.get(key):
+                    tag_tensor(value, facts.token_meta)
+            # ... and a content record that survives .clone() / .to() of the local tensors
+            facts.token_meta.local_record.update(local_record(out))
         return CPContext(factory, facts), out
+
+    def _seed_gather_slot(self, out: dict[str, Any]) -> None:
+        """Seed the checked gather's slot with one fp32 value per local token of the sharded
+        primary input (``[B, L]`` log-probs, the common gather, then ride in one collective):
+        the same on every rank, whose batches the batch check found equal."""
+        primary = out.get("input_ids")
+        if not isinstance(primary, torch.Tensor):
+            primary = out.get("inputs_embeds")
+        if self._gather_slot == 0 and isinstance(primary, torch.Tensor) and primary.dim() >= 2:
+            self._gather_slot = slot_bytes(int(primary.shape[0]) * int(primary.shape[1]) * 4)
 
     # ------------------------------------------------------------------ captured facts
     @property
@@ -192,25 +256,45 @@ class CPSharder:
         """The frozen facts of the last shard (``ShardFacts(None, None)`` before any)."""
         return self._facts
 
+    def _record(self, **fact: Any) -> None:
+        """The seed's ``record_on``: replace the frozen facts with one field changed."""
+        self._facts = dataclasses.replace(self._facts, **fact)
+
     @property
     def original_seq_len(self) -> int | None:
         """Caller's sequence length before CP padding (see :class:`ShardFacts`)."""
         return self._facts.original_seq_len
+
+    @original_seq_len.setter
+    def original_seq_len(self, value: int | None) -> None:
+        self._record(original_seq_len=None if value is None else int(value))
 
     @property
     def padded_seq_len(self) -> int | None:
         """Length of the padded global stream of the last shard."""
         return self._facts.padded_seq_len
 
+    @padded_seq_len.setter
+    def padded_seq_len(self, value: int | None) -> None:
+        self._record(padded_seq_len=None if value is None else int(value))
+
     @property
     def input_row_shape(self) -> tuple[int, ...] | None:
         """``(B, S)`` of the caller's rows when the layout flattened them into one stream."""
         return self._facts.input_row_shape
 
+    @input_row_shape.setter
+    def input_row_shape(self, value: tuple[int, ...] | None) -> None:
+        self._record(input_row_shape=None if value is None else tuple(int(d) for d in value))
+
     @property
     def input_token_stream_positions(self) -> torch.Tensor | None:
         """LongTensor ``[B, S]``: stream slot of each caller token (``-1`` = dropped)."""
         return self._facts.input_token_stream_positions
+
+    @input_token_stream_positions.setter
+    def input_token_stream_positions(self, value: torch.Tensor | None) -> None:
+        self._record(input_token_stream_positions=value)
 
     @property
     def rank_map(self) -> torch.Tensor | None:
@@ -335,8 +419,8 @@ class CPSharder:
     ) -> torch.Tensor:
         """All-gather a local per-token tensor back into global (or caller) coordinates.
 
-        One all-gather of exactly the payload (after a 16-value check, see below); the reorder is a
-        precomputed inverse permutation.
+        One all-gather of the payload plus a 128-byte header that carries the cross-rank check
+        (see below); the reorder is a precomputed inverse permutation.
 
         Args:
             t: Local shard, e.g. per-token log-probs ``[B, L]`` (never needs ``[B, S, V]``).
@@ -354,9 +438,12 @@ class CPSharder:
             ``[..., P, ...]`` in global order, or the caller's coordinates with ``trim=True``; a
             new tensor that shares no memory with ``t`` (at ``cp=1`` too).
 
-        Before the data all-gather, the ranks compare dtype, shape, ``seq_dim``, ``trim`` and
-        ``grad`` in one all-gather of a few int64 values (unless ``check_consistency`` is off),
-        so a mismatch raises the same ``ValueError`` on every rank.
+        The ranks compare dtype, shape, ``seq_dim``, ``trim``, ``fill`` and ``grad`` (unless
+        ``check_consistency`` is off): a header of 16 int64 values rides in the data all-gather,
+        whose payload slot every rank sizes alike without communicating (the previous gather's
+        size, seeded at shard time with one fp32 per local token), so a mismatch raises the same
+        ``ValueError`` on every rank and never breaks the collective. A payload larger than
+        the slot (a new shape) costs one more, exact all-gather (:mod:`cpshard.sharding.gather`).
 
         Raises:
             TypeError: ``t`` is not a tensor.
@@ -366,12 +453,11 @@ class CPSharder:
         """
         facts = self._facts
         group = _comm.cp_group(facts.cp_mesh)
-        if group is not None and facts.check_consistency:
-            assert facts.cp_mesh is not None
-            check_verb_consistency(
-                facts.cp_mesh, group, "gather_token_tensor", t,
-                seq_dim=seq_dim, trim=trim, fill=fill, grad=grad,
-            )  # fmt: skip
+        carried: torch.Tensor | None = None
+        checked = group is not None and facts.check_consistency
+        if checked:  # the check rides in the data collective (see cpshard.sharding.gather)
+            assert group is not None
+            carried = self._gather_checked(t, group, seq_dim, trim, fill, grad)
         t = _check_tensor(t, "gather_token_tensor")
         self._check_tag(t, "gather_token_tensor")
         if grad not in ("sum", "replicated"):
@@ -394,13 +480,38 @@ class CPSharder:
         index = self._token_index(padded, t.device)
         # [C, *t.shape]: one all-gather of exactly the payload, no transpose of the local shard
         stacked = t.unsqueeze(0)
-        if group is not None:
+        if carried is not None:
+            stacked = carried
+        elif group is not None:
             mode: _comm.GradMode = "sum" if grad == "sum" else "replicated"
             stacked = _comm.all_gather_dim0(stacked, group, mode)
+        if checked:  # the next gather's slot: this payload's size (the same on every rank)
+            self._gather_slot = slot_bytes(t.numel() * t.element_size())
         full = index.reorder_gathered(stacked, seq_dim)
         if group is None and full.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             full = full.clone(memory_format=torch.contiguous_format)  # cp=1: never a view of t
         return facts.from_stream(full, seq_dim, fill, self.layout) if trim else full
+
+    def _gather_checked(
+        self, t: object, group: Any, seq_dim: int, trim: bool, fill: object, grad: str
+    ) -> torch.Tensor | None:
+        """The call's descriptor in one all-gather with the payload when it fits the agreed
+        slot; raises the same ``ValueError`` on every rank when the descriptors differ.
+
+        Returns:
+            The gathered ``[C, *t.shape]`` payload, or ``None`` (the caller gathers it).
+        """
+        desc = verb_descriptor(t, seq_dim=seq_dim, trim=trim, fill=fill, grad=grad)
+        mode = "replicated" if grad == "replicated" else "sum"
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            device = t.device
+        else:  # the header alone, on the mesh's device (NCCL needs CUDA)
+            device = torch.device("cpu" if self.cp_mesh is None else self.cp_mesh.device_type)
+        stacked, rows = gather_with_header(t, desc, group, self._gather_slot, mode, device)
+        message = verb_mismatch_message("gather_token_tensor", rows)
+        if message is not None:
+            raise ValueError(message)
+        return stacked
 
     def _check_tag(self, t: torch.Tensor, verb: str) -> None:
         tag = batch_tag(t)

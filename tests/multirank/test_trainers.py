@@ -1,0 +1,83 @@
+"""HF Trainer and TRL (SFT with padding-free packing, GRPO) under cpshard CP == one process.
+
+Each CP run (``cpshard.integrations``, gloo ranks of the pool, accelerate joining their group as
+under torchrun) is compared with the stock trainer in this process on the dp replicas' batches:
+the loss of every step (GRPO also its logged entropy and reward) and the final weights, fp32.
+The GRPO runs give the CP followers a different generation seed, so they match only because
+the CP trainer broadcasts its leader's completions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from _ranks import Ranks
+
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+import trl.trainer.grpo_trainer  # noqa: F401  # before the pool forks: its ranks inherit it
+from _trainer_fns import (
+    bad_cp_size_raises_on_every_rank,
+    ddp_over_a_subgroup_raises,
+    in_one_process,
+    on_ranks,
+)
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    """A pool of its own: forked after trl is imported (the shared pools' ranks would import
+    it themselves, ~1 min on 2 loaded cores), and accelerate's process state stays in it."""
+    pool = Ranks()
+    yield pool
+    pool.close()
+
+
+def _same(cp: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert len(cp["logs"]["loss"]) == STEPS
+    for key, got in cp["logs"].items():
+        if not got:  # CPSFTTrainer logs no SFT metrics (entropy)
+            continue
+        want = ref["logs"][key]
+        assert len(got) == len(want), key
+        assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
+                     msg=key)  # fmt: skip
+    assert ref["moved"] > 1e-3  # the weights trained, so equal weights mean equal updates
+    for name, w in ref["weights"].items():
+        assert_close(cp["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("world", "ga"), [(2, 1), (4, 2)], ids=["cp2", "dp2xcp2"])
+def test_sft_padding_free_matches_one_process(ranks: Ranks, world: int, ga: int) -> None:
+    cp = ranks(world, on_ranks, "sft", 2, 2, STEPS, ga, timeout=600)[0]
+    ref = in_one_process("sft", 2 * world // 2, STEPS, ga)
+    assert len(ref["losses"]) == STEPS
+    _same(cp, ref)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
+def test_grpo_matches_one_process(ranks: Ranks, world: int) -> None:
+    cp = ranks(world, on_ranks, "grpo", 2, 2, STEPS, timeout=600)[0]
+    ref = in_one_process("grpo", 2 * world // 2, STEPS)
+    assert len(ref["logs"]["entropy"]) == STEPS
+    _same(cp, ref)
+
+
+def test_trainer_padded_rows_match_one_process(ranks: Ranks) -> None:
+    cp = ranks(2, on_ranks, "trainer", 2, 2, STEPS, 1, timeout=600)[0]
+    _same(cp, in_one_process("trainer", 2, STEPS, 1))
+
+
+def test_bad_settings_raise_on_every_rank_before_a_step(ranks: Ranks) -> None:
+    msgs = ranks(4, bad_cp_size_raises_on_every_rank, timeout=600)
+    assert len(set(msgs)) == 1 and "world size 4" in msgs[0]
+    assert ranks(4, ddp_over_a_subgroup_raises) == ["ok"] * 4
