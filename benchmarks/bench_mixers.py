@@ -4,6 +4,8 @@ For one Mamba2 mixer (``Mamba2Mixer``, SSD) and one Gated DeltaNet (``Qwen3NextG
 of transformers' pure-torch paths, forward + backward of the module alone on ``[1, S, D]`` fp32:
 
 * ``one process``: the module over the whole sequence;
+* ``native cp=C`` (Mamba2 only): :mod:`cpshard.mixers.mamba2` (each rank scans its own
+  tokens; halo and incoming state exchanged), per rank;
 * ``generic cp=C``: the module under a CP ctx with cpshard's generic exact path
   (:mod:`cpshard.mixers.generic`: all-gather the input, run over the whole sequence on every
   rank, keep the local rows, reduce-scatter the input gradient), per rank, on ``C`` forked gloo
@@ -13,7 +15,8 @@ The ratio ``generic / one process`` is the generic path's cost per rank (>= 1 by
 every rank computes the whole sequence). Ranks share the machine's cores, so on a small machine
 the per-rank times of ``C`` concurrent ranks also include CPU contention.
 
-Usage: ``python benchmarks/bench_mixers.py [--seq 16384] [--repeat 3] [--worlds 2 4]``
+Usage: ``python benchmarks/bench_mixers.py [--seq 16384] [--repeat 3] [--worlds 2 4]
+[--kinds mamba2 gdn] [--paths native generic]``
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 
 import cpshard
 from cpshard.launch import run_local_ranks
-from cpshard.mixers import find_token_mixers, with_token_mixers
+from cpshard.mixers import MixerPlan, find_token_mixers, with_token_mixers
+from cpshard.mixers.mamba2 import is_native_mamba2
 
 _HIDDEN = 256
 
@@ -77,7 +81,7 @@ def _one_process(kind: str, seq: int, repeat: int) -> float:
     return _time(step, repeat)
 
 
-def _generic_rank(cp_mesh: Any, kind: str, seq: int, repeat: int) -> float:
+def _cp_rank(cp_mesh: Any, kind: str, seq: int, repeat: int, path: str) -> float:
     module = _mixer(kind)
     ids = torch.randint(1, 64, (1, seq), generator=torch.Generator().manual_seed(2))
     ctx, _, sharder = cpshard.make_cp_batch_and_ctx(
@@ -86,7 +90,9 @@ def _generic_rank(cp_mesh: Any, kind: str, seq: int, repeat: int) -> float:
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleList([module])  # so the module is found as a mixer site
     sites = find_token_mixers(holder)
-    ctx = with_token_mixers(ctx, sites, cp_mesh)
+    native = sites if path == "native" else ()
+    assert all(is_native_mamba2(s.module) for s in native)
+    ctx = with_token_mixers(ctx, MixerPlan(sites, native, "contiguous"), cp_mesh)
     x = torch.randn(1, seq, _HIDDEN, generator=torch.Generator().manual_seed(1))
     local = sharder.shard_token_tensor(x, fill=0.0)
 
@@ -105,6 +111,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kinds", nargs="+", default=["mamba2", "gdn"])
+    parser.add_argument("--paths", nargs="+", default=["native", "generic"])
     args = parser.parse_args()
     print(
         f"S={args.seq} fp32, hidden {_HIDDEN}, fwd+bwd of one mixer module, median of {args.repeat}"
@@ -113,12 +120,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for kind in args.kinds:
         base = _one_process(kind, args.seq, args.repeat)
-        for world in args.worlds:
-            per_rank = run_local_ranks(
-                world, _generic_rank, kind, args.seq, args.repeat, timeout_s=3600
-            )
-            t = max(per_rank)
-            print(f"| {kind} | {base:.3f} | generic | {world} | {t:.3f} | {t / base:.2f} |")
+        for path in args.paths:
+            if path == "native" and kind != "mamba2":
+                continue  # Gated DeltaNet has no native rule yet
+            for world in args.worlds:
+                per_rank = run_local_ranks(
+                    world, _cp_rank, kind, args.seq, args.repeat, path, timeout_s=3600
+                )
+                t = max(per_rank)
+                print(f"| {kind} | {base:.3f} | {path} | {world} | {t:.3f} | {t / base:.2f} |")
 
 
 if __name__ == "__main__":

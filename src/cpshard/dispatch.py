@@ -51,7 +51,7 @@ from cpshard.layouts.closed_form import (
     RoundRobinLayout,
 )
 from cpshard.layouts.index import check_rank_map
-from cpshard.mixers import check_token_mixers, with_token_mixers
+from cpshard.mixers import MixerPlan, check_token_mixers, with_token_mixers
 from cpshard.names import ATTENTION_CHOICES, LAYOUT_NAMES, PACKED_LAYOUTS, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.sharding.facts import CPContext, ShardBatchFn
@@ -226,7 +226,7 @@ def make_cp_batch_and_ctx(
             token mixers cannot run exactly (or need the generic path under ``strict``).
     """
     cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
-    mixers = _token_mixers(model, cp_mesh, batch, strict)  # before any collective
+    mixers = _token_mixers(model, cp_mesh, batch, strict, layout)  # before any collective
     # The step header: always (whatever check_consistency says), before any other collective.
     state = step_state(cp_mesh)
     begin_prepare(state, cp_mesh, check_consistency=check_consistency, model=None)
@@ -242,7 +242,7 @@ def make_cp_batch_and_ctx(
     ctx, out, sharder = _dispatch(
         cp_mesh,
         batch,
-        layout=layout,
+        layout=mixers.layout,  # type: ignore[arg-type]
         padding_token_id=padding_token_id,
         pad_multiple=pad_multiple,
         cp_sharder=cp_sharder,
@@ -277,21 +277,20 @@ def _tracked(ctx: CPContext, state: StepState | None, cp_mesh: DeviceMesh | None
 
 
 def _token_mixers(
-    model: nn.Module | None, cp_mesh: DeviceMesh | None, batch: object, strict: bool
-) -> tuple[Any, ...]:
+    model: nn.Module | None, cp_mesh: DeviceMesh | None, batch: object, strict: bool, layout: str
+) -> MixerPlan:
     """The model's token mixers that ``ctx`` must run exactly (:mod:`cpshard.mixers`).
 
     A model that owns its CP (``prepare_model_inputs_for_cp``) owns its mixers too.
     """
     if model is None:
-        return ()
+        return MixerPlan(layout=layout)
     model = unwrap_model(model)
     if hasattr(model, "prepare_model_inputs_for_cp"):
-        return ()
+        return MixerPlan(layout=layout)
     packed = isinstance(batch, Mapping) and _is_packed(batch)
-    return check_token_mixers(
-        model, _comm.cp_rank_and_size(cp_mesh)[1], strict=strict, packed=packed
-    )
+    cp_size = _comm.cp_rank_and_size(cp_mesh)[1]
+    return check_token_mixers(model, cp_size, strict=strict, packed=packed, layout=layout)
 
 
 def _check_method(attention: str, attention_cost: object) -> None:
@@ -569,7 +568,7 @@ def prepare_cp_forward(
     install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
     # Token mixers outside attention: the verdict (or the error) on every rank, before any
     # collective; the ctx then runs them exactly (cpshard.mixers).
-    mixers = _token_mixers(model, cp_mesh, batch, strict)
+    mixers = _token_mixers(model, cp_mesh, batch, strict, layout)
     # The step header: a rank that left its last step midway stops here, before any collective;
     # ranks in different phases, or with different parameters, raise together.
     state = step_state(cp_mesh)
@@ -596,7 +595,7 @@ def prepare_cp_forward(
     ctx, out, bound = _dispatch(  # the fingerprint above covers the caller's batch
         cp_mesh,
         work,
-        layout=layout,
+        layout=mixers.layout,  # type: ignore[arg-type]
         padding_token_id=padding_token_id,
         pad_multiple=pad_multiple,
         cp_sharder=sharder,

@@ -30,6 +30,8 @@ _DEFAULT = [
     ("falcon_h1", 2, "round_robin", "all_gather"),
     ("lfm2", 3, "round_robin", "all_gather"),
     ("granitemoehybrid", 2, "contiguous", "all_gather"),
+    ("mamba2", 2, "contiguous", "ring"),
+    ("nemotron_h", 3, "contiguous", "all_gather"),
     ("nemotron_h", 2, "round_robin", "ulysses"),
 ]
 

@@ -109,16 +109,19 @@ def test_mixer_inside_attention_is_refused() -> None:
 
 def test_verdict() -> None:
     model = _Model(_Scan(), None)
-    assert check_token_mixers(model, 1, strict=True, packed=False) == ()  # cp=1: unchanged
+    assert check_token_mixers(model, 1, strict=True, packed=False).sites == ()  # cp=1: unchanged
     with pytest.raises(ValueError, match=r"strict=True.*_Scan|_Scan.*strict=True"):
         check_token_mixers(model, 2, strict=True, packed=False)
     with pytest.raises(ValueError, match="across document boundaries"):
         check_token_mixers(model, 1, strict=True, packed=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert len(check_token_mixers(model, 1, strict=False, packed=True)) == 1
+        assert len(check_token_mixers(model, 1, strict=False, packed=True).sites) == 1
         assert not caught  # cp=1 packed: exact per document, nothing computed twice
-        assert len(check_token_mixers(model, 3, strict=False, packed=False)) == 1
+        plan = check_token_mixers(model, 3, strict=False, packed=False)
+        assert len(plan.sites) == 1
+        assert plan.native == ()
+        assert plan.layout == "auto"  # no native site: the caller's layout stays
     (w,) = caught
     assert issubclass(w.category, CPMixerWarning)
     assert "layers.0.token_mixer" in str(w.message) and "3x" in str(w.message)
@@ -178,3 +181,21 @@ def test_one_document_per_row_at_cp1_is_trivial() -> None:
     meta = _meta(torch.arange(6)[None], torch.zeros(1, 6, dtype=torch.long),
                  torch.zeros(1, 6, dtype=torch.bool), 0)  # fmt: skip
     assert segment_plan(meta, 3, torch.device("cpu")).trivial
+
+
+def test_native_serving_needs_in_order_single_document_shards() -> None:
+    from cpshard.mixers.mamba2 import serves_native
+
+    def meta(stream: torch.Tensor, docs: torch.Tensor, rank: int = 1) -> TokenMeta:
+        return TokenMeta(rank, 2, stream[None], docs[None])
+
+    order = torch.arange(8)
+    one_doc = torch.zeros(8, dtype=torch.long)
+    assert serves_native(meta(order, one_doc), 4)
+    assert not serves_native(meta(torch.tensor([0, 1, 6, 7, 2, 3, 4, 5]), one_doc), 4)
+    assert not serves_native(meta(order, torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])), 4)
+    trailing_pads = torch.tensor([0, 0, 0, 0, 0, 0, -7, -8])
+    assert serves_native(meta(order, trailing_pads), 4)
+    leading_pads = torch.tensor([-1, -2, 0, 0, 0, 0, 0, 0])
+    assert not serves_native(meta(order, leading_pads), 4)
+    assert not serves_native(meta(order, one_doc), 6)  # 4 local tokens < 5 halo tokens

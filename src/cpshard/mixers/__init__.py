@@ -3,6 +3,7 @@
 * :mod:`~cpshard.mixers.detect`: which modules of a model mix tokens and are not attention;
 * :mod:`~cpshard.mixers.policy`: the verdict before any collective (exact path, warning or a
   clear error) and the ctx composition;
+* :mod:`~cpshard.mixers.mamba2`: native CP for Mamba2 (SSD) mixers (halo + state passing);
 * :mod:`~cpshard.mixers.segments` and :mod:`~cpshard.mixers.generic`: running a mixer over whole
   documents in global order (gather, run, keep the local rows).
 
@@ -12,10 +13,16 @@ Import rule: imports :mod:`cpshard.attention` (the active CP mode), :mod:`cpshar
 """
 
 from cpshard.mixers.detect import MixerSite, find_token_mixers
-from cpshard.mixers.policy import CPMixerWarning, check_token_mixers, with_token_mixers
+from cpshard.mixers.policy import (
+    CPMixerWarning,
+    MixerPlan,
+    check_token_mixers,
+    with_token_mixers,
+)
 
 __all__ = [
     "CPMixerWarning",
+    "MixerPlan",
     "MixerSite",
     "check_token_mixers",
     "find_token_mixers",

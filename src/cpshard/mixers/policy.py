@@ -10,7 +10,9 @@ call's arguments only (the same verdict on every rank, so nothing can hang):
 * ``strict=True``: the generic path is refused -> ``ValueError`` naming the modules, the
   feature and the alternatives (``strict=False``, cp = 1); for a packed batch at cp = 1 the
   reason is the model's own mixers, which carry state and convolution across documents;
-* otherwise the mixers run through the generic exact path (:mod:`cpshard.mixers.generic`) and
+* Mamba2 (SSD) mixers run natively (:mod:`cpshard.mixers.mamba2`) where each rank holds one
+  in-order run (``contiguous``; ``layout="auto"`` then picks it for a dense batch);
+* every other mixer runs through the generic exact path (:mod:`cpshard.mixers.generic`) and
   one :class:`CPMixerWarning` names them and the cost (their compute ``C`` times) at cp > 1.
 
 :func:`with_token_mixers` wraps the batch's ctx so that the generic path's hooks live exactly as
@@ -27,6 +29,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,9 +38,27 @@ from cpshard._comm import cp_group
 from cpshard.attention.context import active_mode
 from cpshard.mixers.detect import MixerSite, find_token_mixers
 from cpshard.mixers.generic import GenericMixers
+from cpshard.mixers.mamba2 import NativeMamba2, conv_width, is_native_mamba2, serves_native
 from cpshard.sharding.facts import ContextFactory, CPContext
 
-__all__ = ["CPMixerWarning", "check_token_mixers", "with_token_mixers"]
+__all__ = ["CPMixerWarning", "MixerPlan", "check_token_mixers", "with_token_mixers"]
+
+
+@dataclass(frozen=True)
+class MixerPlan:
+    """How the batch's ctx runs the model's token mixers.
+
+    Attributes:
+        sites: Every mixer the ctx hooks (empty: nothing changes).
+        native: The sites with a native CP rule (Mamba2 / SSD), served natively when the batch's
+            layout allows (:func:`cpshard.mixers.mamba2.serves_native`), else generically.
+        layout: The layout to use (``"auto"`` becomes ``"contiguous"`` when a native site
+            needs in-order shards).
+    """
+
+    sites: tuple[MixerSite, ...] = ()
+    native: tuple[MixerSite, ...] = ()
+    layout: str = "auto"
 
 
 class CPMixerWarning(UserWarning):
@@ -51,18 +72,19 @@ def _listing(sites: Sequence[MixerSite], limit: int = 6) -> str:
 
 
 def check_token_mixers(
-    model: nn.Module, cp_size: int, *, strict: bool, packed: bool
-) -> tuple[MixerSite, ...]:
-    """The token mixers the batch's ctx must run through the generic path (maybe none).
+    model: nn.Module, cp_size: int, *, strict: bool, packed: bool, layout: str = "auto"
+) -> MixerPlan:
+    """How the batch's ctx must run the model's token mixers (maybe not at all).
 
     Args:
         model: The (unwrapped) model.
         cp_size: CP group size.
         strict: Refuse the generic path instead of paying its cost.
         packed: The batch is packed (``seq_lens`` / ``cu_seqlens``).
+        layout: The caller's layout name.
 
     Returns:
-        The mixers to hook (empty when nothing needs to change).
+        The :class:`MixerPlan`.
 
     Raises:
         ValueError: a mixer with no exact path, or ``strict`` with mixers that need the generic
@@ -70,7 +92,7 @@ def check_token_mixers(
     """
     sites = find_token_mixers(model)
     if not sites or (cp_size == 1 and not packed):
-        return ()
+        return MixerPlan(layout=layout)
     model_name = type(model).__name__
     inside = [s for s in sites if s.inside_attention]
     if inside:
@@ -79,7 +101,18 @@ def check_token_mixers(
             "has no exact CP path for attention with a token mixer inside it (its CP attention "
             "sees only the attention scores). Run this model at cp=1 (and unpacked)"
         )
-    if strict:
+    by_class: dict[type, bool] = {}
+    for s in sites:
+        if cp_size > 1 and type(s.module) not in by_class:
+            by_class[type(s.module)] = is_native_mamba2(s.module)
+    native = tuple(s for s in sites if by_class.get(type(s.module), False))
+    # "auto" picks contiguous below: dense shards that are one in-order run per rank
+    serving = layout == "contiguous" or layout == "auto"
+    served = native if (not packed and serving) else ()
+    if native and layout == "auto" and not packed:
+        layout = "contiguous"  # the native Mamba2 path needs one in-order run per rank
+    generic = [s for s in sites if s not in served]
+    if strict and generic:
         if cp_size == 1:
             raise ValueError(
                 f"{model_name} has token mixers outside attention ({_listing(sites)}) and the "
@@ -89,29 +122,32 @@ def check_token_mixers(
                 "strict=False (cpshard then runs each mixer per document, exactly), or give "
                 "the documents unpacked (one per row)"
             )
-        raise ValueError(
-            f"{model_name} has token mixers outside attention ({_listing(sites)}) and "
-            f"strict=True: under CP each would see only this rank's shard from a zero state "
-            f"(silently wrong), and their exact generic path runs them over the whole sequence "
-            f"on every rank ({cp_size}x their compute). Pass strict=False to accept that cost, "
-            "or run this model at cp=1"
+        hint = (
+            "; layout='contiguous' with dense rows serves the Mamba2 mixers natively"
+            if native and not served
+            else ""
         )
-    if cp_size > 1:
+        raise ValueError(
+            f"{model_name} has token mixers outside attention without a native CP rule for "
+            f"this batch ({_listing(generic)}) and strict=True: under CP each would see only "
+            f"this rank's shard from a zero state (silently wrong), and their exact generic "
+            f"path runs them over the whole sequence on every rank ({cp_size}x their compute). "
+            f"Pass strict=False to accept that cost, or run this model at cp=1{hint}"
+        )
+    if cp_size > 1 and generic:
         warnings.warn(
-            f"{model_name}: {len(sites)} token mixer(s) outside attention run through cpshard's "
-            f"generic exact CP path ({_listing(sites)}): each gathers the sequence and runs over "
-            f"all of it on every rank, {cp_size}x its compute and activation memory. Pass "
-            "strict=True to refuse instead",
+            f"{model_name}: {len(generic)} token mixer(s) outside attention run through "
+            f"cpshard's generic exact CP path ({_listing(generic)}): each gathers the sequence "
+            f"and runs over all of it on every rank, {cp_size}x its compute and activation "
+            "memory. Pass strict=True to refuse instead",
             CPMixerWarning,
             stacklevel=3,
         )
-    return sites
+    return MixerPlan(tuple(sites), native, layout)
 
 
 @contextlib.contextmanager
-def _scope(
-    sites: Sequence[MixerSite], cp_mesh: DeviceMesh | None, inner: ContextFactory
-) -> Iterator[None]:
+def _scope(plan: MixerPlan, cp_mesh: DeviceMesh | None, inner: ContextFactory) -> Iterator[None]:
     with inner():
         mode = active_mode()
         if mode is None:  # a custom context without cpshard's CP mode: nothing to compose
@@ -119,16 +155,28 @@ def _scope(
                 "the token mixers of this model need cpshard's CP context, but this ctx did not "
                 "enter one; use the ctx returned by cpshard.prepare_cp_forward"
             )
-        hooks = GenericMixers(sites, cp_group(cp_mesh), mode.meta)
-        mode.on_recompute.append(hooks.installed)  # a checkpoint's recomputation hooks again
-        with hooks.installed():
+        group = cp_group(cp_mesh)
+        native = [
+            s
+            for s in plan.native
+            if group is not None and serves_native(mode.meta, conv_width(s.module))
+        ]
+        generic = [s for s in plan.sites if s not in native]
+        with contextlib.ExitStack() as stack:
+            if generic:
+                hooks = GenericMixers(generic, group, mode.meta)
+                mode.on_recompute.append(hooks.installed)  # a checkpoint's recomputation
+                stack.enter_context(hooks.installed())
+            if native:
+                assert group is not None
+                own = NativeMamba2(native, group, mode.meta)
+                mode.on_recompute.append(own.installed)
+                stack.enter_context(own.installed())
             yield
 
 
-def with_token_mixers(
-    ctx: CPContext, sites: Sequence[MixerSite], cp_mesh: DeviceMesh | None
-) -> CPContext:
-    """``ctx`` with the generic path's hooks on ``sites`` for the span of each ``with ctx():``."""
-    if not sites:
+def with_token_mixers(ctx: CPContext, plan: MixerPlan, cp_mesh: DeviceMesh | None) -> CPContext:
+    """``ctx`` with the mixer hooks of ``plan`` for the span of each ``with ctx():``."""
+    if not plan.sites:
         return ctx
-    return CPContext(functools.partial(_scope, tuple(sites), cp_mesh, ctx), ctx.facts)
+    return CPContext(functools.partial(_scope, plan, cp_mesh, ctx), ctx.facts)

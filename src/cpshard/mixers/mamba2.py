@@ -1,0 +1,276 @@
+"""Native CP for Mamba2 (SSD) mixers: each rank scans only its own tokens.
+
+Serves transformers' ``Mamba2Mixer`` and every copy with the same forward (Bamba, Granite 4 /
+GraniteMoeHybrid, Zamba2, Nemotron-H; checked on the source, not by name) when each rank holds
+one in-order run of its row's single document (the ``contiguous`` layout of dense rows; pads
+only at the end). The module runs its own code on its local tokens; cpshard hands it, through
+a cache object for that one call, the two things that cross ranks:
+
+* the **convolution halo**: the last ``k - 1`` pre-convolution inputs of the previous rank
+  (one all-gather of ``[B, conv_dim, k - 1]``; zeros on rank 0);
+* the **incoming state** ``h0 [B, H, P, N]``: the SSD recurrence is linear in its initial
+  state, so each rank computes from a zero state its final state ``S_r`` and its decay
+  ``M_r = exp(sum_t A dt_t)`` (one weighted sum over its tokens, no scan), all ranks all-gather
+  ``(M, S)``, and rank ``r`` folds ``h0 = sum_{j<r} (prod_{j<i<r} M_i) S_j``.
+
+Both gathers are differentiable (their backward reduce-scatters the gradient), so the backward is
+exact too. Per rank: the module's own work on ``L = S / C`` tokens, plus a depthwise
+convolution and one ``O(L H P N)`` sum; communication independent of ``L`` except the halo.
+
+Used only where the module's pure-torch path runs (``mamba_ssm`` and ``causal_conv1d`` not
+importable): the CUDA kernels manage the cache differently and are not verified here; there the
+generic path serves.
+
+Imports :mod:`cpshard._comm` (the gathers), the detection's site type and the token meta.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import textwrap
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from cpshard._comm import all_gather_dim0
+from cpshard.attention.context import active_mode
+from cpshard.mixers.detect import MixerSite
+from cpshard.sharding.meta import TokenMeta
+
+__all__ = ["NativeMamba2", "conv_width", "is_native_mamba2", "serves_native"]
+
+_REFERENCE_MODULE = "transformers.models.mamba2.modeling_mamba2"
+_HELPERS = ("causal_conv1d_forward", "causal_conv1d_fn", "mamba2_scan_forward", "mamba2_chunk_scan")
+
+
+def _body(fn: Any) -> str:
+    """The AST of a function without its docstring and decorators (comparable across files).
+
+    transformers wraps kernel-replaceable helpers in small modules: their ``forward`` is read.
+    """
+    if isinstance(fn, nn.Module):
+        wrapper = inspect.unwrap(type(fn).forward)
+        cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=False))
+        fn = cells["func"].cell_contents  # the torch body the wrapper falls back to
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    node = tree.body[0]
+    assert isinstance(node, ast.FunctionDef)
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(ast.Module(body=body, type_ignores=[])) + ast.dump(node.args)
+
+
+def _torch_path() -> bool:
+    return all(importlib.util.find_spec(p) is None for p in ("mamba_ssm", "causal_conv1d"))
+
+
+def is_native_mamba2(module: nn.Module) -> bool:
+    """Whether ``module`` runs transformers' Mamba2 forward, so the native path can serve it."""
+    try:
+        ref_file = importlib.import_module(_REFERENCE_MODULE)
+        own_file = importlib.import_module(type(module).__module__)
+        if _body(type(module).forward) != _body(ref_file.Mamba2Mixer.forward):
+            return False
+        for name in _HELPERS:
+            if _body(getattr(own_file, name)) != _body(getattr(ref_file, name)):
+                return False
+    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
+        return False
+    return _torch_path()
+
+
+def conv_width(module: nn.Module) -> int:
+    """The convolution width ``k`` of a Mamba2 mixer."""
+    conv: Any = module.conv1d
+    return int(conv.kernel_size[0])
+
+
+def serves_native(meta: TokenMeta, kernel: int) -> bool:
+    """Whether every rank holds one in-order run of a single document per row (pads last).
+
+    Args:
+        meta: The batch's token meta.
+        kernel: The mixer's convolution width ``k`` (a rank needs ``k - 1`` halo tokens).
+    """
+    n, world = meta.local_len, meta.world_size
+    if world < 2 or n < kernel - 1:
+        return False
+    stream = meta.positions.shape[-1]
+    pos = meta.positions.to("cpu")
+    if not torch.equal(pos, torch.arange(stream).expand_as(pos)):
+        return False
+    doc = meta.document_ids.to("cpu")
+    real = doc >= 0
+    # pads only after the last real token, and one document per row
+    first_pad = torch.where(real.all(1), stream, (~real).int().argmax(1))
+    after = torch.arange(stream).unsqueeze(0) >= first_pad.unsqueeze(1)
+    if bool((real & after).any()):
+        return False
+    return bool((torch.where(real, doc, doc[:, :1]) == doc[:, :1]).all())
+
+
+class _Call:
+    """One forward of one mixer: the captured projection and the exchanged halo / state."""
+
+    def __init__(self, module: nn.Module, group: ProcessGroup, rank: int, world: int) -> None:
+        self.module: Any = module
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.proj: torch.Tensor | None = None
+        self.ext: torch.Tensor | None = None
+
+    def capture(self, _mod: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        self.proj = output
+
+    def with_halo(self, pre: torch.Tensor) -> torch.Tensor:
+        """``pre [B, cd, L]`` -> ``[B, cd, k - 1 + L]`` with the previous rank's last inputs."""
+        k = conv_width(self.module)
+        tail = pre[..., pre.shape[-1] - (k - 1) :].unsqueeze(0)  # [1, B, cd, k-1]
+        tails = all_gather_dim0(tail.contiguous(), self.group, "sum")  # [C, B, cd, k-1]
+        prev = tails[(self.rank - 1) % self.world] * float(self.rank > 0)
+        self.ext = torch.cat([prev.to(pre.dtype), pre], dim=-1)
+        return self.ext
+
+    def h0(self) -> torch.Tensor:
+        """The true incoming state ``[B, H, P, N]`` (fp32), from every rank's summary."""
+        m = self.module
+        assert self.ext is not None
+        assert self.proj is not None
+        weight = m.conv1d.weight
+        conv = F.conv1d(self.ext.to(weight.dtype), weight, m.conv1d.bias, groups=m.conv_dim)
+        conv = m.act(conv).to(self.ext.dtype).transpose(1, 2)  # [B, L, cd]
+        heads, groups, state = m.num_heads, m.n_groups, m.ssm_state_size
+        x, b, _ = conv.split([m.intermediate_size, groups * state, groups * state], dim=-1)
+        rows, n = x.shape[0], x.shape[1]
+        dt = self.proj[..., self.proj.shape[-1] - heads :]
+        dt = F.softplus(dt + m.dt_bias.to(dt.dtype))
+        low, high = m.time_step_limit
+        dt = torch.clamp(dt, min=low, max=high).float()  # [B, L, H]
+        decay = torch.cumsum(-torch.exp(m.A_log.float()) * dt, dim=1)
+        to_end = torch.exp(decay[:, -1:] - decay)  # [B, L, H]
+        xdt = x.float().reshape(rows, n, heads, m.head_dim) * dt[..., None]
+        bh = b.float().reshape(rows, n, groups, state)
+        bh = bh.repeat_interleave(heads // groups, dim=2, output_size=heads)
+        s_own = torch.einsum("blh,blhp,blhn->bhpn", to_end, xdt, bh)
+        m_own = torch.exp(decay[:, -1])  # [B, H]
+        s_all = all_gather_dim0(s_own.unsqueeze(0).contiguous(), self.group, "sum")
+        m_all = all_gather_dim0(m_own.unsqueeze(0).contiguous(), self.group, "sum")
+        h = torch.zeros_like(s_own)
+        for j in range(self.rank):
+            h = m_all[j][..., None, None] * h + s_all[j]
+        # every rank's gathers stay in its graph, so every rank runs their backward
+        return h + 0.0 * (s_all.sum() + m_all.sum())
+
+
+class _SeedCache:
+    """The cache interface the Mamba2 forward reads, for one call: halo in, ``h0`` in."""
+
+    def __init__(self, call: _Call) -> None:
+        self.call = call
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        # non-None: the forward then prepends the state through update_conv_state
+        return torch.empty(0)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.call.with_halo(hidden_states)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.call.h0()
+
+    def get_recurrent_states_to_keep(self, layer_idx: int) -> int:
+        return 0
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class NativeMamba2:
+    """Scoped hooks that run Mamba2 mixers natively under CP for one batch.
+
+    Args:
+        sites: Mixers for which :func:`is_native_mamba2` holds.
+        group: The CP group.
+        meta: The batch's token meta (:func:`serves_native` must hold).
+    """
+
+    def __init__(self, sites: Sequence[MixerSite], group: ProcessGroup, meta: TokenMeta) -> None:
+        self.sites = tuple(sites)
+        self.group = group
+        self.meta = meta
+        self._calls: dict[int, list[tuple[_Call, RemovableHandle] | None]] = {}
+
+    def _active(self) -> bool:
+        mode = active_mode()
+        return mode is not None and mode.meta is self.meta
+
+    def pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Forward pre-hook: a one-call cache carrying the halo and the incoming state."""
+        stack = self._calls.setdefault(id(module), [])
+        if not self._active():
+            stack.append(None)
+            return None
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != self.meta.local_len:
+            raise ValueError(
+                f"{type(module).__name__} runs natively under CP and needs hidden_states "
+                f"[B, L={self.meta.local_len}, D], got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                f"{type(module).__name__} got an attention_mask under CP; padding comes from "
+                "the sharded batch"
+            )
+        call = _Call(module, self.group, self.meta.rank, self.meta.world_size)
+        in_proj: nn.Module = call.module.in_proj
+        handle = in_proj.register_forward_hook(call.capture)
+        stack.append((call, handle))
+        params = inspect.signature(module.forward).parameters
+        name = "cache" if "cache" in params else "cache_params"
+        new_kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("cache", "cache_params", "position_ids", "cache_position")
+        }
+        new_kwargs[name] = _SeedCache(call)
+        new_kwargs["attention_mask"] = None
+        return args, new_kwargs
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """Forward hook: drop the call's projection hook."""
+        entry = self._calls[id(module)].pop()
+        if entry is not None:
+            entry[1].remove()
+        return output
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Register the hooks on every site for the span of the block, then remove them."""
+        handles: list[RemovableHandle] = []
+        try:
+            for site in self.sites:
+                handles.append(site.module.register_forward_pre_hook(self.pre, with_kwargs=True))
+                handles.append(
+                    site.module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
+                )
+            yield
+        finally:
+            for h in handles:
+                h.remove()
