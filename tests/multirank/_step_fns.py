@@ -363,29 +363,32 @@ def pad_id_outside_vocabulary(cp_mesh: DeviceMesh) -> str:
 class _Windowed(nn.Module):
     """Sliding-window CP attention through cp_attention (as a Mistral-style layer would)."""
 
-    def __init__(self, sharder: Any) -> None:
+    def __init__(self, sharder: Any, method: str = "auto") -> None:
         super().__init__()
         self.proj = nn.Linear(8, 8)
         self.sharder = sharder
+        self.method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x).unsqueeze(1)  # [B, 1, L, 8]
         out: torch.Tensor = cpshard.attention.cp_attention(
-            h, h, h, sharder=self.sharder, causal=True, window=3
+            h, h, h, sharder=self.sharder, method=self.method, causal=True, window=3
         )
         return out
 
 
-def window_first_met_compiled(cp_mesh: DeviceMesh) -> str:
+def window_first_met_compiled(cp_mesh: DeviceMesh, attention: str) -> str:
     """A window first met inside torch.compile(fullgraph=True): a clear error on every rank
-    (before any collective), naming the fix."""
+    (before any collective), naming the fix (for an explicit method, and for ``"auto"``)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(2, 16, 8)
-    ctx, local, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, {"inputs_embeds": x})
-    model = torch.compile(_Windowed(sharder), fullgraph=True, dynamic=False)
+    ctx, local, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, {"inputs_embeds": x}, attention=attention
+    )
+    model = torch.compile(_Windowed(sharder, attention), fullgraph=True, dynamic=False)
     try:
         with ctx():
             model(local["inputs_embeds"])

@@ -206,12 +206,17 @@ class _CPSDPAMode(TorchFunctionMode):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
-        """:func:`cp_sdpa` on this context's group, meta and method, inside the step tracker."""
+        """:func:`cp_sdpa` on this context's group, meta and method, inside the step tracker.
+
+        A ``meta`` in ``kwargs`` replaces the context's (Llama 4's chunked layers attend over a
+        chunk-split token meta of the same shards).
+        """
+        meta = kwargs.pop("meta", self.meta)
         tracker = self.tracker
         if tracker is None or torch.compiler.is_compiling():  # compiled forwards: not tracked
-            return cp_sdpa(q, k, v, group=self.group, meta=self.meta, method=self.method, **kwargs)
+            return cp_sdpa(q, k, v, group=self.group, meta=meta, method=self.method, **kwargs)
         q, k, v = tracker.enter_call(q, k, v)
-        out = cp_sdpa(q, k, v, group=self.group, meta=self.meta, method=self.method, **kwargs)
+        out = cp_sdpa(q, k, v, group=self.group, meta=meta, method=self.method, **kwargs)
         return tracker.leave_call(out)
 
 

@@ -136,9 +136,24 @@ def resolve_method(
     """
     if method != "auto":
         return method
+    # the choice is host work (numpy over the token meta): made once per batch, call shape and
+    # cost model, and read back from the meta's cache by later calls (and compiled regions)
+    key = f"auto|{shape}|{world}|{cost_model!r}"
+    hit = plan.meta.plan_cache.get(key)
+    if isinstance(hit, str):
+        return hit
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"CP attention with causal={shape.causal}, window={shape.window} (method 'auto') was "
+            "first met inside a torch.compile'd region: choosing the method is host work (once "
+            "per batch) that dynamo cannot trace. Pass an explicit method (attention='ring', "
+            "'all_gather', 'ulysses' or 'selective' to prepare_cp_forward / "
+            "make_cp_batch_and_ctx), or run one eager step of this batch first"
+        )
     facts = plan_facts(plan.meta, shape.causal, shape.window)
     model = CostModel() if cost_model is None else cost_model
     best, _ = choose_method(facts, shape, model, servable(shape.q_heads, shape.kv_heads, world))
+    plan.meta.plan_cache[key] = best
     return best
 
 

@@ -26,9 +26,9 @@ timeout with messages that do not name the cause. This module keeps, per rank an
   the next header, not locally.
 
 What the headers also carry (compared across the ranks, so a mismatch raises on every rank before
-any data collective): the ``check_consistency`` flag of a prepare; at a prepare with a model (and
-``check_consistency``), the names, shapes, dtypes and trainable pattern of its parameters (a model
-built or frozen differently on some ranks), plus each rank's own report of an optimizer step on
+any data collective): the ``check_consistency`` flag of a prepare; at a prepare, the names, shapes,
+dtypes and trainable pattern of the model's parameters (a model built or frozen differently on
+some ranks), plus each rank's own report of an optimizer step on
 unsynced gradients (below); at a sync, the names, shapes and dtypes of the trainable parameters;
 at the first CP attention call of a forward, its dtypes, head counts, head dims and lengths.
 
@@ -200,6 +200,7 @@ def _exchange(
     facts: dict[int, int],
     names: dict[int, str],
     carry: dict[int, int] | None = None,
+    shown: dict[int, Callable[[int], str]] | None = None,
 ) -> list[list[int]]:
     """All-gather this rank's header; raise the same error on every rank if they disagree.
 
@@ -210,6 +211,8 @@ def _exchange(
         facts: Slot -> value that every rank must agree on (for this ``kind``).
         names: Slot -> what the slot means, for the message.
         carry: Slot -> value sent along, not compared (each rank's own report).
+        shown: Slot -> how to write its value in the message (slots not named here show only
+            which ranks agree).
 
     Returns:
         The gathered headers, one row per rank.
@@ -243,7 +246,11 @@ def _exchange(
             groups: dict[int, list[int]] = {}
             for r, row in enumerate(rows):
                 groups.setdefault(row[slot], []).append(r)
-            ranks = " vs ".join(f"ranks {g}" for g in groups.values())
+            show = shown.get(slot) if shown else None
+            ranks = " vs ".join(
+                f"ranks {g}" if show is None else f"ranks {g} pass {show(v)}"
+                for v, g in groups.items()
+            )
             parts.append(f"{names[slot]} ({ranks})")
         raise StepMismatchError(
             f"the CP ranks disagree on entering the same phase: {'; '.join(parts)}"
@@ -252,6 +259,10 @@ def _exchange(
 
 
 # --- prepare --------------------------------------------------------------------------------
+def _as_bool(value: int) -> str:
+    return str(bool(value))
+
+
 def params_fingerprint(model: nn.Module) -> tuple[int, int]:
     """``(values, layout)``: hashes of the trainable parameters' values and of which are trainable.
 
@@ -292,8 +303,9 @@ def begin_prepare(
     """Start a step: raise locally if this rank left the last one midway, then agree on it.
 
     One header all-gather (always, whatever ``check_consistency`` says). The ranks must agree on
-    the phase (every one of them starts a step) and on ``check_consistency``; with a model (and
-    ``check_consistency``) on its parameters' names, shapes, dtypes and trainable pattern. Each
+    the phase (every one of them starts a step), on ``check_consistency``, and on the model's
+    parameters' names, shapes, dtypes and trainable pattern (whatever ``check_consistency`` says;
+    a prepare without a model counts as no parameters). Each
     rank also reports whether the model's trainable parameters changed since its previous
     prepare while a CP backward since the last ``sync_grads`` was never synced (an optimizer step
     on unsynced gradients): if any rank does, every rank raises.
@@ -318,15 +330,18 @@ def begin_prepare(
         and watch.values != values
         and state.backwards_since_sync > 0
     )
-    facts = {_A: int(bool(check_consistency))}
-    names = {_A: "check_consistency (pass the same value on every rank)"}
-    if model is not None and check_consistency:
-        facts[_B] = layout
-        names[_B] = (
-            "the model's parameters (names, shapes, dtypes, which are trainable: build and "
-            "freeze the model the same way on every CP rank)"
-        )
-    rows = _exchange(state, cp_mesh, PREPARE, facts, names, carry={_C: int(unsynced)})
+    # the same slots are compared on every rank (whatever each rank's flag): the message is the
+    # same everywhere. The parameters' names, shapes, dtypes and trainable pattern are no data
+    # values: compared also with check_consistency=False (0 without a model).
+    facts = {_A: int(bool(check_consistency)), _B: layout}
+    names = {
+        _A: "check_consistency (pass the same value on every rank)",
+        _B: "the model's parameters (names, shapes, dtypes, which are trainable: build and "
+        "freeze the model the same way on every CP rank, and pass it on every rank)",
+    }
+    rows = _exchange(
+        state, cp_mesh, PREPARE, facts, names, carry={_C: int(unsynced)}, shown={_A: _as_bool}
+    )
     if watch is not None:
         watch.values = values
     state.epoch += 1
