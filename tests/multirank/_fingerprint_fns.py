@@ -76,7 +76,8 @@ def opt_out_on_some_ranks(cp_mesh: DeviceMesh, with_model: bool) -> str:
     rank = cp_mesh.get_local_rank()
     batch = _batch("crafted")
     flag = rank != 0
-    with pytest.raises(ValueError, match="disagree on entering the same phase: check_consistency") as info:
+    same_phase = "disagree on entering the same phase: check_consistency"
+    with pytest.raises(ValueError, match=same_phase) as info:
         _prepare(cp_mesh, batch, with_model, check_consistency=flag)
     # and the collectives still pair: a following check on every rank works
     _, _, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, batch)
