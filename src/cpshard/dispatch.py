@@ -33,7 +33,7 @@ from cpshard.attention.cost import CostModel
 from cpshard.attention.hf import cp_attention_scope
 from cpshard.attention.methods import method_named
 from cpshard.attention.plan import attention_plan
-from cpshard.guards.consistency import check_dispatch_consistency as _check_consistency
+from cpshard.guards.consistency import dispatch_fingerprint, raise_on_mismatch
 from cpshard.guards.model import install_model_guard, remember_shard
 from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.guards.step import (
@@ -228,16 +228,21 @@ def make_cp_batch_and_ctx(
     cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
     mixers = _token_mixers(model, cp_mesh, batch, strict, layout)  # before any collective
     # The step header: always (whatever check_consistency says), before any other collective.
-    state = step_state(cp_mesh)
-    begin_prepare(state, cp_mesh, check_consistency=check_consistency, model=None)
-    # Always the one collective; check_consistency=False only skips the hashing (ranks that
-    # disagree on the flag then raise alike instead of mismatching collectives).
-    _check_consistency(
+    # The batch fingerprint rides in it: one collective; check_consistency=False only skips the
+    # hashing (ranks that disagree on the flag then raise alike instead of mismatching
+    # collectives).
+    fingerprint = dispatch_fingerprint(
         cp_mesh, batch, layout, attention, padding_token_id,
         {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
          "extra_token_keys": extra_token_keys, "strict": strict,
          "attention_cost": attention_cost}, check_consistency is not False,
     )  # fmt: skip
+    state = step_state(cp_mesh)
+    raise_on_mismatch(
+        begin_prepare(
+            state, cp_mesh, check_consistency=check_consistency, model=None, payload=fingerprint
+        )
+    )
     _check_method(attention, attention_cost)
     ctx, out, sharder = _dispatch(
         cp_mesh,
@@ -573,13 +578,17 @@ def prepare_cp_forward(
     # ranks in different phases, or with different parameters, raise together.
     state = step_state(cp_mesh)
     watch_model(model, state, cp_mesh)
-    begin_prepare(state, cp_mesh, check_consistency=check_consistency, model=model)
-    _check_consistency(  # one collective either way; False skips only the hashing
+    fingerprint = dispatch_fingerprint(  # rides in the header; False skips only the hashing
         cp_mesh, batch, layout, attention, padding_token_id,
         {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
          "extra_token_keys": extra_token_keys, "strict": strict,
          "attention_cost": attention_cost}, check_consistency is not False,
     )  # fmt: skip
+    raise_on_mismatch(
+        begin_prepare(
+            state, cp_mesh, check_consistency=check_consistency, model=model, payload=fingerprint
+        )
+    )
     check_batch_mapping(batch)
     check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
     if num_chunks < 1:

@@ -15,7 +15,7 @@ from _collective_fns import (
 
 from _ranks import Ranks
 from cpshard.guards.consistency import FIELDS
-from cpshard.guards.step import HEADER_SIZE
+from cpshard.guards.step import HEADER_SIZE, PAYLOAD_SIZE
 from cpshard.layouts.closed_form import RoundRobinLayout
 
 pytestmark = pytest.mark.multirank
@@ -50,9 +50,10 @@ def test_attention_collectives_per_layer(ranks: Ranks, world: int, method: str) 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_verbs_and_batch_check_collectives(ranks: Ranks, world: int) -> None:
     for r, got in enumerate(ranks(world, verb_collectives)):
-        # the step header (guards/step.py: every rank starts the same phase), then the batch
-        # fingerprint: one int64 per slot of each
-        fingerprint = {"all_gather": (2, (HEADER_SIZE + len(FIELDS)) * 8)}
+        # one all-gather: the step header (guards/step.py: every rank starts the same phase) with
+        # the batch fingerprint riding in its payload slots
+        assert len(FIELDS) <= PAYLOAD_SIZE
+        fingerprint = {"all_gather": (1, (HEADER_SIZE + PAYLOAD_SIZE) * 8)}
         assert got["check_on"] == fingerprint, r
         # check_consistency=False skips the hashing, not the collective (ranks that disagree on
         # the flag must not mismatch collectives)

@@ -322,3 +322,13 @@ def test_fingerprint_of_lists_mixing_tensors_and_large_ints() -> None:
     assert torch.equal(fp(mixed), fp(list(mixed)))
     assert not torch.equal(fp(mixed), fp([torch.tensor(5), 2**62, "doc", torch.tensor(8)]))
     assert not torch.equal(fp(mixed), fp([torch.tensor(5), 2**62 + 1, "doc", torch.tensor(7)]))
+
+
+def test_batch_fingerprint_fits_the_step_header_payload() -> None:
+    """The dispatcher sends the fingerprint in the step header's payload slots (one collective)."""
+    from cpshard.guards.consistency import FIELDS, batch_fingerprint
+    from cpshard.guards.step import PAYLOAD_SIZE
+
+    fp = batch_fingerprint({"input_ids": torch.ones(2, 8, dtype=torch.long)}, layout="auto",
+                           attention="auto", padding_token_id=0)  # fmt: skip
+    assert fp.shape == (len(FIELDS),) and len(FIELDS) <= PAYLOAD_SIZE

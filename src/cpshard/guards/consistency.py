@@ -37,10 +37,11 @@ The fingerprint is computed defensively: it never raises on a malformed batch (a
 changes a hash), so a batch that is invalid on one rank only is reported here, on every rank,
 instead of raising on that rank alone before a collective the others then wait in.
 
-Owns the fingerprint and its one all-gather (:func:`check_dispatch_consistency` for the
-dispatcher, :func:`check_verb_consistency` for the sharder's token verbs). Imports only torch and
-:mod:`cpshard._comm`: :mod:`cpshard.sharding` calls it, so it never imports sharding, attention
-or dispatch.
+Owns the fingerprint and its comparison (:func:`dispatch_fingerprint` for the dispatcher, whose
+fingerprint rides in the step header's one all-gather, :func:`check_batch_consistency` with an
+all-gather of its own, :func:`check_verb_consistency` for the sharder's token verbs). Imports
+only torch and :mod:`cpshard._comm`: :mod:`cpshard.sharding` calls it, so it never imports
+sharding, attention or dispatch.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ __all__ = [
     "FIELDS",
     "batch_fingerprint",
     "check_batch_consistency",
-    "check_dispatch_consistency",
     "check_verb_consistency",
     "content_hash",
+    "dispatch_fingerprint",
     "mismatch_message",
+    "raise_on_mismatch",
     "verb_descriptor",
     "verb_mismatch_message",
 ]
@@ -407,7 +409,19 @@ def check_batch_consistency(
         raise ValueError(message)
 
 
-def check_dispatch_consistency(
+def raise_on_mismatch(table: torch.Tensor | None) -> None:
+    """Raise the same ``ValueError`` on every rank if the gathered fingerprints differ.
+
+    Args:
+        table: ``[C, len(FIELDS)]`` fingerprints gathered from every CP rank (e.g. riding in the
+            step header's all-gather), or ``None`` (no collective ran: nothing to compare).
+    """
+    message = None if table is None else mismatch_message(table)
+    if message is not None:
+        raise ValueError(message)
+
+
+def dispatch_fingerprint(
     cp_mesh: DeviceMesh | None,
     batch: object,
     layout: str,
@@ -415,20 +429,22 @@ def check_dispatch_consistency(
     padding_token_id: object,
     options: dict[str, Any],
     hashed: bool = True,
-) -> None:
-    """:func:`check_batch_consistency` for the dispatcher's arguments.
+) -> torch.Tensor | None:
+    """:func:`batch_fingerprint` of the dispatcher's arguments (``None`` without a CP group).
 
     Sharders and extra keys are compared by type and spec, tensors by content;
-    ``hashed=False``: no values are read, the collective is the same.
+    ``hashed=False``: no values are read, the fingerprint has the same size. The dispatcher
+    sends it in the step header's all-gather and checks it with :func:`raise_on_mismatch`.
     """
+    if _comm.cp_group(cp_mesh) is None:
+        return None
     described = {
         k: (type(v).__name__ if k in ("cp_sharder", "extra_token_keys") and v is not None else v)
         for k, v in options.items()
     }
     if options.get("extra_token_keys") is not None:
         described["extra_token_keys"] = repr(sorted(dict(options["extra_token_keys"]).items()))
-    check_batch_consistency(
-        cp_mesh,
+    return batch_fingerprint(
         batch,
         layout=layout,
         attention=attention,

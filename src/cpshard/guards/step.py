@@ -7,9 +7,11 @@ its peers: gloo aborts on a size mismatch, and otherwise everyone waits for the 
 timeout with messages that do not name the cause. This module keeps, per rank and per CP mesh, a
 :class:`StepState` and makes every phase of a step start with the same small **step header**:
 
-* one all-gather of :data:`HEADER_SIZE` int64 values at the start of :func:`prepare_cp_forward`
-  / :func:`make_cp_batch_and_ctx` (always, also with ``check_consistency=False``), of the first
-  CP attention call of a forward, of the first CP attention call of each backward pass, and of
+* one all-gather of :data:`HEADER_SIZE` + :data:`PAYLOAD_SIZE` int64 values at the start of
+  :func:`prepare_cp_forward` / :func:`make_cp_batch_and_ctx` (always, also with
+  ``check_consistency=False``; the batch fingerprint of :mod:`cpshard.guards.consistency` rides
+  in its payload slots), of the first CP attention call of a forward, of the first CP attention
+  call of each backward pass, and of
   :func:`cpshard.sync_grads`. It says which phase this rank is entering (and a few facts the
   ranks must agree on). Since every phase starts with a header of the same size, a rank that
   skipped a phase meets its peers' header, not a data collective: every rank then raises the same
@@ -72,6 +74,7 @@ from cpshard import _comm
 __all__ = [
     "HEADER_SIZE",
     "PARAM_SAMPLE",
+    "PAYLOAD_SIZE",
     "ForwardTracker",
     "OutOfStepError",
     "StepHeaderError",
@@ -88,6 +91,10 @@ __all__ = [
 ]
 
 HEADER_SIZE = 8
+PAYLOAD_SIZE = 24
+"""Slots after the header in every step header's all-gather (zeros unless a prepare sends its
+batch fingerprint there): every phase's exchange has the same size, so a rank in another phase
+meets a header of its own size, never a size mismatch."""
 PARAM_SAMPLE = 64
 _ATTR = "_cpshard_step"
 _MASK = (1 << 63) - 1
@@ -201,6 +208,7 @@ def _exchange(
     names: dict[int, str],
     carry: dict[int, int] | None = None,
     shown: dict[int, Callable[[int], str]] | None = None,
+    payload: torch.Tensor | None = None,
 ) -> list[list[int]]:
     """All-gather this rank's header; raise the same error on every rank if they disagree.
 
@@ -213,15 +221,27 @@ def _exchange(
         carry: Slot -> value sent along, not compared (each rank's own report).
         shown: Slot -> how to write its value in the message (slots not named here show only
             which ranks agree).
+        payload: LongTensor ``[P]``, ``P <= PAYLOAD_SIZE`` (the same ``P`` on every rank), sent
+            in the same all-gather after the header; not compared here (the batch fingerprint
+            rides along).
 
     Returns:
-        The gathered headers, one row per rank.
+        The gathered rows, one per rank: the header's :data:`HEADER_SIZE` values, then
+        :data:`PAYLOAD_SIZE` payload slots (``payload`` first, zeros after).
     """
-    header = torch.zeros(HEADER_SIZE, dtype=torch.long)
+    header = torch.zeros(HEADER_SIZE + PAYLOAD_SIZE, dtype=torch.long)
     header[_MAGIC] = _MAGIC_VALUE
     header[_KIND] = kind
     for slot, value in {**(carry or {}), **facts}.items():
         header[slot] = value & _MASK
+    if payload is not None:
+        flat = payload.to(device="cpu", dtype=torch.long).reshape(-1)
+        if flat.numel() > PAYLOAD_SIZE:  # a programming error, the same on every rank
+            raise ValueError(
+                f"a step header carries at most PAYLOAD_SIZE={PAYLOAD_SIZE} payload values, got "
+                f"{flat.numel()}"
+            )
+        header[HEADER_SIZE : HEADER_SIZE + flat.numel()] = flat
     group = _comm.cp_group(cp_mesh)
     assert group is not None
     rows = _comm.all_gather_fixed(header, group).tolist()
@@ -299,16 +319,22 @@ def begin_prepare(
     *,
     check_consistency: bool,
     model: nn.Module | None,
-) -> None:
+    payload: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Start a step: raise locally if this rank left the last one midway, then agree on it.
 
-    One header all-gather (always, whatever ``check_consistency`` says). The ranks must agree on
+    One header all-gather (always, whatever ``check_consistency`` says), which also carries
+    ``payload`` (the batch fingerprint: one collective per prepare). The ranks must agree on
     the phase (every one of them starts a step), on ``check_consistency``, and on the model's
     parameters' names, shapes, dtypes and trainable pattern (whatever ``check_consistency`` says;
     a prepare without a model counts as no parameters). Each
     rank also reports whether the model's trainable parameters changed since its previous
     prepare while a CP backward since the last ``sync_grads`` was never synced (an optimizer step
     on unsynced gradients): if any rank does, every rank raises.
+
+    Returns:
+        Every rank's ``payload`` as a LongTensor ``[C, P]`` on the CPU (row ``r`` from rank
+        ``r``), or ``None`` without a collective (no multi-rank group, or no payload).
 
     Raises:
         RuntimeError: this rank left its last step midway (locally, no collective), the ranks
@@ -322,7 +348,7 @@ def begin_prepare(
     if state is None or cp_mesh is None:
         if watch is not None:
             watch.values = values
-        return
+        return None
     state.check_usable("prepare_cp_forward / make_cp_batch_and_ctx")
     unsynced = (
         watch is not None
@@ -340,8 +366,9 @@ def begin_prepare(
         "freeze the model the same way on every CP rank, and pass it on every rank)",
     }
     rows = _exchange(
-        state, cp_mesh, PREPARE, facts, names, carry={_C: int(unsynced)}, shown={_A: _as_bool}
-    )
+        state, cp_mesh, PREPARE, facts, names, carry={_C: int(unsynced)}, shown={_A: _as_bool},
+        payload=payload,
+    )  # fmt: skip
     if watch is not None:
         watch.values = values
     state.epoch += 1
@@ -356,6 +383,10 @@ def begin_prepare(
             "and the ranks' weights drift apart). Call cpshard.sync_grads(model, cp_mesh) after "
             "the last backward of each optimizer step"
         )
+    if payload is None:
+        return None
+    size = HEADER_SIZE + payload.numel()
+    return torch.tensor([row[HEADER_SIZE:size] for row in rows], dtype=torch.long)
 
 
 # --- forward --------------------------------------------------------------------------------
