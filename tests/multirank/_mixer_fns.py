@@ -153,9 +153,10 @@ def hybrid_dense(
     _compare(got, want, f"{arch} {layout} {method}", fp32_kernel=split)
 
 
-def hybrid_checkpointed(cp_mesh: DeviceMesh, arch: str) -> None:
-    """HF gradient checkpointing: the recomputation in backward() runs the mixers exactly."""
-    hybrid_dense(cp_mesh, arch, "round_robin", "all_gather", checkpointed=True)
+def hybrid_checkpointed(cp_mesh: DeviceMesh, arch: str, layout: str = "round_robin") -> None:
+    """HF gradient checkpointing: the recomputation in backward() runs the mixers exactly
+    (``round_robin``: the generic path; ``contiguous``: a native one, exchanging again)."""
+    hybrid_dense(cp_mesh, arch, layout, "all_gather", checkpointed=True)
 
 
 def hybrid_packed(cp_mesh: DeviceMesh, arch: str, layout: str) -> None:

@@ -68,14 +68,20 @@ def test_gdn_model_native_exact(
 
 @pytest.mark.parametrize(
     ("arch", "world", "layout"),
-    [("qwen3_next", 2, "balanced"), ("mamba2", 3, "packed"), ("lfm2", 1, "packed")],
+    [
+        ("qwen3_next", 2, "balanced"),
+        ("qwen3_5", 3, "packed"),
+        ("mamba2", 3, "packed"),
+        ("lfm2", 1, "packed"),
+    ],
 )
 def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -> None:
     ranks(world, hybrid_packed, arch, layout)
 
 
-def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks) -> None:
-    ranks(2, hybrid_checkpointed, "qwen3_next")
+@pytest.mark.parametrize("layout", ["round_robin", "contiguous"])
+def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks, layout: str) -> None:
+    ranks(2, hybrid_checkpointed, "qwen3_next", layout)
 
 
 def test_make_cp_batch_and_ctx_with_a_model(ranks: Ranks) -> None:
