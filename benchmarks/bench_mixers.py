@@ -4,8 +4,8 @@ For one Mamba2 mixer (``Mamba2Mixer``, SSD) and one Gated DeltaNet (``Qwen3NextG
 of transformers' pure-torch paths, forward + backward of the module alone on ``[1, S, D]`` fp32:
 
 * ``one process``: the module over the whole sequence;
-* ``native cp=C`` (Mamba2 only): :mod:`cpshard.mixers.mamba2` (each rank scans its own
-  tokens; halo and incoming state exchanged), per rank;
+* ``native cp=C``: :mod:`cpshard.mixers.mamba2` / :mod:`cpshard.mixers.gdn` (each rank runs
+  the scan / delta rule over its own tokens; halo and incoming state exchanged), per rank;
 * ``generic cp=C``: the module under a CP ctx with cpshard's generic exact path
   (:mod:`cpshard.mixers.generic`: all-gather the input, run over the whole sequence on every
   rank, keep the local rows, reduce-scatter the input gradient), per rank, on ``C`` forked gloo
@@ -31,6 +31,7 @@ import torch
 import cpshard
 from cpshard.launch import run_local_ranks
 from cpshard.mixers import MixerPlan, find_token_mixers, with_token_mixers
+from cpshard.mixers.gdn import is_native_gdn
 from cpshard.mixers.mamba2 import is_native_mamba2
 
 _HIDDEN = 256
@@ -91,8 +92,9 @@ def _cp_rank(cp_mesh: Any, kind: str, seq: int, repeat: int, path: str) -> float
     holder.layers = torch.nn.ModuleList([module])  # so the module is found as a mixer site
     sites = find_token_mixers(holder)
     native = sites if path == "native" else ()
-    assert all(is_native_mamba2(s.module) for s in native)
-    ctx = with_token_mixers(ctx, MixerPlan(sites, native, "contiguous"), cp_mesh)
+    gdn = tuple(s for s in native if is_native_gdn(s.module))
+    assert all(s in gdn or is_native_mamba2(s.module) for s in native)
+    ctx = with_token_mixers(ctx, MixerPlan(sites, native, "contiguous", gdn), cp_mesh)
     x = torch.randn(1, seq, _HIDDEN, generator=torch.Generator().manual_seed(1))
     local = sharder.shard_token_tensor(x, fill=0.0)
 
@@ -121,8 +123,6 @@ def main() -> None:
     for kind in args.kinds:
         base = _one_process(kind, args.seq, args.repeat)
         for path in args.paths:
-            if path == "native" and kind != "mamba2":
-                continue  # Gated DeltaNet has no native rule yet
             for world in args.worlds:
                 per_rank = run_local_ranks(
                     world, _cp_rank, kind, args.seq, args.repeat, path, timeout_s=3600

@@ -37,6 +37,10 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 16,
         "layer_types": ["linear_attention", "full_attention"]}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        **_SMALL, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "layer_types": ["linear_attention", "full_attention"]}),
     "jamba": ("JambaConfig", "JambaForCausalLM", {
         **_SMALL, "mamba_d_state": 4, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
         "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 2,
@@ -55,6 +59,9 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 HYBRIDS = tuple(_SPECS)
+# Gated DeltaNet models whose decay is made slow (per-token exp(g) ~ 0.97-0.997), so that the
+# state handed across CP ranks changes the outputs visibly
+_SLOW_DECAY = ("qwen3_next", "qwen3_5")
 
 
 def tiny_hybrid(name: str) -> Any:
@@ -72,4 +79,11 @@ def tiny_hybrid(name: str) -> Any:
     cfg = getattr(tf, config_name)(**kwargs, experts_implementation="eager")
     torch.manual_seed(0)
     model: Any = getattr(tf, model_name)(cfg).to(torch.float64).eval()
+    if name in _SLOW_DECAY:  # the default init forgets within a few tokens: keep a long memory
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(getattr(module, "A_log", None), torch.nn.Parameter):
+                    heads = module.A_log.shape[0]
+                    module.A_log.copy_(torch.linspace(0.01, 0.1, heads).log())
+                    module.dt_bias.fill_(-1.0)
     return model

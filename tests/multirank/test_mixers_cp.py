@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from _mixer_fns import (
+    gdn_module_alone,
     hybrid_checkpointed,
     hybrid_dense,
     hybrid_packed,
@@ -42,15 +43,45 @@ def test_hybrid_dense_exact(ranks: Ranks, arch: str, world: int, layout: str, me
 
 
 @pytest.mark.parametrize(
+    ("arch", "world", "seq"),
+    [("qwen3_next", 1, 13), ("qwen3_next", 2, 13), ("qwen3_next", 3, 200), ("qwen3_next", 4, 13),
+     ("qwen3_5", 3, 13), ("qwen3_5", 4, 150)],
+)  # fmt: skip
+def test_gdn_module_native_exact(ranks: Ranks, arch: str, world: int, seq: int) -> None:
+    """One Gated DeltaNet alone, native on contiguous shards (seq 150 / 200: several chunks of
+    64 per rank and a partial one)."""
+    ranks(world, gdn_module_alone, arch, seq)
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "layout", "method"),
+    [("qwen3_next", 3, "contiguous", "all_gather"), ("qwen3_next", 4, "auto", "ring"),
+     ("qwen3_5", 2, "auto", "all_gather"), ("qwen3_5", 3, "contiguous", "ring"),
+     ("qwen3_5", 4, "contiguous", "all_gather")],
+)  # fmt: skip
+def test_gdn_model_native_exact(
+    ranks: Ranks, arch: str, world: int, layout: str, method: str
+) -> None:
+    """A tiny hybrid Qwen3-Next / Qwen3.5 LM through prepare_cp_forward: GDN layers native."""
+    ranks(world, hybrid_dense, arch, layout, method)
+
+
+@pytest.mark.parametrize(
     ("arch", "world", "layout"),
-    [("qwen3_next", 2, "balanced"), ("mamba2", 3, "packed"), ("lfm2", 1, "packed")],
+    [
+        ("qwen3_next", 2, "balanced"),
+        ("qwen3_5", 3, "packed"),
+        ("mamba2", 3, "packed"),
+        ("lfm2", 1, "packed"),
+    ],
 )
 def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -> None:
     ranks(world, hybrid_packed, arch, layout)
 
 
-def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks) -> None:
-    ranks(2, hybrid_checkpointed, "qwen3_next")
+@pytest.mark.parametrize("layout", ["round_robin", "contiguous"])
+def test_gradient_checkpointing_recomputes_mixers_exactly(ranks: Ranks, layout: str) -> None:
+    ranks(2, hybrid_checkpointed, "qwen3_next", layout)
 
 
 def test_make_cp_batch_and_ctx_with_a_model(ranks: Ranks) -> None:
@@ -65,6 +96,7 @@ def test_strict_refuses_on_every_rank(ranks: Ranks, world: int) -> None:
         (text,) = per_rank
         assert "Qwen3NextGatedDeltaNet" in text and "strict=False" in text
         assert ("packed" in text) == (world == 1)
+        assert ("Gated DeltaNet mixers natively" in text) == (world > 1)
 
 
 @pytest.fixture

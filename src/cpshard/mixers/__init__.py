@@ -4,6 +4,7 @@
 * :mod:`~cpshard.mixers.policy`: the verdict before any collective (exact path, warning or a
   clear error) and the ctx composition;
 * :mod:`~cpshard.mixers.mamba2`: native CP for Mamba2 (SSD) mixers (halo + state passing);
+* :mod:`~cpshard.mixers.gdn`: native CP for Gated DeltaNet mixers (halo + affine state summary);
 * :mod:`~cpshard.mixers.segments` and :mod:`~cpshard.mixers.generic`: running a mixer over whole
   documents in global order (gather, run, keep the local rows).
 

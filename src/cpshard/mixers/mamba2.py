@@ -46,13 +46,20 @@ from cpshard.attention.context import active_mode
 from cpshard.mixers.detect import MixerSite
 from cpshard.sharding.meta import TokenMeta
 
-__all__ = ["NativeMamba2", "conv_width", "is_native_mamba2", "serves_native"]
+__all__ = [
+    "NativeMamba2",
+    "conv_width",
+    "is_native_mamba2",
+    "serves_native",
+    "source_ast",
+    "torch_path",
+]
 
 _REFERENCE_MODULE = "transformers.models.mamba2.modeling_mamba2"
 _HELPERS = ("causal_conv1d_forward", "causal_conv1d_fn", "mamba2_scan_forward", "mamba2_chunk_scan")
 
 
-def _body(fn: Any) -> str:
+def source_ast(fn: Any) -> str:
     """The AST of a function without its docstring and decorators (comparable across files).
 
     transformers wraps kernel-replaceable helpers in small modules: their ``forward`` is read.
@@ -70,8 +77,9 @@ def _body(fn: Any) -> str:
     return ast.dump(ast.Module(body=body, type_ignores=[])) + ast.dump(node.args)
 
 
-def _torch_path() -> bool:
-    return all(importlib.util.find_spec(p) is None for p in ("mamba_ssm", "causal_conv1d"))
+def torch_path(packages: Sequence[str]) -> bool:
+    """Whether none of ``packages`` is importable (transformers then runs its torch bodies)."""
+    return all(importlib.util.find_spec(p) is None for p in packages)
 
 
 def is_native_mamba2(module: nn.Module) -> bool:
@@ -79,14 +87,14 @@ def is_native_mamba2(module: nn.Module) -> bool:
     try:
         ref_file = importlib.import_module(_REFERENCE_MODULE)
         own_file = importlib.import_module(type(module).__module__)
-        if _body(type(module).forward) != _body(ref_file.Mamba2Mixer.forward):
+        if source_ast(type(module).forward) != source_ast(ref_file.Mamba2Mixer.forward):
             return False
         for name in _HELPERS:
-            if _body(getattr(own_file, name)) != _body(getattr(ref_file, name)):
+            if source_ast(getattr(own_file, name)) != source_ast(getattr(ref_file, name)):
                 return False
     except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
         return False
-    return _torch_path()
+    return torch_path(("mamba_ssm", "causal_conv1d"))
 
 
 def conv_width(module: nn.Module) -> int:

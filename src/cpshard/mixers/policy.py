@@ -10,8 +10,9 @@ call's arguments only (the same verdict on every rank, so nothing can hang):
 * ``strict=True``: the generic path is refused -> ``ValueError`` naming the modules, the
   feature and the alternatives (``strict=False``, cp = 1); for a packed batch at cp = 1 the
   reason is the model's own mixers, which carry state and convolution across documents;
-* Mamba2 (SSD) mixers run natively (:mod:`cpshard.mixers.mamba2`) where each rank holds one
-  in-order run (``contiguous``; ``layout="auto"`` then picks it for a dense batch);
+* Mamba2 (SSD) and Gated DeltaNet mixers run natively (:mod:`cpshard.mixers.mamba2`,
+  :mod:`cpshard.mixers.gdn`) where each rank holds one in-order run (``contiguous``;
+  ``layout="auto"`` then picks it for a dense batch);
 * every other mixer runs through the generic exact path (:mod:`cpshard.mixers.generic`) and
   one :class:`CPMixerWarning` names them and the cost (their compute ``C`` times) at cp > 1.
 
@@ -19,8 +20,8 @@ call's arguments only (the same verdict on every rank, so nothing can hang):
 long as each ``with ctx():`` (and are re-installed for an activation checkpoint's
 recomputation, through the CP mode's ``on_recompute``).
 
-Imports the detection, the generic path, :mod:`cpshard._comm` (the mesh's group), the shard
-facts and the active CP mode.
+Imports the detection, the generic and native paths, :mod:`cpshard._comm` (the mesh's group),
+the shard facts and the active CP mode.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard._comm import cp_group
 from cpshard.attention.context import active_mode
 from cpshard.mixers.detect import MixerSite, find_token_mixers
+from cpshard.mixers.gdn import NativeGatedDeltaNet, is_native_gdn, serves_native_gdn
 from cpshard.mixers.generic import GenericMixers
 from cpshard.mixers.mamba2 import NativeMamba2, conv_width, is_native_mamba2, serves_native
 from cpshard.sharding.facts import ContextFactory, CPContext
@@ -50,8 +52,10 @@ class MixerPlan:
 
     Attributes:
         sites: Every mixer the ctx hooks (empty: nothing changes).
-        native: The sites with a native CP rule (Mamba2 / SSD), served natively when the batch's
-            layout allows (:func:`cpshard.mixers.mamba2.serves_native`), else generically.
+        native: The sites with a native CP rule (Mamba2 / SSD, Gated DeltaNet), served
+            natively when the batch's layout allows (:func:`cpshard.mixers.mamba2.serves_native`,
+            :func:`cpshard.mixers.gdn.serves_native_gdn`), else generically.
+        gdn: The sites of ``native`` that are Gated DeltaNet mixers (the rest are Mamba2).
         layout: The layout to use (``"auto"`` becomes ``"contiguous"`` when a native site
             needs in-order shards).
     """
@@ -59,6 +63,7 @@ class MixerPlan:
     sites: tuple[MixerSite, ...] = ()
     native: tuple[MixerSite, ...] = ()
     layout: str = "auto"
+    gdn: tuple[MixerSite, ...] = ()
 
 
 class CPMixerWarning(UserWarning):
@@ -101,16 +106,23 @@ def check_token_mixers(
             "has no exact CP path for attention with a token mixer inside it (its CP attention "
             "sees only the attention scores). Run this model at cp=1 (and unpacked)"
         )
-    by_class: dict[type, bool] = {}
+    by_class: dict[type, str | None] = {}
     for s in sites:
         if cp_size > 1 and type(s.module) not in by_class:
-            by_class[type(s.module)] = is_native_mamba2(s.module)
-    native = tuple(s for s in sites if by_class.get(type(s.module), False))
+            by_class[type(s.module)] = (
+                "mamba2"
+                if is_native_mamba2(s.module)
+                else "gdn"
+                if is_native_gdn(s.module)
+                else None
+            )
+    native = tuple(s for s in sites if by_class.get(type(s.module)) is not None)
+    gdn = tuple(s for s in native if by_class[type(s.module)] == "gdn")
     # "auto" picks contiguous below: dense shards that are one in-order run per rank
     serving = layout == "contiguous" or layout == "auto"
     served = native if (not packed and serving) else ()
     if native and layout == "auto" and not packed:
-        layout = "contiguous"  # the native Mamba2 path needs one in-order run per rank
+        layout = "contiguous"  # the native paths need one in-order run per rank
     generic = [s for s in sites if s not in served]
     if strict and generic:
         if cp_size == 1:
@@ -123,7 +135,8 @@ def check_token_mixers(
                 "the documents unpacked (one per row)"
             )
         hint = (
-            "; layout='contiguous' with dense rows serves the Mamba2 mixers natively"
+            "; layout='contiguous' with dense rows serves the Mamba2 / Gated DeltaNet mixers "
+            "natively"
             if native and not served
             else ""
         )
@@ -143,7 +156,7 @@ def check_token_mixers(
             CPMixerWarning,
             stacklevel=3,
         )
-    return MixerPlan(tuple(sites), native, layout)
+    return MixerPlan(tuple(sites), native, layout, gdn)
 
 
 @contextlib.contextmanager
@@ -159,19 +172,31 @@ def _scope(plan: MixerPlan, cp_mesh: DeviceMesh | None, inner: ContextFactory) -
         native = [
             s
             for s in plan.native
-            if group is not None and serves_native(mode.meta, conv_width(s.module))
+            if group is not None
+            and (
+                serves_native_gdn(mode.meta, s.module)
+                if s in plan.gdn
+                else serves_native(mode.meta, conv_width(s.module))
+            )
         ]
+        gdn = [s for s in native if s in plan.gdn]
+        mamba2 = [s for s in native if s not in plan.gdn]
         generic = [s for s in plan.sites if s not in native]
         with contextlib.ExitStack() as stack:
             if generic:
                 hooks = GenericMixers(generic, group, mode.meta)
                 mode.on_recompute.append(hooks.installed)  # a checkpoint's recomputation
                 stack.enter_context(hooks.installed())
-            if native:
+            if mamba2:
                 assert group is not None
-                own = NativeMamba2(native, group, mode.meta)
+                own = NativeMamba2(mamba2, group, mode.meta)
                 mode.on_recompute.append(own.installed)
                 stack.enter_context(own.installed())
+            if gdn:
+                assert group is not None
+                delta = NativeGatedDeltaNet(gdn, group, mode.meta)
+                mode.on_recompute.append(delta.installed)
+                stack.enter_context(delta.installed())
             yield
 
 

@@ -1,0 +1,357 @@
+"""Native CP for Gated DeltaNet mixers: each rank runs the delta rule over its own tokens only.
+
+Serves transformers' ``Qwen3NextGatedDeltaNet`` (fused ``in_proj_qkvz`` / ``in_proj_ba``) and
+``Qwen3_5GatedDeltaNet`` (separate ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
+``in_proj_a``), and any module whose forward and helpers are the same source as one of them
+(Qwen3.5-MoE's copy, for instance; checked on the source, not by name), when each rank holds one
+in-order run of its row's single document (the ``contiguous`` layout of dense rows; pads only at
+the end). OLMo-Hybrid's variant (another forward: ``b_proj`` after the convolution,
+``allow_neg_eigval``) is not served here: it takes the generic path.
+
+The module runs its own code on its local tokens; cpshard hands it, through a cache object for
+that one call, the two things that cross ranks:
+
+* the **convolution halo**: the last ``k - 1`` pre-convolution ``q, k, v`` columns of the
+  previous rank (one all-gather of ``[B, conv_dim, k - 1]``; zeros on rank 0);
+* the **incoming state** ``S0 [B, H_v, d_k, d_v]``: the gated delta rule
+  ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` is affine in its initial
+  state, so a rank's final state is ``M_r S0 + F_r`` with ``M_r [B, H_v, d_k, d_k]`` the product
+  of its transitions and ``F_r`` its zero-start final state. Both come from one run of the
+  module's own chunked kernel: values ``[v | 0]`` and initial state ``[0 | I]`` (the rule acts
+  on each value column separately) end in ``[F_r | M_r]``. All ranks all-gather that summary and
+  rank ``r`` folds ``S0 = M_{r-1}(... (M_1 F_0 + F_1) ...) + F_{r-1}``.
+
+The module reads its recurrent state before it projects its input, the halo only once the
+convolution input exists: the cache hands out a zero state tensor first, and fills it in place
+(``copy_``, as transformers' own cache stores states) when the convolution asks for its halo,
+from the captured ``b, a`` projections and the convolution this file recomputes from the halo.
+Both gathers are differentiable (their backward reduce-scatters the gradient), so the backward
+is exact too. Per rank: the module's own work on ``L = S / C`` tokens, plus one depthwise
+convolution and one kernel run with ``d_v + d_k`` value columns; communication independent of
+``L`` except the halo (``C * B * H_v * d_k * (d_k + d_v)`` summary elements received).
+
+Used only where the module's pure-torch path runs (``fla`` and ``causal_conv1d`` not
+importable): the CUDA kernels manage the cache differently and are not verified here; there the
+generic path serves.
+
+Imports :mod:`cpshard._comm` (the gathers), the Mamba2 path's source checks and shard test, the
+detection's site type and the token meta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from cpshard._comm import all_gather_dim0
+from cpshard.attention.context import active_mode
+from cpshard.mixers.detect import MixerSite
+from cpshard.mixers.mamba2 import conv_width, serves_native, source_ast, torch_path
+from cpshard.sharding.meta import TokenMeta
+
+__all__ = ["NativeGatedDeltaNet", "gdn_form", "is_native_gdn", "serves_native_gdn"]
+
+# form -> (reference file, reference class, projections whose outputs give b and a)
+_FORMS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "fused": (
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        "Qwen3NextGatedDeltaNet",
+        ("in_proj_qkvz", "in_proj_ba"),
+    ),
+    "split": (
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        "Qwen3_5GatedDeltaNet",
+        ("in_proj_b", "in_proj_a"),
+    ),
+}
+_HELPERS = (
+    "apply_mask_to_padding_states",
+    "causal_conv1d_forward",
+    "causal_conv1d_fn",
+    "l2norm",
+    "torch_chunk_gated_delta_rule",
+)
+
+
+def gdn_form(module: nn.Module) -> str | None:
+    """Which reference Gated DeltaNet forward ``module`` runs (``"fused"``, ``"split"``), if any.
+
+    ``None`` when its forward or one of the helpers it calls differs from both references, when
+    the references cannot be imported, or when a CUDA kernel package (``fla``, ``causal_conv1d``)
+    is importable (transformers would then not run the torch bodies this path is checked on).
+    """
+    if not torch_path(("fla", "causal_conv1d")):
+        return None
+    try:
+        own_file = importlib.import_module(type(module).__module__)
+        forward = source_ast(type(module).forward)
+    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
+        return None
+    for form, (file_name, class_name, _) in _FORMS.items():
+        try:
+            ref_file = importlib.import_module(file_name)
+            if forward != source_ast(getattr(ref_file, class_name).forward):
+                continue
+            if all(
+                source_ast(getattr(own_file, h)) == source_ast(getattr(ref_file, h))
+                for h in _HELPERS
+            ):
+                return form
+        except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
+            continue
+    return None
+
+
+def is_native_gdn(module: nn.Module) -> bool:
+    """Whether ``module`` runs a reference Gated DeltaNet forward (the native path serves it)."""
+    return gdn_form(module) is not None
+
+
+def serves_native_gdn(meta: TokenMeta, module: nn.Module) -> bool:
+    """Whether the batch's shards allow the native path for this Gated DeltaNet.
+
+    Each rank must hold one in-order run of a single document per row (pads last, see
+    :func:`cpshard.mixers.mamba2.serves_native`) of at least ``max(2, k - 1)`` tokens: a
+    one-token call takes the module's decode branch, which reads no halo.
+    """
+    return meta.local_len >= 2 and serves_native(meta, conv_width(module))
+
+
+class _Call:
+    """One forward of one mixer: the captured projections, the halo and the incoming state."""
+
+    def __init__(
+        self, module: nn.Module, form: str, group: ProcessGroup, rank: int, world: int
+    ) -> None:
+        self.module: Any = module
+        self.form = form
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.file: Any = importlib.import_module(type(module).__module__)
+        self.captured: dict[str, torch.Tensor] = {}
+        self.slot: torch.Tensor | None = None
+        self.filled = False
+
+    def capture(self, name: str) -> Callable[[nn.Module, Any, torch.Tensor], None]:
+        """A forward hook that keeps the output of the projection ``name``."""
+
+        def hook(_mod: nn.Module, _args: Any, output: torch.Tensor) -> None:
+            self.captured[name] = output
+
+        return hook
+
+    def state_slot(self, rows: int, device: torch.device) -> torch.Tensor:
+        """The state tensor ``[B, H_v, d_k, d_v]`` (fp32) handed out now and filled later."""
+        m = self.module
+        if self.slot is None:
+            shape = (rows, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+            self.slot = torch.zeros(shape, dtype=torch.float32, device=device)
+        return self.slot
+
+    def with_halo(self, pre: torch.Tensor) -> torch.Tensor:
+        """``pre [B, cd, L]`` -> ``[B, cd, k - 1 + L]`` with the previous rank's last inputs.
+
+        Also computes the incoming state into the slot handed out by :meth:`state_slot`.
+        """
+        k = conv_width(self.module)
+        tail = pre[..., pre.shape[-1] - (k - 1) :].unsqueeze(0)  # [1, B, cd, k-1]
+        tails = all_gather_dim0(tail.contiguous(), self.group, "sum")  # [C, B, cd, k-1]
+        prev = tails[(self.rank - 1) % self.world] * float(self.rank > 0)
+        ext = torch.cat([prev.to(pre.dtype), pre], dim=-1)
+        h0 = self._incoming(ext, pre.shape[-1])
+        slot = self.state_slot(h0.shape[0], h0.device)
+        slot.copy_(h0)  # the forward passes this very tensor to its delta rule
+        self.filled = True
+        return ext
+
+    def _b_a(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-head ``b, a`` projections ``[B, L, H_v]`` the forward computed."""
+        m, got = self.module, self.captured
+        if self.form == "fused":
+            *_, b, a = m.fix_query_key_value_ordering(got["in_proj_qkvz"], got["in_proj_ba"])
+            return b, a
+        return got["in_proj_b"], got["in_proj_a"]
+
+    def _incoming(self, ext: torch.Tensor, n: int) -> torch.Tensor:
+        """The true incoming state ``[B, H_v, d_k, d_v]`` (fp32), from every rank's summary.
+
+        Args:
+            ext: The convolution input with its halo, ``[B, conv_dim, k - 1 + L]``.
+            n: Local tokens ``L``.
+        """
+        m = self.module
+        weight = m.conv1d.weight.squeeze(1)
+        conv = self.file.causal_conv1d_fn(ext, weight, m.conv1d.bias, activation=m.activation)
+        conv = conv[:, :, -n:].transpose(1, 2)  # [B, L, cd]
+        q, k, v = conv.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        rows, dk, dv, hv = q.shape[0], m.head_k_dim, m.head_v_dim, m.num_v_heads
+        q = q.reshape(rows, n, -1, dk)
+        k = k.reshape(rows, n, -1, dk)
+        v = v.reshape(rows, n, hv, dv)
+        b, a = self._b_a()
+        beta = b.sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        # values [v | 0] from state [0 | I] end in [F | M]: the rule acts per value column
+        wide = torch.cat([v, v.new_zeros(rows, n, hv, dk)], dim=-1)
+        eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(rows, hv, dk, dk)
+        start = torch.cat([eye.new_zeros(rows, hv, dk, dv), eye], dim=-1)
+        _, summary = self.file.torch_chunk_gated_delta_rule(
+            q,
+            k,
+            wide,
+            g=g,
+            beta=beta,
+            initial_state=start,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        gathered = all_gather_dim0(summary.unsqueeze(0).contiguous(), self.group, "sum")
+        h: torch.Tensor = summary.new_zeros(rows, hv, dk, dv)
+        for j in range(self.rank):
+            f_j = gathered[j][..., :dv]  # [B, H_v, d_k, d_v]
+            m_j = gathered[j][..., dv:]  # [B, H_v, d_k, d_k]
+            h = m_j @ h + f_j
+        # every rank's gathers stay in its graph, so every rank runs their backward
+        return h + 0.0 * gathered.sum()
+
+
+class _SeedCache:
+    """The cache interface the Gated DeltaNet forward reads, for one call: halo and ``S0`` in."""
+
+    def __init__(self, call: _Call, rows: int, device: torch.device) -> None:
+        self.call = call
+        self.rows = rows
+        self.device = device
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.call.state_slot(self.rows, self.device)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        # non-None: the forward then prepends the state through update_conv_state
+        return torch.empty(0)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.call.with_halo(hidden_states)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int) -> int:
+        return 0
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class NativeGatedDeltaNet:
+    """Scoped hooks that run Gated DeltaNet mixers natively under CP for one batch.
+
+    Args:
+        sites: Mixers for which :func:`is_native_gdn` holds.
+        group: The CP group.
+        meta: The batch's token meta (:func:`serves_native_gdn` must hold for each site).
+    """
+
+    def __init__(self, sites: Sequence[MixerSite], group: ProcessGroup, meta: TokenMeta) -> None:
+        self.sites = tuple(sites)
+        self.group = group
+        self.meta = meta
+        self._forms: dict[type, str] = {}
+        self._calls: dict[int, list[tuple[_Call, list[RemovableHandle]] | None]] = {}
+
+    def _active(self) -> bool:
+        mode = active_mode()
+        return mode is not None and mode.meta is self.meta
+
+    def _form(self, module: nn.Module) -> str:
+        cls = type(module)
+        if cls not in self._forms:
+            form = gdn_form(module)
+            if form is None:
+                raise ValueError(f"{cls.__name__} does not run a reference Gated DeltaNet forward")
+            self._forms[cls] = form
+        return self._forms[cls]
+
+    def pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Forward pre-hook: a one-call cache carrying the halo and the incoming state."""
+        stack = self._calls.setdefault(id(module), [])
+        if not self._active():
+            stack.append(None)
+            return None
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != self.meta.local_len:
+            raise ValueError(
+                f"{type(module).__name__} runs natively under CP and needs hidden_states "
+                f"[B, L={self.meta.local_len}, D], got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                f"{type(module).__name__} got an attention_mask under CP; padding comes from "
+                "the sharded batch"
+            )
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{type(module).__name__} got {name!r} under CP: packed-sequence kwargs "
+                    "cannot follow a sequence shard; give cpshard the batch's seq_lens instead"
+                )
+        form = self._form(module)
+        call = _Call(module, form, self.group, self.meta.rank, self.meta.world_size)
+        handles = [
+            getattr(module, name).register_forward_hook(call.capture(name))
+            for name in _FORMS[form][2]
+        ]
+        stack.append((call, handles))
+        params = inspect.signature(module.forward).parameters
+        name = "cache" if "cache" in params else "cache_params"
+        new_kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("cache", "cache_params", "position_ids", "cache_position")
+        }
+        new_kwargs[name] = _SeedCache(call, x.shape[0], x.device)
+        new_kwargs["attention_mask"] = None
+        return args, new_kwargs
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """Forward hook: drop the call's projection hooks; check the state reached the rule."""
+        entry = self._calls[id(module)].pop()
+        if entry is None:
+            return output
+        call, handles = entry
+        for h in handles:
+            h.remove()
+        if not call.filled:
+            raise RuntimeError(
+                f"{type(module).__name__} ran without asking for its convolution halo, so "
+                "cpshard could not hand it its incoming state; run this model at cp=1"
+            )
+        return output
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Register the hooks on every site for the span of the block, then remove them."""
+        handles: list[RemovableHandle] = []
+        try:
+            for site in self.sites:
+                handles.append(site.module.register_forward_pre_hook(self.pre, with_kwargs=True))
+                handles.append(
+                    site.module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
+                )
+            yield
+        finally:
+            for h in handles:
+                h.remove()

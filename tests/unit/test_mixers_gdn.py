@@ -1,0 +1,82 @@
+"""The native Gated DeltaNet path: which modules it serves, the verdict, the shard test."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from _mixer_models import tiny_hybrid
+from cpshard.mixers import CPMixerWarning, check_token_mixers, find_token_mixers
+from cpshard.mixers.gdn import gdn_form, serves_native_gdn
+from cpshard.sharding.meta import TokenMeta
+
+pytest.importorskip("transformers")
+
+
+def _mixer(arch: str) -> Any:
+    return find_token_mixers(tiny_hybrid(arch))[0].module
+
+
+def test_served_forms_are_recognised_by_their_source() -> None:
+    assert gdn_form(_mixer("qwen3_next")) == "fused"
+    assert gdn_form(_mixer("qwen3_5")) == "split"
+    assert gdn_form(_mixer("mamba2")) is None  # another mixer altogether
+
+
+def test_a_changed_forward_is_not_served() -> None:
+    module = _mixer("qwen3_next")
+
+    class Edited(type(module)):  # type: ignore[misc]
+        def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return super().forward(hidden_states, **kwargs) * 2
+
+    module.__class__ = Edited
+    assert gdn_form(module) is None
+
+
+def test_olmo_hybrid_variant_takes_the_generic_path() -> None:
+    import transformers as tf
+
+    if not hasattr(tf, "OlmoHybridConfig"):
+        pytest.skip("no OLMo hybrid in this transformers")
+    from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
+
+    cfg = tf.OlmoHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    assert gdn_form(OlmoHybridGatedDeltaNet(cfg, 0)) is None  # b/a after the conv, neg. eigval
+
+
+def test_verdict_serves_gdn_natively_on_in_order_shards() -> None:
+    model = tiny_hybrid("qwen3_next")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CPMixerWarning)  # native: no generic cost to warn about
+        plan = check_token_mixers(model, 2, strict=True, packed=False)
+    assert [s.name for s in plan.gdn] == ["model.layers.0.linear_attn"]
+    assert plan.native == plan.gdn and plan.layout == "contiguous"
+    with pytest.raises(ValueError, match="Gated DeltaNet mixers natively"):
+        check_token_mixers(model, 2, strict=True, packed=False, layout="round_robin")
+    with pytest.raises(ValueError, match="strict=True"):
+        check_token_mixers(model, 2, strict=True, packed=True)  # packed: generic, refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = check_token_mixers(model, 2, strict=False, packed=True)
+    assert plan.layout == "auto" and [w.category for w in caught] == [CPMixerWarning]
+
+
+def test_shards_of_one_token_are_not_served() -> None:
+    module = _mixer("qwen3_next")  # conv width 4: 3 halo tokens
+
+    def meta(world: int, stream: int) -> TokenMeta:
+        pos = torch.arange(stream)[None]
+        return TokenMeta(1, world, pos, torch.zeros_like(pos))
+
+    assert serves_native_gdn(meta(2, 8), module)
+    assert not serves_native_gdn(meta(2, 4), module)  # 2 local tokens < 3 halo tokens
+    module.conv1d.kernel_size = (2,)  # 1 halo token: only the decode-branch rule is left
+    assert serves_native_gdn(meta(2, 4), module)
+    assert not serves_native_gdn(meta(4, 4), module)  # 1 token: the decode branch, no halo read
