@@ -181,6 +181,28 @@ def _accumulate(model: nn.Module, cp_mesh: DeviceMesh, opt: torch.optim.Optimize
     return "no error"
 
 
+def two_models_one_mesh(cp_mesh: DeviceMesh, doubled: bool) -> str:
+    """An actor and a critic trained on one CP mesh (RL): each synced once per step, gradients
+    zeroed in place or to None, is legal; syncing the critic twice is the doubled sync."""
+    actor, critic = _model(), _model()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (actor, critic)]
+    try:
+        for step in range(4):
+            for i, model in enumerate((actor, critic)):
+                _, loss, _ = _forward(model, cp_mesh, 10 * step + i)
+                loss.backward()
+            cpshard.sync_grads(actor, cp_mesh)
+            cpshard.sync_grads(critic, cp_mesh)
+            if doubled and step == 2:
+                cpshard.sync_grads(critic, cp_mesh)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=step % 2 == 0)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def sync_on_dp_mesh(cp_mesh: DeviceMesh) -> str:
     """sync_grads given the dp mesh of a dp x cp mesh raises on every rank."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -26,6 +26,7 @@ from _step_fns import (
     seq_dim_spelled_differently,
     sync_misuse,
     sync_on_dp_mesh,
+    two_models_one_mesh,
     window_first_met_compiled,
 )
 
@@ -117,6 +118,16 @@ def test_a_rank_that_leaves_midway_raises_locally(case: str, names: str) -> None
 def test_sync_grads_misuse_raises_on_every_rank(ranks: Ranks, case: str, expect: str) -> None:
     out = ranks(2, sync_misuse, case, timeout=WAIT_S)
     assert len(set(out)) == 1, out
+    assert expect in out[0], out[0]
+
+
+@pytest.mark.parametrize("doubled", [False, True])
+def test_two_models_on_one_mesh(ranks: Ranks, doubled: bool) -> None:
+    """Actor and critic synced one after the other are no doubled sync (the record of the
+    first model's gradients is not the second's); a real doubled sync still raises."""
+    out = ranks(2, two_models_one_mesh, doubled, timeout=WAIT_S)
+    assert len(set(out)) == 1, out
+    expect = "called again with no backward()" if doubled else "no error"
     assert expect in out[0], out[0]
 
 

@@ -149,6 +149,9 @@ class StepState:
         bwd_finished: Whether that pass ran to its end (autograd runs the callback it queued
             only when the whole pass succeeded).
         backwards_since_sync: CP backward passes since the last ``sync_grads``.
+        active_watch: The watch of the prepared model whose forward runs now inside the open
+            ``ctx()`` (its CP calls' backward passes count for that model).
+        watches: Weak references to the watches of the models prepared on this mesh.
     """
 
     def __init__(self) -> None:
@@ -161,8 +164,13 @@ class StepState:
         self.bwd_task: int | None = None
         self.bwd_finished = True
         self.backwards_since_sync = 0
-        # (parameter, its gradient, the gradient's version) at the end of the last sync
-        self.synced: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = []
+        self.active_watch: _ModelWatch | None = None
+        self.watches: list[weakref.ref[_ModelWatch]] = []
+        # id(parameter) -> (parameter, its gradient, the gradient's version) at the end of the
+        # last sync that summed it (several models on one mesh: each keeps its own record)
+        self.synced: dict[
+            int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]
+        ] = {}
 
     def check_usable(self, what: str) -> None:
         """Raise locally (no collective) if this rank left a step in the middle.
@@ -354,7 +362,7 @@ def begin_prepare(
         watch is not None
         and watch.values is not None
         and watch.values != values
-        and state.backwards_since_sync > 0
+        and watch.backwards > 0  # this model's own CP backward passes, not another model's
     )
     # the same slots are compared on every rank (whatever each rank's flag): the message is the
     # same everywhere. The parameters' names, shapes, dtypes and trainable pattern are no data
@@ -375,6 +383,8 @@ def begin_prepare(
     stale = [r for r, row in enumerate(rows) if row[_C]]
     if stale:
         state.backwards_since_sync = 0  # reported once
+        if watch is not None:
+            watch.backwards = 0
         raise RuntimeError(
             f"the model's trainable parameters changed since the last prepare on ranks {stale} "
             "while their last CP backward() was never summed over the CP group: "
@@ -395,14 +405,16 @@ class _BackwardStart(torch.autograd.Function):
     (and its collectives)."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, tracker: ForwardTracker) -> torch.Tensor:
-        ctx.tracker = tracker
+    def forward(
+        ctx: Any, out: torch.Tensor, tracker: ForwardTracker, watch: _ModelWatch | None
+    ) -> torch.Tensor:
+        ctx.tracker, ctx.watch = tracker, watch
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.tracker.backward_started()
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.tracker.backward_started(ctx.watch)
+        return grad, None, None
 
 
 class ForwardTracker:
@@ -438,14 +450,23 @@ class ForwardTracker:
     def leave_call(self, out: torch.Tensor) -> torch.Tensor:
         """After a CP attention call: the output, marked so its backward is seen."""
         if out.requires_grad and torch.is_grad_enabled():
-            marked: torch.Tensor = _BackwardStart.apply(out, self)  # type: ignore[no-untyped-call]
+            watch = self.state.active_watch
+            marked: torch.Tensor = _BackwardStart.apply(out, self, watch)  # type: ignore[no-untyped-call]
             return marked
         return out
 
-    def backward_started(self) -> None:
-        """A CP attention call's backward is about to run its collectives."""
+    def backward_started(self, watch: _ModelWatch | None = None) -> None:
+        """A CP attention call's backward is about to run its collectives.
+
+        Args:
+            watch: The watch of the prepared model whose forward made the call (``None``: not
+                known); each backward pass counts once for it.
+        """
         state = self.state
         task = torch._C._current_graph_task_id()
+        if watch is not None and watch.bwd_task != task:
+            watch.bwd_task = task
+            watch.backwards += 1
         if task == state.bwd_task:
             return
         # The first CP call of a new backward pass.
@@ -493,6 +514,7 @@ def tracked_forward(
         state.in_ctx -= 1
         if outer:
             state.model_depth = 0
+            state.active_watch = None
 
 
 def _left_ctx(state: StepState, cp_mesh: DeviceMesh, e: BaseException) -> None:
@@ -521,14 +543,19 @@ def _left_ctx(state: StepState, cp_mesh: DeviceMesh, e: BaseException) -> None:
 class _ModelWatch:
     """Forward pre/post hooks: whether the model's forward is running inside a tracked ctx()."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.state: StepState | None = None
         self.mesh: DeviceMesh | None = None
         self.values: int | None = None  # params_fingerprint values at the last prepare
+        self.model = weakref.ref(model)
+        self.backwards = 0  # this model's CP backward passes since a sync summed its gradients
+        self.bwd_task: int | None = None
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.state is not None and self.state.in_ctx and not kwargs.get("_pre_embed_only"):
             self.state.model_depth += 1
+            if self.state.model_depth == 1:
+                self.state.active_watch = self
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         state = self.state
@@ -536,6 +563,7 @@ class _ModelWatch:
             state.model_depth -= 1
             if state.model_depth == 0:
                 state.calls_in_done_forwards = state.forward_calls
+                state.active_watch = None
 
 
 def _watch_of(model: nn.Module) -> _ModelWatch | None:
@@ -551,10 +579,13 @@ def watch_model(model: nn.Module, state: StepState | None, cp_mesh: DeviceMesh |
     ``state``, the record of ``cp_mesh``, the mesh it is prepared on now."""
     watch = _watch_of(model)
     if watch is None:
-        watch = _ModelWatch()
+        watch = _ModelWatch(model)
         model.register_forward_pre_hook(watch.pre, with_kwargs=True)
         model.register_forward_hook(watch.post, with_kwargs=True)
     watch.state, watch.mesh = state, cp_mesh
+    if state is not None:
+        state.watches = [w for w in state.watches if w() is not None and w() is not watch]
+        state.watches.append(weakref.ref(watch))
 
 
 def prepared_mesh(module: nn.Module) -> DeviceMesh | None:
@@ -603,7 +634,8 @@ def begin_sync(
     if state is None or cp_mesh is None:
         return
     state.check_usable("sync_grads")
-    verdict = _since_last_sync(state)
+    params = list(params)
+    verdict = _since_last_sync(state, [p for _, p in params])
     if verdict == "untouched":
         raise RuntimeError(
             "sync_grads was called again with no backward() since the last sync_grads (the "
@@ -620,7 +652,6 @@ def begin_sync(
             "after the last backward and before optimizer.step(); zero the gradients after each "
             "step with optimizer.zero_grad() / model.zero_grad()"
         )
-    params = list(params)
     layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params)
     _exchange(
         state, cp_mesh, SYNC, {_A: _str_hash(layout)},
@@ -629,30 +660,42 @@ def begin_sync(
     )  # fmt: skip
 
 
-def _since_last_sync(state: StepState) -> str:
-    """What happened to the gradients the last sync summed: ``"untouched"`` (every one is the
-    same tensor at the same version: no backward since), ``"accumulated"`` (one of them is the
-    same tensor, advanced by exactly the backward passes since, one in-place add each: nothing
-    zeroed it) or ``"fresh"`` (replaced, zeroed, or not known).
+def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> str:
+    """What happened to ``params``' gradients since the last sync that summed them:
+    ``"untouched"`` (every one is the same tensor at the same version: no backward since),
+    ``"accumulated"`` (one of them is the same tensor, advanced by exactly the backward passes
+    since, one in-place add each: nothing zeroed it) or ``"fresh"`` (replaced, zeroed, never
+    synced, or not known).
 
-    ``zero_grad`` sets them to ``None`` or zeroes them in place (a version bump of its own), so
-    a legal loop always reads ``"fresh"``. The number of backward passes is the CP-tracked count
-    (one when none was tracked).
+    Only the parameters of this sync are compared: syncing a second model on the same mesh (an
+    actor and a critic, a policy and a value head) reads ``"fresh"``, not the first model's
+    record. ``zero_grad`` sets gradients to ``None`` or zeroes them in place (a version bump of
+    its own), so a legal loop always reads ``"fresh"``. The number of backward passes is the
+    CP-tracked count of the mesh (one when none was tracked); it cannot tell which model's
+    backward ran, so with other models' records alive on the mesh ``"accumulated"`` is not
+    decided (an in-place zeroing plus one backward would look like two backward passes).
     """
     expected = max(1, state.backwards_since_sync)
-    alive = 0
+    mine = {id(p) for p in params}
+    alone = all(key in mine for key, record in state.synced.items() if record[0]() is not None)
+    seen = 0
     untouched = 0
-    for param_ref, grad_ref, version in state.synced:
-        param, grad = param_ref(), grad_ref()
-        if param is None or grad is None or param.grad is not grad:
+    for param in params:
+        if param.grad is None:
             continue
-        alive += 1
-        delta = grad._version - version
+        seen += 1
+        record = state.synced.get(id(param))
+        if record is None:
+            continue
+        param_ref, grad_ref, version = record
+        if param_ref() is not param or grad_ref() is not param.grad:
+            continue
+        delta = param.grad._version - version
         if delta == 0:
             untouched += 1
-        elif delta == expected:
+        elif delta == expected and alone:
             return "accumulated"
-    if alive and untouched == len(state.synced):
+    if seen and untouched == seen:
         return "untouched"
     return "fresh"
 
@@ -662,8 +705,20 @@ def end_sync(state: StepState | None, params: Iterable[torch.Tensor] = ()) -> No
     if state is None:
         return
     state.backwards_since_sync = 0
-    state.synced = [
-        (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
-        for p in list(params)
-        if p.grad is not None
-    ]
+    params = list(params)
+    mine = {id(p) for p in params}
+    for ref in state.watches:  # the prepared models whose gradients this sync summed
+        watch, model = ref(), None
+        if watch is not None:
+            model = watch.model()
+        if model is not None and any(id(p) in mine for p in model.parameters()):
+            watch.backwards = 0  # type: ignore[union-attr]
+    # drop the records of parameters (or gradients) that are gone, then record this sync's
+    state.synced = {
+        key: record
+        for key, record in state.synced.items()
+        if record[0]() is not None and record[1]() is not None
+    }
+    for p in params:
+        if p.grad is not None:
+            state.synced[id(p)] = (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
