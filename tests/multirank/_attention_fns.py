@@ -30,12 +30,16 @@ def cp_attention_case(
     backend: str = "auto",
     window: int | None = None,
     softcap: float | None = None,
+    value_dim: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Local output and gradients of ``cp_sdpa`` for one case (inputs sharded from global)."""
+    """Local output and gradients of ``cp_sdpa`` for one case (inputs sharded from global);
+    ``value_dim``: a value head dim other than the query/key one (MLA)."""
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     batch, dim = 2, 8
     rmap, docs = make_case(layout, world, seq_len, batch, n_docs, seed, meta_batch)
     q, k, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), dim, seed)
+    if value_dim is not None:
+        _, _, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), value_dim, seed + 7)
     idx = rmap[rank]
     # non-contiguous local shards, like the transposed views HF passes
     ql, kl, vl = (

@@ -35,15 +35,18 @@ def _check(
     seq_len: int | None = None,
     n_docs: int = 3,
     softcap: float | None = None,
+    value_dim: int | None = None,
 ) -> None:
     seq_len = 8 * world - 3 if seq_len is None else seq_len  # odd: the layout pads it
     heads = _heads(world)
     res = ranks(
         world, cp_attention_case, method, layout, seq_len, heads, causal, dtype, meta_batch,
-        n_docs, 0, backend, window, softcap,
+        n_docs, 0, backend, window, softcap, value_dim,
     )  # fmt: skip
     rmap, docs = make_case(layout, world, seq_len, 2, n_docs, 0, meta_batch)
     q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
+    if value_dim is not None:
+        _, _, v, go = inputs(2, heads[0], heads[1], rmap.numel(), value_dim, 7)
     ref = reference_with_grads(q, k, v, go, docs, causal, window=window, softcap=softcap)
     names = ("out", "dq", "dk", "dv") if grads else ("out",)
     for r, got in enumerate(res):
@@ -60,6 +63,17 @@ def _check(
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_causal_documents_fp64(ranks: Ranks, world: int, method: str, layout: str) -> None:
     _check(ranks, world, method, layout)
+
+
+# MLA (DeepSeek-V2/V3, Kimi-K2, MiniCPM3): a value head dim narrower or wider than q/k's
+@pytest.mark.parametrize("value_dim", [5, 12])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_value_head_dim_other_than_qk_fp64(
+    ranks: Ranks, world: int, method: str, value_dim: int
+) -> None:
+    _check(ranks, world, method, "round_robin", value_dim=value_dim)
+    _check(ranks, world, method, "round_robin", value_dim=value_dim, window=5, seq_len=40)
 
 
 # windows across rank boundaries (WINDOW_LAYOUTS says why contiguous is left out)

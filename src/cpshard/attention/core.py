@@ -17,6 +17,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -88,9 +89,10 @@ def _validate(
         raise ValueError(
             f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first"
         )
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"k and v must agree on batch, heads and length, got {tuple(k.shape)} and "
+            f"{tuple(v.shape)}"
         )
     b, hq, lq, d = q.shape
     _, hkv, lk, dk = k.shape
@@ -199,7 +201,7 @@ def cp_sdpa(
     Args:
         q: ``[B, Hq, L, D]`` local queries, ``L = meta.local_len`` (any strides).
         k: ``[B, Hkv, L, D]`` local keys, ``Hq % Hkv == 0`` (GQA, not repeated).
-        v: ``[B, Hkv, L, D]`` local values.
+        v: ``[B, Hkv, L, Dv]`` local values (``Dv`` may differ from ``D``: MLA).
         group: The CP process group; ``None`` (or size 1) runs the same code without collectives.
         meta: Token meta of the sharded batch (``meta.world_size`` equals the group size).
         method: ``"auto"`` (the cheapest method by :mod:`cpshard.attention.cost`, same on every
@@ -218,7 +220,7 @@ def cp_sdpa(
             every key block; differentiable. ``None`` = no sinks.
 
     Returns:
-        ``[B, Hq, L, D]`` in q's dtype.
+        ``[B, Hq, L, Dv]`` in q's dtype.
 
     Raises:
         ValueError: unknown method, inconsistent shapes/dtypes, a meta that does not match the
@@ -234,6 +236,10 @@ def cp_sdpa(
     shape = CallShape(
         q.shape[0], q.shape[1], k.shape[1], q.shape[-1], q.element_size(), causal, window
     )
+    dv = v.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = _same_head_dim(q, k, v)
     name = resolve_method(method, plan, shape, world)
     chosen = method_named(name)
     # selective caches its own plans on the token meta; the others' live in the AttentionPlan
@@ -250,9 +256,29 @@ def cp_sdpa(
             f"{window}, device) with the sharder's token_meta, or run one eager step first"
         )
     plans = chosen.plans(plan, causal, window, q.device)
-    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cap = None if softcap is None else float(softcap)
-    return chosen.apply(q, k, v, plans, group, scale=sc, backend=backend, softcap=cap, sinks=sinks)
+    out = chosen.apply(
+        q, k, v, plans, group, scale=float(scale), backend=backend, softcap=cap, sinks=sinks
+    )
+    return out if out.shape[-1] == dv else out[..., :dv]
+
+
+def _same_head_dim(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with one head dim: the narrower side zero-padded (exact, differentiable).
+
+    MLA models (DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...) have a value head dim ``Dv`` other than
+    the query/key head dim ``D``. Zero columns of ``v`` give zero output columns (sliced off by
+    the caller); zero columns of ``q`` and ``k`` leave every score unchanged (the scale is fixed
+    from ``D`` before padding). transformers' own flash-attention path pads the same way.
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    return q, k, v
 
 
 def cp_attention(
@@ -272,7 +298,7 @@ def cp_attention(
     Args:
         q: ``[B, Hq, L, D]`` local queries.
         k: ``[B, Hkv, L, D]`` local keys.
-        v: ``[B, Hkv, L, D]`` local values.
+        v: ``[B, Hkv, L, Dv]`` local values (``Dv`` may differ from ``D``: MLA).
         sharder: Anything with ``cp_mesh`` (1-D ``DeviceMesh`` or ``None``) and ``token_meta``.
         method: See :func:`cp_sdpa`.
         causal: Causal masking by global position.
@@ -281,7 +307,7 @@ def cp_attention(
         softcap: Soft-cap of the scores, or ``None``.
 
     Returns:
-        ``[B, Hq, L, D]`` in q's dtype.
+        ``[B, Hq, L, Dv]`` in q's dtype.
 
     Raises:
         ValueError: the sharder has no token meta yet; inside a ``ctx()`` made for another batch
