@@ -8,8 +8,10 @@ short process-group timeout (``tests/multirank/test_step_life.py``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,6 +122,34 @@ def leave_in_the_middle(cp_mesh: DeviceMesh, case: str) -> str:
         h.remove()
     _full_step(model, cp_mesh, 2)
     return "no error"
+
+
+def every_rank_raises_then_fresh_mesh(cp_mesh: DeviceMesh) -> list[float]:
+    """Every rank raises the same error in the middle of the forward and skips the batch: the old
+    mesh object refuses (naming the way on), a new mesh object over the same group trains on,
+    exactly like a run that never met the bad batch."""
+    from torch.distributed.device_mesh import DeviceMesh as _Mesh
+
+    def fresh(mesh: DeviceMesh) -> DeviceMesh:
+        return _Mesh.from_group(
+            mesh.get_group(), mesh.device_type, mesh_dim_names=mesh.mesh_dim_names
+        )
+
+    old = fresh(cp_mesh)  # the pool's own mesh object stays usable for the next tests
+    torch.manual_seed(0)
+    model, clean = _model(), _model()
+    clean.load_state_dict(model.state_dict())
+    losses = [_full_step(model, old, 0), _full_step(clean, fresh(cp_mesh), 0)]
+    hook = model.blocks[1].register_forward_pre_hook(_raise)  # after block 0's CP call
+    with contextlib.suppress(Injected):
+        _full_step(model, old, 1)
+    hook.remove()
+    with pytest.raises(RuntimeError, match=r"DeviceMesh\.from_group"):
+        _full_step(model, old, 2)
+    mesh = fresh(cp_mesh)
+    losses += [_full_step(model, mesh, 2), _full_step(clean, fresh(cp_mesh), 2)]
+    assert losses[0] == losses[1] and losses[2] == losses[3], losses
+    return losses
 
 
 # --- sync_grads misuse (every rank makes the same mistake) ----------------------------------

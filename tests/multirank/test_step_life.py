@@ -16,6 +16,7 @@ from _step_fns import (
     attention_differs,
     check_consistency_on_some_ranks,
     every_rank_raised,
+    every_rank_raises_then_fresh_mesh,
     frozen_on_one_rank,
     leave_in_the_middle,
     leave_the_step,
@@ -119,6 +120,13 @@ def test_sync_grads_misuse_raises_on_every_rank(ranks: Ranks, case: str, expect:
     out = ranks(2, sync_misuse, case, timeout=WAIT_S)
     assert len(set(out)) == 1, out
     assert expect in out[0], out[0]
+
+
+def test_every_rank_raises_mid_forward_then_a_fresh_mesh_trains_on(ranks: Ranks) -> None:
+    """Refused though valid no more: when every rank raised the same error mid-forward, the
+    message names the way on (a new mesh object over the same group) and training goes on."""
+    out = ranks(2, every_rank_raises_then_fresh_mesh, timeout=WAIT_S)
+    assert out[0] == out[1], out
 
 
 @pytest.mark.parametrize("doubled", [False, True])

@@ -190,7 +190,12 @@ class StepState:
                 "step, and any collective this rank entered would pair with a different one of "
                 "its peers (gloo aborts or waits for the process-group timeout). Do not "
                 "continue a CP loop after an exception inside a step: re-raise it (the other "
-                "ranks then fail as this process exits) and restart from a checkpoint"
+                "ranks then fail as this process exits) and restart from a checkpoint. Only if "
+                "EVERY CP rank raised the same error at the same point (a deterministic error "
+                "such as a refusal, caught alike on every rank) are the ranks still in step: "
+                "then go on with a new mesh object over the same group, which starts a fresh "
+                "record: cp_mesh = DeviceMesh.from_group(cp_mesh.get_group(), "
+                "cp_mesh.device_type, mesh_dim_names=cp_mesh.mesh_dim_names)"
             )
 
 
