@@ -165,10 +165,25 @@ def tiny_model(arch: str) -> Any:
         sub = type(text)(**{**kwargs, **extra})
         config = config_cls(**{key: sub, **_IMPLS})
     _fix_layer_types(_text_config(config))
+    with torch.device("meta"):  # sized first: a config the shrinking missed would swap or OOM
+        size = sum(p.numel() for p in model_cls(config).parameters())
+    if size > MAX_PARAMS:
+        raise RuntimeError(
+            f"{arch} is still {size / 1e6:.0f}M parameters after shrinking (towers or tables the "
+            f"builder does not shrink); the sweep skips models over {MAX_PARAMS / 1e6:.0f}M"
+        )
     torch.manual_seed(0)
     model = model_cls(config).to(torch.float64)
-    model.train()
+    # Stochastic training-mode layers draw other random numbers per rank under CP (other shapes,
+    # other order): their statistics match one process, their values cannot. Compared in eval.
+    model.train(arch not in _SAMPLED_IN_TRAINING)
     return model
+
+
+MAX_PARAMS = 50_000_000
+
+# PhiMoE samples its experts (Gumbel, sparsemixer) in training mode.
+_SAMPLED_IN_TRAINING = frozenset({"phimoe"})
 
 
 _IMPLS = {"attn_implementation": "eager", "experts_implementation": "eager"}
