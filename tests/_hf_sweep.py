@@ -11,8 +11,9 @@ packed batch is compared with each document run alone.
 
 Outcomes of one case: ``exact`` (logits and gradients within :data:`REL_TOL` of the reference),
 ``refused`` (CP raised a clear ``ValueError`` before the step), ``wrong`` (numbers differ),
-``crash`` (any other exception under CP), ``skip`` (the model cannot be built tiny, or its own
-reference step fails: nothing to compare).
+``crash`` (any other exception under CP, or a ``ValueError`` raised in the middle of the
+forward, which leaves the ranks out of step and the mesh unusable), ``skip`` (the model
+cannot be built tiny, or its own reference step fails: nothing to compare).
 
 Used by ``tests/multirank/test_hf_sweep.py`` and ``benchmarks/hf_sweep.py``.
 """
@@ -28,6 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
+from cpshard.guards.step import step_state
 
 __all__ = [
     "CASES",
@@ -345,6 +347,10 @@ def sweep_case(cp_mesh: DeviceMesh, arch: str, method: str, layout: str) -> Outc
         cpshard.loss.sync_grads(model, cp_mesh)
         got_logits = sharder.gather_token_tensor(logits.detach().contiguous(), trim=True, fill=0.0)
     except ValueError as e:
+        state = step_state(cp_mesh)
+        if state is not None and state.broken is not None:  # raised after collectives ran
+            what = "ValueError in the middle of the CP forward (ranks out of step)"
+            return Outcome("crash", f"{what}: {e}"[:800])
         return Outcome("refused", str(e)[:400])
     except Exception as e:
         tb = traceback.format_exc(limit=-3)
