@@ -237,6 +237,11 @@ def _fix_layer_types(config: Any) -> None:
             setattr(config, key, types[:n])
 
 
+_QSA = {
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
+}  # fmt: skip
+
 # Per-architecture fields so the tiny model exercises the feature CP must honour.
 _SPECIAL: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 3},
@@ -250,6 +255,9 @@ _SPECIAL: dict[str, dict[str, Any]] = {
         "attention_chunk_size": 4, "no_rope_layers": [1, 0], "floor_scale": 3,
         "attn_temperature_tuning": True, "interleave_moe_layer_step": 1,
     },
+    # Qwen4-Exp's indexed-attention layer (kept beside the linear one) needs its QSA indexer
+    "qwen4_exp": _QSA,
+    "qwen4_exp_text": _QSA,
     # Zamba ties its shared transformer from the first hybrid layer to the others: two of them
     "zamba": {
         "num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
