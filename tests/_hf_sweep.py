@@ -108,7 +108,7 @@ _SIZES = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2,
     "rotary_dim": 8, "top_k": 2,
-    "n_group": 1, "topk_group": 1,
+    "n_group": 1, "num_expert_group": 1, "topk_group": 1,
     "n_shared_experts": 1, "num_shared_experts": 1,
     # vocab / positions
     "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
