@@ -62,6 +62,8 @@ def main() -> None:
             if pool is None or not pool.alive():
                 pool = pools[world] = LocalRanks(world)
             out = _run(pool, arch, method, layout)
+            if out.kind == "crash":  # its mesh may be out of step: the next case gets fresh ranks
+                pool.close()
             details.append(f"{name}={out.kind}")
             if out.kind == "skip":
                 verdict = out

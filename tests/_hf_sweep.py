@@ -2,15 +2,18 @@
 
 The architectures come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (so a transformers update adds
 its new ones); each is built from its config class with hidden sizes, layers, heads, experts and
-vocabulary shrunk generically (random init, fixed seed, fp64, no download). One training step
+vocabulary shrunk generically (random init, fixed seed, fp64, no download; a causal LM that
+declares the text part of a composite config is built from that part; per-layer type lists keep
+one layer of every kind, so a hybrid keeps a mixer and an attention layer). One training step
 (logits and every parameter gradient of ``sum(logits * R)``, ``R`` fixed) runs under CP and is
 compared with one process running the model's own (eager) attention over the whole sequence; a
 packed batch is compared with each document run alone.
 
 Outcomes of one case: ``exact`` (logits and gradients within :data:`REL_TOL` of the reference),
 ``refused`` (CP raised a clear ``ValueError`` before the step), ``wrong`` (numbers differ),
-``crash`` (any other exception under CP), ``skip`` (the model cannot be built tiny, or its own
-reference step fails: nothing to compare).
+``crash`` (any other exception under CP, or a ``ValueError`` raised in the middle of the
+forward, which leaves the ranks out of step and the mesh unusable), ``skip`` (the model
+cannot be built tiny, or its own reference step fails: nothing to compare).
 
 Used by ``tests/multirank/test_hf_sweep.py`` and ``benchmarks/hf_sweep.py``.
 """
@@ -26,6 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
+from cpshard.guards.step import step_state
 
 __all__ = [
     "CASES",
@@ -102,15 +106,17 @@ _SIZES = {
     "qk_rope_head_dim": 8, "v_head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16,
     # experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "rotary_dim": 8, "top_k": 2,
-    "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2,
+    "rotary_dim": 8, "top_k": 2,
+    "n_group": 1, "num_expert_group": 1, "topk_group": 1,
     "n_shared_experts": 1, "num_shared_experts": 1,
     # vocab / positions
     "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
     # sequence mixers
     "state_size": 8, "mamba_d_state": 8, "ssm_state_size": 8, "mamba_n_heads": 8,
     "mamba_d_head": 8, "mamba_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "chunk_size": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_heads": 4,
+    "linear_head_dim": 8, "chunk_size": 4,
     # sparse-attention indexers (DSA): a top-k below the sequence length, so it selects
     "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4,
 }  # fmt: skip
@@ -131,6 +137,7 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
             out[key] = VOCAB  # e.g. per-layer input vocabularies (Gemma 4): memory
         elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
             out[key] = VOCAB - 1
+    _fit_mamba_heads(defaults, out)
     if "kv_lora_rank" in defaults:  # multi-head latent attention: one kv head per head
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
         if "qk_head_dim" in defaults:
@@ -139,6 +146,49 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
             out["head_dim"] = out["qk_rope_head_dim"]
     out["use_cache"] = False
     return out
+
+
+def _fit_mamba_heads(defaults: dict[str, Any], out: dict[str, Any]) -> None:
+    """Mamba-2 mixers: heads x head width must equal the (shrunk) inner width, as validators ask.
+
+    The head count follows from the shrunk widths (``expand * hidden`` or an explicit inner
+    width), so the tiny mixer keeps several heads and its groups divide them.
+    """
+    hidden = out.get("hidden_size")
+    if not isinstance(hidden, int):
+        return
+    if all(k in defaults for k in ("expand", "num_heads", "head_dim")):  # Mamba2Config
+        expand = defaults["expand"]
+        if isinstance(expand, int) and (hidden * expand) % out["head_dim"] == 0:
+            out["num_heads"] = hidden * expand // out["head_dim"]
+            groups = defaults.get("n_groups")
+            if isinstance(groups, int) and out["num_heads"] % groups:
+                out["n_groups"] = 2 if out["num_heads"] % 2 == 0 else 1
+    if isinstance(defaults.get("mamba_d_ssm"), int) and "mamba_d_head" in out:  # Falcon-H1
+        out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]
+
+
+_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types")
+
+
+def _cover_layer_types(config_cls: type, defaults: dict[str, Any], out: dict[str, Any]) -> None:
+    """Per-layer type lists cut to the tiny depth, keeping one layer of every type.
+
+    A plain prefix of a hybrid's list is often all one kind (Qwen3.5: three linear layers
+    before the first full one), which would leave the attention layer (or the mixer) out of
+    the sweep. The first layer of each kind is kept, in order, then the earliest others.
+    """
+    n = out.get("num_hidden_layers")
+    for key in _LAYER_LISTS:
+        types = defaults.get(key)
+        if not isinstance(n, int) or not isinstance(types, list | tuple) or len(types) <= n:
+            continue
+        if isinstance(getattr(config_cls, key, None), property):
+            continue  # derived from other fields
+        firsts = [types.index(t) for t in dict.fromkeys(types)]
+        keep = sorted(firsts[:n])
+        keep += [i for i in range(len(types)) if i not in keep][: n - len(keep)]
+        out[key] = [types[i] for i in sorted(keep)]
 
 
 def _text_config(config: Any) -> Any:
@@ -156,7 +206,12 @@ def tiny_model(arch: str) -> Any:
     model_cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
     base = config_cls()
     text = _text_config(base)
+    declared = getattr(model_cls, "config_class", None)
+    if text is not base and isinstance(declared, type) and isinstance(text, declared):
+        # the causal LM takes the text config of a composite one (Qwen3.5): build just that
+        config_cls, base = type(text), text
     kwargs = _shrink(text.to_dict())
+    _cover_layer_types(type(text), text.to_dict(), kwargs)
     extra = _SPECIAL.get(arch, {})
     if text is base:
         config = config_cls(**{**kwargs, **extra, **_IMPLS})
@@ -197,6 +252,11 @@ def _fix_layer_types(config: Any) -> None:
             setattr(config, key, types[:n])
 
 
+_QSA = {
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
+}  # fmt: skip
+
 # Per-architecture fields so the tiny model exercises the feature CP must honour.
 _SPECIAL: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 3},
@@ -210,6 +270,16 @@ _SPECIAL: dict[str, dict[str, Any]] = {
         "attention_chunk_size": 4, "no_rope_layers": [1, 0], "floor_scale": 3,
         "attn_temperature_tuning": True, "interleave_moe_layer_step": 1,
     },
+    # Qwen4-Exp's indexed-attention layer (kept beside the linear one) needs its QSA indexer
+    "qwen4_exp": _QSA,
+    "qwen4_exp_text": _QSA,
+    # Zamba ties its shared transformer from the first hybrid layer to the others: two of them
+    "zamba": {
+        "num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+    },
+    # LFM2-MoE has no default layer list (the model indexes it): one conv, one attention layer;
+    # one dense layer first, so the second one is MoE
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }  # fmt: skip
 
 
@@ -310,6 +380,10 @@ def sweep_case(cp_mesh: DeviceMesh, arch: str, method: str, layout: str) -> Outc
         cpshard.loss.sync_grads(model, cp_mesh)
         got_logits = sharder.gather_token_tensor(logits.detach().contiguous(), trim=True, fill=0.0)
     except ValueError as e:
+        state = step_state(cp_mesh)
+        if state is not None and state.broken is not None:  # raised after collectives ran
+            what = "ValueError in the middle of the CP forward (ranks out of step)"
+            return Outcome("crash", f"{what}: {e}"[:800])
         return Outcome("refused", str(e)[:400])
     except Exception as e:
         tb = traceback.format_exc(limit=-3)

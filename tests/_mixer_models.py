@@ -1,7 +1,7 @@
 """Tiny fp64 hybrid causal LMs of the installed transformers (random init, no download).
 
 Each builder returns a model whose token mixers outside attention (Mamba / Mamba2 mixers, Gated
-DeltaNet, short convolutions) run their pure-torch path on CPU. Sizes are the smallest each
+DeltaNet, short convolutions, RG-LRU) run their pure-torch path on CPU. Sizes are the smallest each
 config's validation accepts; ``use_cache=False`` so a plain forward keeps no state.
 """
 
@@ -56,6 +56,14 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         **_SMALL, "head_dim": 8, "ssm_state_size": 4, "mamba_num_heads": 4, "mamba_head_dim": 8,
         "n_groups": 1, "chunk_size": 4, "conv_kernel": 4, "expand": 2,
         "hybrid_override_pattern": "M*"}),
+    # RG-LRU: reads position_ids (resets its state at position 0)
+    "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
+        **_SMALL, "block_types": ["recurrent", "attention"]}),
+    # a hybrid layer's Mamba layer also takes the shared transformer's output per token
+    "zamba": ("ZambaConfig", "ZambaForCausalLM", {
+        **_SMALL, "num_hidden_layers": 3, "n_mamba_heads": 2, "mamba_d_state": 4,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4, "use_mamba_kernels": False,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"]}),
 }  # fmt: skip
 
 HYBRIDS = tuple(_SPECS)

@@ -34,6 +34,10 @@ _DEFAULT = [
     ("mamba2", 2, "contiguous", "ring"),
     ("nemotron_h", 3, "contiguous", "all_gather"),
     ("nemotron_h", 2, "round_robin", "ulysses"),
+    # the generic path hands per-token arguments over in its gathered layout: position_ids
+    # (RecurrentGemma's RG-LRU resets at position 0), Zamba's transformer_hidden_states
+    ("recurrent_gemma", 2, "round_robin", "ring"),
+    ("zamba", 3, "round_robin", "all_gather"),
 ]
 
 
@@ -73,6 +77,8 @@ def test_gdn_model_native_exact(
         ("qwen3_5", 3, "packed"),
         ("mamba2", 3, "packed"),
         ("lfm2", 1, "packed"),
+        ("recurrent_gemma", 3, "packed"),
+        ("zamba", 2, "balanced"),
     ],
 )
 def test_hybrid_packed_exact(ranks: Ranks, arch: str, world: int, layout: str) -> None:

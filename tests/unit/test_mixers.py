@@ -107,6 +107,31 @@ def test_mixer_inside_attention_is_refused() -> None:
         check_token_mixers(model, 2, strict=False, packed=False)
 
 
+def test_token_compressor_inside_attention_is_refused() -> None:
+    """DeepSeek-V4's KV compressors pool windows of consecutive tokens into extra keys: at a
+    tiny length no window closes (the model looked exact), at a real one the keys outgrow the
+    shard mid-forward. Found by their window size and refused before any collective."""
+    pytest.importorskip("transformers")
+    from _hf_sweep import tiny_model
+
+    try:
+        model = tiny_model("deepseek_v4")
+    except Exception as e:  # another transformers: nothing to check
+        pytest.skip(f"no tiny deepseek_v4 here: {e}")
+    sites = find_token_mixers(model)
+    assert sites and all(s.inside_attention for s in sites)
+    assert any("Compressor" in type(m).__name__ for s in sites for m in s.module.modules())
+    assert any("token compressor" in s.evidence for s in sites)
+    with pytest.raises(ValueError, match=r"inside softmax attention .*DeepseekV4Attention"):
+        check_token_mixers(model, 2, strict=False, packed=False)
+    assert check_token_mixers(model, 1, strict=False, packed=False).layout  # cp=1 dense: fine
+    compressor = nn.Module()
+    compressor.compress_rate = 1  # type: ignore[assignment]  # a window of one token: no mixing
+    holder = _Model(None, None)
+    holder.layers[0].self_attn.compressor = compressor  # type: ignore[union-attr]
+    assert find_token_mixers(holder) == ()
+
+
 def test_verdict() -> None:
     model = _Model(_Scan(), None)
     assert check_token_mixers(model, 1, strict=True, packed=False).sites == ()  # cp=1: unchanged

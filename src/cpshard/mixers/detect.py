@@ -8,7 +8,9 @@ module finds such modules from three kinds of facts, none of them a list of clas
 * **module structure**: a 1-D convolution (``nn.Conv1d`` and subclasses: depthwise causal convs
   over the sequence), parameters or buffers of recurrences and state-space scans (``A_log``,
   ``dt_bias``, ``time_decay``, ...), recurrent-state attributes (``ssm_state_size``,
-  ``conv_kernel_size``, ...), a sequence pad/shift module (``nn.ZeroPad*``, ``nn.ConstantPad*``);
+  ``conv_kernel_size``, ...), a sequence pad/shift module (``nn.ZeroPad*``, ``nn.ConstantPad*``),
+  a token compressor's window size (``compress_rate``: DeepSeek-V4 pools windows of tokens into
+  extra keys, which a rank's shard cannot form);
 * **the config's layer facts**: ``layer_types``, ``layers_block_type``, ``block_types``,
   ``hybrid_override_pattern``: a layer whose type names a mixer (``mamba``,
   ``linear_attention``, ``conv``, ...) must hold one;
@@ -49,6 +51,9 @@ _STATE_ATTRS = (
     "conv_L_cache",
     "linear_conv_kernel_dim",
 )
+# Attributes of a module that pools each window of consecutive tokens into one entry (DeepSeek-V4's
+# KV compressors): its windows follow the global sequence, not a rank's shard.
+_COMPRESS_ATTRS = ("compress_rate",)
 # Class-name roles, only read inside decoder layers and only as supporting evidence.
 _MIXER_NAME = re.compile(
     r"mamba|ssm|mixer|delta|recurren|rwkv|lstm|shortconv|retention|lightning|linearattention|"
@@ -161,6 +166,10 @@ def _structural_evidence(module: nn.Module) -> str | None:
     for attr in _STATE_ATTRS:
         if isinstance(getattr(module, attr, None), int):
             return f"a recurrent-state attribute ({attr})"
+    for attr in _COMPRESS_ATTRS:
+        rate = getattr(module, attr, None)
+        if isinstance(rate, int) and not isinstance(rate, bool) and rate > 1:
+            return f"a token compressor pooling windows of {rate} consecutive tokens ({attr})"
     return None
 
 

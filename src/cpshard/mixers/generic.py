@@ -12,9 +12,13 @@ on exit; nothing is patched). On each call under the batch's CP context:
 2. the forward hook keeps this rank's rows of the output, ``[B, L, *rest']``.
 
 Cache arguments (``cache``, ``cache_params``, ``past_key_values``, ...) are dropped for the
-call (a forward from an empty state is what training computes), ``position_ids`` and
-``cache_position`` too (the pure-torch mixers do not read them; they describe local tokens). Any
-other per-token tensor argument raises: it could not follow the gathered layout.
+call (a forward from an empty state is what training computes), ``cache_position`` too (it
+describes local tokens). A per-token tensor aligned with the input (``[B, L, ...]``:
+``position_ids``, which RecurrentGemma's RG-LRU reads to reset its state at position 0;
+Zamba's second stream ``transformer_hidden_states``) is gathered and laid out by document like
+``hidden_states``.
+An attention mask, or any other tensor with the local length, raises: it could not follow
+the gathered layout.
 
 Exact in value and gradient (parameter gradients are each rank's share; the usual CP gradient
 sum over the group completes them), at the cost of running the mixer over the whole sequence
@@ -46,7 +50,8 @@ __all__ = ["GenericMixers", "gather_segments", "local_rows"]
 _CACHE_NAMES = frozenset(
     {"cache", "cache_params", "past_key_values", "past_key_value", "layer_past", "state"}
 )
-_LOCAL_POSITION_NAMES = frozenset({"position_ids", "cache_position"})
+_LOCAL_POSITION_NAMES = frozenset({"cache_position"})
+_POSITIONS = "position_ids"
 
 
 def gather_segments(x: torch.Tensor, plan: SegmentPlan, group: ProcessGroup | None) -> torch.Tensor:
@@ -116,22 +121,37 @@ class GenericMixers:
         mode = active_mode()
         return mode is not None and mode.meta is self.meta
 
-    def _clean(self, module: nn.Module, name: str, value: Any) -> Any:
+    def _follow(
+        self, module: nn.Module, name: str, value: Any, rows: int, plan: SegmentPlan
+    ) -> Any:
+        """One other argument of the mixer's call, as the call over the gathered documents needs.
+
+        Caches are dropped, and ``cache_position``; a per-token tensor aligned with the input
+        (``[B or 1, L, *rest]``: ``position_ids``, a second hidden-state stream) is gathered and
+        laid out like it (zeros past a document's end); an attention mask, or a tensor with the
+        local length elsewhere, raises.
+        """
         if value is None or isinstance(value, bool | int | float | str):
             return value
         if name in _CACHE_NAMES or "cache" in type(value).__name__.lower():
             return None
-        if isinstance(value, torch.Tensor):
-            if name in _LOCAL_POSITION_NAMES:
-                return None
-            if name == "attention_mask" or _per_token(value, self.meta.local_len):
-                raise ValueError(
-                    f"{type(module).__name__} ({self._names[id(module)]}) is a token mixer that "
-                    f"cpshard runs over the whole sequence under CP, but it got the per-token "
-                    f"argument {name or 'positional'!r} (shape {tuple(value.shape)}), which "
-                    "cannot follow the gathered sequence; call it without that argument, or "
-                    "run this model at cp=1"
-                )
+        if not isinstance(value, torch.Tensor) or name in _LOCAL_POSITION_NAMES:
+            return None if name in _LOCAL_POSITION_NAMES else value
+        n = self.meta.local_len
+        if name == _POSITIONS and value.shape == (n,):
+            value = value.unsqueeze(0)
+        aligned = value.dim() >= 2 and value.shape[1] == n and value.shape[0] in (1, rows)
+        if name != "attention_mask" and aligned:
+            full = value.expand(rows, *value.shape[1:]).contiguous()
+            return gather_segments(full, plan, self.group)
+        if name == "attention_mask" or _per_token(value, n):
+            raise ValueError(
+                f"{type(module).__name__} ({self._names[id(module)]}) is a token mixer that "
+                f"cpshard runs over the whole sequence under CP, but it got the per-token "
+                f"argument {name or 'positional'!r} (shape {tuple(value.shape)}), which "
+                "cannot follow the gathered sequence; call it without that argument, or "
+                "run this model at cp=1"
+            )
         return value
 
     def pre(
@@ -160,8 +180,11 @@ class GenericMixers:
         if plan.trivial:
             stack.append(None)
             return None
-        new_args = tuple(self._clean(module, "", a) for a in rest_args)
-        new_kwargs = {k: self._clean(module, k, v) for k, v in kwargs.items() if k != key}
+        rows = x.shape[0]
+        new_args = tuple(self._follow(module, "", a, rows, plan) for a in rest_args)
+        new_kwargs = {
+            k: self._follow(module, k, v, rows, plan) for k, v in kwargs.items() if k != key
+        }
         seg = gather_segments(x, plan, self.group)
         stack.append(plan)
         if key is None:
