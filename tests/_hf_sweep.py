@@ -235,7 +235,7 @@ def tiny_model(arch: str) -> Any:
     return model
 
 
-MAX_PARAMS = 50_000_000
+MAX_PARAMS = 120_000_000
 
 # PhiMoE samples its experts (Gumbel, sparsemixer) in training mode.
 _SAMPLED_IN_TRAINING = frozenset({"phimoe"})
