@@ -444,6 +444,14 @@ def mesh_contains_this_rank(mesh: DeviceMesh) -> bool:
 # backward themselves. Every tensor is made contiguous at the boundary.
 
 
+def group_global_ranks(group: ProcessGroup | None) -> set[int]:
+    """The global ranks of ``group`` (``None`` -> the default group); empty if not known."""
+    try:
+        return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except (RuntimeError, ValueError, AttributeError):
+        return set()
+
+
 def group_rank_and_size(group: ProcessGroup) -> tuple[int, int]:
     """``(rank, world_size)`` of this process inside ``group``."""
     return dist.get_rank(group), dist.get_world_size(group)

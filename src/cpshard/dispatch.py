@@ -492,6 +492,19 @@ def check_model_sharder(sharder: CPSharder) -> None:
         ) from None
 
 
+def _ddp_spans_cp(model: nn.Module, cp_mesh: DeviceMesh | None) -> bool:
+    """Whether ``model`` is a ``DistributedDataParallel`` whose group holds every CP rank.
+
+    Its all-reduce then sums the gradients over the CP group itself (the HF Trainer integration
+    scales the loss so its mean is the CP sum): ``sync_grads`` is not the only legal sync.
+    """
+    if not isinstance(model, DistributedDataParallel) or _comm.cp_group(cp_mesh) is None:
+        return False
+    assert cp_mesh is not None
+    ranks = _comm.group_global_ranks(getattr(model, "process_group", None))
+    return bool(ranks) and set(cp_mesh.mesh.flatten().tolist()) <= ranks
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The model inside ``DistributedDataParallel`` / ``DataParallel`` wrappers (else ``model``).
 
@@ -568,6 +581,7 @@ def prepare_cp_forward(
     cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
     # DDP / DataParallel: the hook, the HF attention switch and the guard act on the model inside
     # (the wrapper forwards the call to it, so the guard still sees every forward).
+    synced_by_ddp = _ddp_spans_cp(model, cp_mesh)
     model = unwrap_model(model)
     # Sharded batches run inside their own ctx(), without labels.
     install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
@@ -586,7 +600,12 @@ def prepare_cp_forward(
     )  # fmt: skip
     raise_on_mismatch(
         begin_prepare(
-            state, cp_mesh, check_consistency=check_consistency, model=model, payload=fingerprint
+            state,
+            cp_mesh,
+            check_consistency=check_consistency,
+            model=model,
+            payload=fingerprint,
+            synced_elsewhere=synced_by_ddp,
         )
     )
     check_batch_mapping(batch)

@@ -145,7 +145,8 @@ class StepState:
             header).
         calls_in_done_forwards: ``forward_calls`` when the model's last forward inside the open
             ``ctx()`` completed (an exception after it left no forward in the middle).
-        bwd_task: Autograd graph task of the last backward pass that reached a CP call.
+        bwd_task: ``(prepare, autograd graph task)`` of the last backward pass that reached a CP
+            call.
         bwd_finished: Whether that pass ran to its end (autograd runs the callback it queued
             only when the whole pass succeeded).
         backwards_since_sync: CP backward passes since the last ``sync_grads``.
@@ -161,7 +162,7 @@ class StepState:
         self.model_depth = 0
         self.forward_calls = 0
         self.calls_in_done_forwards = 0
-        self.bwd_task: int | None = None
+        self.bwd_task: tuple[int, int] | None = None
         self.bwd_finished = True
         self.backwards_since_sync = 0
         self.active_watch: _ModelWatch | None = None
@@ -333,11 +334,14 @@ def begin_prepare(
     check_consistency: bool,
     model: nn.Module | None,
     payload: torch.Tensor | None = None,
+    synced_elsewhere: bool = False,
 ) -> torch.Tensor | None:
     """Start a step: raise locally if this rank left the last one midway, then agree on it.
 
     One header all-gather (always, whatever ``check_consistency`` says), which also carries
-    ``payload`` (the batch fingerprint: one collective per prepare). The ranks must agree on
+    ``payload`` (the batch fingerprint: one collective per prepare). ``synced_elsewhere``: the
+    model's gradients are summed over the CP group by its wrapper (DDP over a group holding the
+    CP ranks), so a step without ``sync_grads`` is no forgotten sync. The ranks must agree on
     the phase (every one of them starts a step), on ``check_consistency``, and on the model's
     parameters' names, shapes, dtypes and trainable pattern (whatever ``check_consistency`` says;
     a prepare without a model counts as no parameters). Each
@@ -368,6 +372,7 @@ def begin_prepare(
         and watch.values is not None
         and watch.values != values
         and watch.backwards > 0  # this model's own CP backward passes, not another model's
+        and not synced_elsewhere
     )
     # the same slots are compared on every rank (whatever each rank's flag): the message is the
     # same everywhere. The parameters' names, shapes, dtypes and trainable pattern are no data
@@ -434,6 +439,7 @@ class ForwardTracker:
     def __init__(self, state: StepState, cp_mesh: DeviceMesh) -> None:
         self.state = state
         self.cp_mesh = cp_mesh
+        self.serial = state.epoch  # the prepare this tracker belongs to
 
     def enter_call(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -468,7 +474,9 @@ class ForwardTracker:
                 known); each backward pass counts once for it.
         """
         state = self.state
-        task = torch._C._current_graph_task_id()
+        # autograd's graph task id alone can repeat across backward passes (seen under DDP and
+        # the HF Trainer); with the prepare it belongs to, a new pass is told apart
+        task = (self.serial, torch._C._current_graph_task_id())
         if watch is not None and watch.bwd_task != task:
             watch.bwd_task = task
             watch.backwards += 1
@@ -485,7 +493,7 @@ class ForwardTracker:
         )
 
 
-def _finished(state: StepState, task: int) -> None:
+def _finished(state: StepState, task: tuple[int, int]) -> None:
     if state.bwd_task == task:
         state.bwd_finished = True
 
@@ -554,7 +562,7 @@ class _ModelWatch:
         self.values: int | None = None  # params_fingerprint values at the last prepare
         self.model = weakref.ref(model)
         self.backwards = 0  # this model's CP backward passes since a sync summed its gradients
-        self.bwd_task: int | None = None
+        self.bwd_task: tuple[int, int] | None = None
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.state is not None and self.state.in_ctx and not kwargs.get("_pre_embed_only"):
