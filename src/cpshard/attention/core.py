@@ -140,7 +140,12 @@ def resolve_method(
         return method
     # the choice is host work (numpy over the token meta): made once per batch, call shape and
     # cost model, and read back from the meta's cache by later calls (and compiled regions)
-    key = f"auto|{shape}|{world}|{cost_model!r}"
+    # (the shape's fields, not the dataclass: torch 2.11's dynamo cannot format a dataclass into
+    # a string, so a compiled region could not even read an eagerly cached choice)
+    key = (
+        f"auto|{shape.batch}|{shape.q_heads}|{shape.kv_heads}|{shape.head_dim}|"
+        f"{shape.itemsize}|{shape.causal}|{shape.window}|{world}|{cost_model!r}"
+    )
     hit = plan.meta.plan_cache.get(key)
     if isinstance(hit, str):
         return hit
