@@ -350,14 +350,15 @@ def _fresh_mesh(cp_mesh: DeviceMesh | None) -> DeviceMesh | None:
     """A new mesh object over the same group: a refusal raised inside a model's forward after
     its first CP attention call leaves that mesh object unusable by design (this rank cannot tell
     whether its peers wait in the next collective; ``cpshard.guards.step``). Every rank of a
-    sweep case raises at the same point, so the group itself is in step for the next case."""
-    if cp_mesh is None:  # one process: no mesh, no step record
-        return cp_mesh
+    sweep case raises at the same point, so the group itself is in step for the next case.
+    ``None`` (cp=1, one process: no group, no step record) stays ``None``."""
+    if cp_mesh is None:
+        return None
     group = cp_mesh.get_group()
     return DeviceMesh.from_group(group, cp_mesh.device_type, mesh_dim_names=cp_mesh.mesh_dim_names)
 
 
-def sweep_case(cp_mesh: DeviceMesh, arch: str, method: str, layout: str) -> Outcome:
+def sweep_case(cp_mesh: DeviceMesh | None, arch: str, method: str, layout: str) -> Outcome:
     """One architecture, one CP case, on every rank (the same verdict on every rank)."""
     cp_mesh = _fresh_mesh(cp_mesh)
     try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HYBRIDS", "tiny_hybrid"]
+__all__ = ["HYBRIDS", "native_served", "tiny_hybrid"]
 
 _SMALL = {
     "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -95,3 +95,21 @@ def tiny_hybrid(name: str) -> Any:
                     module.A_log.copy_(torch.linspace(0.01, 0.1, heads).log())
                     module.dt_bias.fill_(-1.0)
     return model
+
+
+def native_served(arch: str) -> bool:
+    """Whether cpshard's native CP path serves every token mixer of ``arch`` here.
+
+    The product's own verdict (:func:`cpshard.mixers.check_token_mixers` at cp=2 on dense rows):
+    the native Mamba2 / Gated DeltaNet paths serve only the transformers sources they were
+    verified against (another transformers version takes the generic exact path, with a
+    :class:`~cpshard.mixers.CPMixerWarning`, and ``strict=True`` refuses it).
+    """
+    import warnings
+
+    from cpshard.mixers import CPMixerWarning, check_token_mixers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CPMixerWarning)
+        plan = check_token_mixers(tiny_hybrid(arch), 2, strict=False, packed=False)
+    return bool(plan.sites) and plan.native == plan.sites

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -80,7 +81,14 @@ def tiny_checkpointed_without_context(cp_mesh: DeviceMesh) -> str:
     model = _tiny({"use_reentrant": False})
     with pytest.raises(ValueError, match="checkpoint_context_fn") as info:
         _grads(model, cp_mesh, False)
-    return str(info.value)
+    message = str(info.value)
+    # torch < 2.13 does not close a non-reentrant checkpoint's generator when the checkpointed
+    # forward raises: its saved-tensors hook stays pushed on this thread (later forwards of this
+    # pooled rank process would read as inside a checkpoint) until the generator, held by the
+    # traceback's frames, is collected
+    del info
+    gc.collect()
+    return message
 
 
 def hf_checkpointed(cp_mesh: DeviceMesh, case: str) -> str:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing import assert_close
 
 import cpshard
-from _mixer_models import tiny_hybrid
+from _mixer_models import native_served, tiny_hybrid
 from cpshard._comm import cp_group
 from cpshard.mixers import CPMixerWarning, check_token_mixers, with_token_mixers
 
@@ -93,8 +93,14 @@ def _cp_step(
             model, cp_mesh, batch, layout=layout, attention=method
         )
     mixer_warnings = [w for w in caught if issubclass(w.category, CPMixerWarning)]
-    # Mamba2 mixers on in-order shards run natively (no generic cost, no warning)
-    native = arch in _NATIVE and layout in ("contiguous", "auto") and "seq_lens" not in batch
+    # Mamba2 mixers on in-order shards run natively (no generic cost, no warning), where the
+    # product serves the installed transformers' mixers natively (else generic, warned)
+    native = (
+        arch in _NATIVE
+        and layout in ("contiguous", "auto")
+        and "seq_lens" not in batch
+        and native_served(arch)
+    )
     want = 1 if cp_mesh.size() > 1 and not native else 0
     assert len(mixer_warnings) == want, [str(w) for w in caught]
     with ctx():
@@ -149,7 +155,13 @@ def hybrid_dense(
     batch = {"input_ids": ids, "labels": labels}
     got = _cp_step(cp_mesh, arch, batch, layout, method, n, checkpointed)
     # native Gated DeltaNet: each rank's delta rule starts from a handed-over state
-    split = arch in _GDN and layout in ("contiguous", "auto") and cp_mesh.size() > 1
+    # (the generic path runs the whole sequence on every rank: fp64-exact)
+    split = (
+        arch in _GDN
+        and layout in ("contiguous", "auto")
+        and cp_mesh.size() > 1
+        and native_served(arch)
+    )
     _compare(got, want, f"{arch} {layout} {method}", fp32_kernel=split)
 
 
@@ -198,7 +210,9 @@ def hybrid_refusals(cp_mesh: DeviceMesh, arch: str) -> list[str]:
             messages.append(str(e))
         else:
             raise AssertionError("strict=True accepted a hybrid model")
-    if cp_mesh.size() > 1 and arch in _GDN:  # dense in-order shards: native, strict accepts
+    # dense in-order shards: native, strict accepts (where the product serves this
+    # transformers' Gated DeltaNet natively; else the generic path, refused like the rest)
+    if cp_mesh.size() > 1 and arch in _GDN and native_served(arch):
         with warnings.catch_warnings():
             warnings.simplefilter("error", CPMixerWarning)
             cpshard.prepare_cp_forward(model, cp_mesh, {"input_ids": ids}, strict=True)
@@ -243,7 +257,9 @@ def gdn_module_alone(cp_mesh: DeviceMesh, arch: str, seq: int) -> None:
 
     The module is chosen by the public verdict (``strict=True`` accepts it: native, no generic
     cost) and runs under the batch's ctx on contiguous shards; the input gradient and every
-    parameter gradient (summed over the CP group) match the one-process run.
+    parameter gradient (summed over the CP group) match the one-process run. Where the product
+    does not serve the installed transformers' Gated DeltaNet natively, ``strict=True`` refuses
+    it and ``strict=False`` runs the generic path (warned), exact in fp64.
     """
     from torch import nn
 
@@ -262,11 +278,22 @@ def gdn_module_alone(cp_mesh: DeviceMesh, arch: str, seq: int) -> None:
     module.zero_grad(set_to_none=True)
     holder = nn.Module()
     holder.layers = nn.ModuleList([module])  # one mixer site, found by its structure
-    plan = check_token_mixers(holder, cp_mesh.size(), strict=True, packed=False)
+    native = native_served(arch)
+    if native or cp_mesh.size() == 1:
+        plan = check_token_mixers(holder, cp_mesh.size(), strict=True, packed=False)
+    else:
+        with pytest.raises(ValueError, match="strict=True"):
+            check_token_mixers(holder, cp_mesh.size(), strict=True, packed=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = check_token_mixers(holder, cp_mesh.size(), strict=False, packed=False)
+        assert [w.category for w in caught] == [CPMixerWarning], caught
+        assert not plan.native and len(plan.sites) == 1, plan
     ids = torch.ones(rows, seq, dtype=torch.long)
     ctx, _, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids}, layout=plan.layout)
     if cp_mesh.size() > 1:
-        assert plan.layout == "contiguous" and len(plan.gdn) == 1, plan
+        if native:
+            assert plan.layout == "contiguous" and len(plan.gdn) == 1, plan
         ctx = with_token_mixers(ctx, plan, cp_mesh)
     local = sharder.shard_token_tensor(x, fill=0.0).requires_grad_()
     with ctx():
@@ -274,6 +301,8 @@ def gdn_module_alone(cp_mesh: DeviceMesh, arch: str, seq: int) -> None:
     (out * sharder.shard_token_tensor(weight, fill=0.0)).sum().backward()
     assert local.grad is not None
     got = sharder.gather_token_tensor(out.detach(), trim=True)
+    # the delta rule computes in fp32: the native path hands states over, and the generic path
+    # sums each rank's share of the parameter gradients (fp32-rounded) in another order
     split = cp_mesh.size() > 1
     _close(got, want.detach(), f"{arch} output", split)
     got_dx = sharder.gather_token_tensor(local.grad, trim=True)

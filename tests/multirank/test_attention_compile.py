@@ -7,7 +7,9 @@ import torch
 from _attention_fns import compiled_module_case
 
 from _ranks import Ranks
+from cpshard.attention.core import _COMPILED_GATHER_BROKEN
 from cpshard.names import METHOD_NAMES
+from cpshard.tools.launch import RankFailure
 
 pytestmark = pytest.mark.multirank
 # Compiling takes minutes on a loaded 2-core machine: the call timeout only catches a true hang.
@@ -17,7 +19,15 @@ pytestmark = pytest.mark.multirank
 @pytest.mark.parametrize("method", [m for m in METHOD_NAMES if m != "ring"])
 def test_fullgraph_compile_matches_eager(ranks: Ranks, method: str) -> None:
     """cp=2, fullgraph=True: the plan is built at shard time, the compiled graph only runs
-    kernels and collectives; output and parameter grads equal the eager CP run."""
+    kernels and collectives; output and parameter grads equal the eager CP run.
+
+    On torch < 2.13 the compiled all-gather methods give wrong gradients (seen on 2.11): cpshard
+    refuses them inside a compiled region there, on every rank."""
+    if _COMPILED_GATHER_BROKEN and method in ("all_gather", "selective"):
+        with pytest.raises(RankFailure, match="compiled backward gives wrong gradients") as info:
+            ranks(2, compiled_module_case, method, True)
+        assert str(info.value).count("upgrade torch to 2.13") == 2  # on both ranks
+        return
     for (y, grads), (yc, grads_c) in ranks(2, compiled_module_case, method, True):
         torch.testing.assert_close(yc, y)
         for name, g in grads.items():

@@ -17,7 +17,7 @@ from _mixer_fns import (
     mamba_without_prepare,
 )
 
-from _mixer_models import HYBRIDS
+from _mixer_models import HYBRIDS, native_served
 from _ranks import Ranks
 
 pytestmark = pytest.mark.multirank
@@ -97,12 +97,14 @@ def test_make_cp_batch_and_ctx_with_a_model(ranks: Ranks) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_strict_refuses_on_every_rank(ranks: Ranks, world: int) -> None:
     messages = ranks(world, hybrid_refusals, "qwen3_next")
+    # the hint to use contiguous shards only where the product serves this transformers' GDN
+    hint = world > 1 and native_served("qwen3_next")
     for per_rank in messages:
         assert per_rank == messages[0]  # the same error on every rank
         (text,) = per_rank
         assert "Qwen3NextGatedDeltaNet" in text and "strict=False" in text
         assert ("packed" in text) == (world == 1)
-        assert ("Gated DeltaNet mixers natively" in text) == (world > 1)
+        assert ("Gated DeltaNet mixers natively" in text) == hint
 
 
 @pytest.fixture

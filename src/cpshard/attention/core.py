@@ -45,6 +45,15 @@ class CPAttentionSharder(Protocol):
         """Token meta of the batch the sharder last sharded, or ``None`` before that."""
 
 
+# torch < 2.13 (seen on 2.11): torch.compile(fullgraph=True) of the all-gather methods gives the
+# right output but wrong q/k/v gradients (root cause not isolated: not the attention kernel, not
+# the collectives' staging buffers); compiled regions refuse those methods there (eager is exact).
+_COMPILED_GATHER_BROKEN = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (
+    2,
+    13,
+)
+
+
 def check_method(method: str) -> None:
     """Raise ``ValueError`` unless ``method`` is ``"auto"`` or a method of the registry."""
     if method not in ATTENTION_CHOICES:
@@ -140,7 +149,12 @@ def resolve_method(
         return method
     # the choice is host work (numpy over the token meta): made once per batch, call shape and
     # cost model, and read back from the meta's cache by later calls (and compiled regions)
-    key = f"auto|{shape}|{world}|{cost_model!r}"
+    # (the shape's fields, not the dataclass: torch 2.11's dynamo cannot format a dataclass into
+    # a string, so a compiled region could not even read an eagerly cached choice)
+    key = (
+        f"auto|{shape.batch}|{shape.q_heads}|{shape.kv_heads}|{shape.head_dim}|"
+        f"{shape.itemsize}|{shape.causal}|{shape.window}|{world}|{cost_model!r}"
+    )
     hit = plan.meta.plan_cache.get(key)
     if isinstance(hit, str):
         return hit
@@ -254,6 +268,19 @@ def cp_sdpa(
             "cannot trace. Build it before the compiled call, e.g. "
             f"cpshard.attention.plan.attention_plan(meta).for_method({name!r}, {causal}, "
             f"{window}, device) with the sharder's token_meta, or run one eager step first"
+        )
+    if (
+        _COMPILED_GATHER_BROKEN
+        and torch.compiler.is_compiling()
+        and group is not None
+        and name in ("all_gather", "selective")
+    ):
+        raise ValueError(
+            f"CP attention ({name}) inside torch.compile on torch {torch.__version__}: its "
+            "compiled backward gives wrong gradients on torch < 2.13 (seen on 2.11: the output is "
+            "right, the q/k/v gradients are not; exact on torch 2.13). Under torch.compile on "
+            "this torch use attention='ulysses' or 'ring' (prepare_cp_forward / "
+            "make_cp_batch_and_ctx), run this model eagerly, or upgrade torch to 2.13"
         )
     plans = chosen.plans(plan, causal, window, q.device)
     cap = None if softcap is None else float(softcap)

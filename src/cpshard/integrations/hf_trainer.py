@@ -22,7 +22,9 @@ processes without collectives. The mixin overrides public methods only:
    all see ``dp`` replicas.
 2. **Token count** (``get_cp_size``): ``num_items_in_batch`` is counted on the unsharded batches
    of every rank and summed over the world, so every token is counted ``C`` times; the Trainer
-   divides by ``get_cp_size()``, which returns ``C``.
+   divides by ``get_cp_size()``, which returns ``C`` (a Trainer that does not call it, e.g.
+   transformers 5.17, leaves the division to the CP loss:
+   :func:`trainer_count_divides_by_cp_size`).
 3. **Forward and loss** (``compute_loss``): the batch (dense rows with ``attention_mask``, or
    TRL's padding-free rows with ``position_ids`` restarting per document) is labelled on the
    global sequence (``shift_labels`` / ``shift_labels_packed``), sharded with
@@ -45,6 +47,8 @@ Imports the core (dispatch, labels, loss, ``_comm``) and transformers (accelerat
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -56,7 +60,8 @@ from transformers import Trainer, TrainingArguments
 
 from cpshard import _comm
 from cpshard.attention import checkpoint_context_fn
-from cpshard.dispatch import prepare_cp_forward
+from cpshard.dispatch import prepare_cp_forward, unwrap_model
+from cpshard.guards.step import note_summed_by_ddp
 from cpshard.layouts.documents import PackSpec
 from cpshard.loss import count_tokens, cp_cross_entropy
 from cpshard.sharding.labels import shift_labels, shift_labels_packed
@@ -215,7 +220,9 @@ def _check_args(trainer: Any, cp_size: int) -> None:
             args.label_smoothing_factor,
             "set label_smoothing_factor=0",
         )
-    if getattr(trainer, "compute_loss_func", None) is not None:
+    # TRL (< transformers 5.19) sets compute_loss_func to a non-callable marker meaning "the
+    # loss is already scaled for gradient accumulation"; it is never called as a loss function
+    if callable(getattr(trainer, "compute_loss_func", None)):
         raise _setting_error(
             "compute_loss_func",
             "would see only this rank's shard of the logits",
@@ -427,6 +434,23 @@ class CPDataMixin:
             shard_dataloader_by_dp(dataloader, self.cp)
         return dataloader
 
+    def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The trainer's step; a backward whose DDP sync ran counts as the CP gradient sum.
+
+        No ``cpshard.sync_grads`` runs here: the world-wide DDP mean of the scaled loss is the CP
+        sum (see the module docstring), so the step record is told the gradients were summed
+        (else the next prepare after the optimizer step reports a forgotten sync). Inside
+        ``no_sync`` (gradient accumulation's earlier micro-batches) nothing is summed yet.
+        """
+        out = cast(Any, super()).training_step(model, *args, **kwargs)
+        if (
+            self.cp is not None
+            and isinstance(model, DistributedDataParallel)
+            and model.require_backward_grad_sync
+        ):
+            note_summed_by_ddp(unwrap_model(model))
+        return out
+
 
 class CPTrainerMixin(CPDataMixin):
     """Adds ``cp_size`` to a ``transformers.Trainer`` (sub)class; put it first in the bases.
@@ -469,12 +493,40 @@ class CPTrainerMixin(CPDataMixin):
         if num_items_in_batch is not None:
             # Normalised over the accumulation window and the world; DDP's mean over W undone.
             count: int | torch.Tensor = num_items_in_batch
+            if not trainer_count_divides_by_cp_size():  # every token was counted C times
+                count = torch.as_tensor(num_items_in_batch, dtype=torch.float64) / cp.cp_size
             scale = float(cp.world_size)
         else:
             # A per-micro-batch mean over this replica; DDP's mean over its C ranks undone.
             count = count_tokens(batch["labels"])
             scale = float(cp.cp_size)
         return cp_cross_entropy(_logits(out), local["labels"], num_tokens=count, scale=scale)
+
+
+@functools.cache
+def trainer_count_divides_by_cp_size() -> bool:
+    """Whether the installed ``transformers.Trainer`` divides ``num_items_in_batch`` by
+    ``get_cp_size()``.
+
+    Its token count is summed over the world, where the ``C`` CP ranks of a replica hold the same
+    batches, so every token is counted ``C`` times. Newer Trainers (5.25 seen) divide the count
+    by ``get_tp_size() * get_cp_size() * get_sp_size()``; older ones (5.17 seen) divide only by
+    accelerate's ``parallelism_config`` sizes, never calling ``get_cp_size``: the CP loss then
+    divides by ``C`` itself. Read from the Trainer's own counting methods' source.
+    """
+    methods = (Trainer.get_batch_samples, getattr(Trainer, "_get_num_items_in_batch", None))
+    sources = []
+    for method in methods:
+        if method is None:
+            continue
+        try:
+            sources.append(inspect.getsource(method))
+        except (OSError, TypeError) as e:
+            raise RuntimeError(
+                "CP trainer: cannot read transformers.Trainer's token-count source to tell whether "
+                f"it divides num_items_in_batch by get_cp_size() ({e})"
+            ) from e
+    return any("get_cp_size()" in src for src in sources)
 
 
 def check_ddp_over_world(model: nn.Module, cp: CPSetup) -> None:
