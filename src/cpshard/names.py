@@ -21,6 +21,7 @@ from typing import Literal, get_args
 __all__ = [
     "ATTENTION_CHOICES",
     "DENSE_LAYOUTS",
+    "GATHERING_METHODS",
     "LAYOUT_NAMES",
     "METHOD_NAMES",
     "PACKED_LAYOUTS",
@@ -38,6 +39,11 @@ PACKED_LAYOUTS: tuple[LayoutName, ...] = ("packed", "balanced")
 AttentionMethod = Literal["all_gather", "ring", "ulysses", "selective"]
 METHOD_NAMES: tuple[AttentionMethod, ...] = get_args(AttentionMethod)
 """The concrete CP attention methods (one strategy object each in ``cpshard.attention.methods``)."""
+
+GATHERING_METHODS: tuple[AttentionMethod, ...] = ("all_gather", "selective")
+"""Methods that collect the K/V a rank needs in one exchange before its kernels (and return the
+K/V gradients in one exchange after): under ``torch.compile`` on torch < 2.13 their compiled
+backward gave wrong gradients, so :func:`cpshard.attention.core.cp_sdpa` refuses them there."""
 
 AttentionChoice = Literal["auto", "all_gather", "ring", "ulysses", "selective"]
 ATTENTION_CHOICES: tuple[AttentionChoice, ...] = get_args(AttentionChoice)

@@ -27,7 +27,7 @@ from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.methods import METHODS, method_named, servable
 from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.softcap import check_softcap
-from cpshard.names import ATTENTION_CHOICES, AttentionMethod
+from cpshard.names import ATTENTION_CHOICES, GATHERING_METHODS, AttentionMethod
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["AttentionMethod", "CPAttentionSharder", "cp_attention", "cp_sdpa"]
@@ -273,7 +273,7 @@ def cp_sdpa(
         _COMPILED_GATHER_BROKEN
         and torch.compiler.is_compiling()
         and group is not None
-        and name in ("all_gather", "selective")
+        and name in GATHERING_METHODS
     ):
         raise ValueError(
             f"CP attention ({name}) inside torch.compile on torch {torch.__version__}: its "
