@@ -26,13 +26,16 @@ Import rule: torch only (nothing of cpshard).
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["MixerSite", "decoder_layers", "find_token_mixers", "layer_kinds"]
+__all__ = ["MixerSite", "decoder_layers", "find_token_mixers", "hooks_on", "layer_kinds"]
 
 # Parameters / buffers of recurrences: SSM (A_log, dt_bias), RWKV (time_decay, time_first,
 # time_mix_*, time_maa_*), RG-LRU (recurrent_param), lightning attention (slope_rate), ...
@@ -268,3 +271,22 @@ def _layer_sites(prefix: str, layer: nn.Module, kind: str | None) -> Iterator[Mi
             yield MixerSite(
                 name, child, f"not provably position-wise and not attention{layer_kind}"
             )
+
+
+@contextlib.contextmanager
+def hooks_on(
+    sites: Sequence[MixerSite], pre: Callable[..., Any], post: Callable[..., Any]
+) -> Iterator[None]:
+    """``pre`` / ``post`` as forward (pre-)hooks with kwargs on every site's module for the span of
+    the block (``post`` also runs when the forward raises), then removed."""
+    handles: list[RemovableHandle] = []
+    try:
+        for site in sites:
+            handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(
+                site.module.register_forward_hook(post, with_kwargs=True, always_call=True)
+            )
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,8 +53,15 @@ from torch.utils.hooks import RemovableHandle
 
 from cpshard._comm import all_gather_dim0
 from cpshard.attention.context import active_mode
-from cpshard.mixers.detect import MixerSite
-from cpshard.mixers.mamba2 import conv_width, serves_native, source_ast, torch_path
+from cpshard.mixers.detect import MixerSite, hooks_on
+from cpshard.mixers.mamba2 import (
+    conv_width,
+    native_input,
+    native_kwargs,
+    serves_native,
+    source_ast,
+    torch_path,
+)
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["NativeGatedDeltaNet", "gdn_form", "is_native_gdn", "serves_native_gdn"]
@@ -290,18 +296,7 @@ class NativeGatedDeltaNet:
         if not self._active():
             stack.append(None)
             return None
-        x = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != self.meta.local_len:
-            raise ValueError(
-                f"{type(module).__name__} runs natively under CP and needs hidden_states "
-                f"[B, L={self.meta.local_len}, D], got "
-                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-            )
-        if kwargs.get("attention_mask") is not None:
-            raise ValueError(
-                f"{type(module).__name__} got an attention_mask under CP; padding comes from "
-                "the sharded batch"
-            )
+        x = native_input(module, args, kwargs, self.meta.local_len)
         for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
             if kwargs.get(name) is not None:
                 raise ValueError(
@@ -315,16 +310,7 @@ class NativeGatedDeltaNet:
             for name in _FORMS[form][2]
         ]
         stack.append((call, handles))
-        params = inspect.signature(module.forward).parameters
-        name = "cache" if "cache" in params else "cache_params"
-        new_kwargs = {
-            k: v
-            for k, v in kwargs.items()
-            if k not in ("cache", "cache_params", "position_ids", "cache_position")
-        }
-        new_kwargs[name] = _SeedCache(call, x.shape[0], x.device)
-        new_kwargs["attention_mask"] = None
-        return args, new_kwargs
+        return args, native_kwargs(module, kwargs, _SeedCache(call, x.shape[0], x.device))
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """Forward hook: drop the call's projection hooks; check the state reached the rule."""
@@ -341,17 +327,6 @@ class NativeGatedDeltaNet:
             )
         return output
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """Register the hooks on every site for the span of the block, then remove them."""
-        handles: list[RemovableHandle] = []
-        try:
-            for site in self.sites:
-                handles.append(site.module.register_forward_pre_hook(self.pre, with_kwargs=True))
-                handles.append(
-                    site.module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
-                )
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+        return hooks_on(self.sites, self.pre, self.post)

@@ -31,17 +31,16 @@ CP mode (:mod:`cpshard.attention.context`, to act only inside the batch's own co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.utils.hooks import RemovableHandle
 
 from cpshard._comm import all_gather_dim0
 from cpshard.attention.context import active_mode
-from cpshard.mixers.detect import MixerSite
+from cpshard.mixers.detect import MixerSite, hooks_on
 from cpshard.mixers.segments import SegmentPlan, segment_plan
 from cpshard.sharding.meta import TokenMeta
 
@@ -210,17 +209,6 @@ class GenericMixers:
             "[N, T, ...] (or a tuple starting with one); run this model at cp=1"
         )
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """Register the hooks on every site for the span of the block, then remove them."""
-        handles: list[RemovableHandle] = []
-        try:
-            for site in self.sites:
-                handles.append(site.module.register_forward_pre_hook(self.pre, with_kwargs=True))
-                handles.append(
-                    site.module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
-                )
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+        return hooks_on(self.sites, self.pre, self.post)

@@ -32,7 +32,7 @@ import importlib
 import importlib.util
 import inspect
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,13 +43,15 @@ from torch.utils.hooks import RemovableHandle
 
 from cpshard._comm import all_gather_dim0
 from cpshard.attention.context import active_mode
-from cpshard.mixers.detect import MixerSite
+from cpshard.mixers.detect import MixerSite, hooks_on
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
     "NativeMamba2",
     "conv_width",
     "is_native_mamba2",
+    "native_input",
+    "native_kwargs",
     "serves_native",
     "source_ast",
     "torch_path",
@@ -207,6 +209,45 @@ class _SeedCache:
         return None
 
 
+def native_input(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], local_len: int
+) -> torch.Tensor:
+    """The ``hidden_states [B, L, D]`` a natively served mixer got (checked), before its forward.
+
+    Raises:
+        ValueError: not a ``[B, local_len, D]`` tensor, or an ``attention_mask`` was passed.
+    """
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != local_len:
+        raise ValueError(
+            f"{type(module).__name__} runs natively under CP and needs hidden_states "
+            f"[B, L={local_len}, D], got "
+            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+        )
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            f"{type(module).__name__} got an attention_mask under CP; padding comes from "
+            "the sharded batch"
+        )
+    return x
+
+
+def native_kwargs(module: nn.Module, kwargs: dict[str, Any], cache: object) -> dict[str, Any]:
+    """``kwargs`` for a natively served mixer's forward: its cache argument (``cache`` or
+    ``cache_params``, as its signature names it) replaced by ``cache``, which hands it the halo
+    and incoming state; no position / cache-position kwargs, no mask."""
+    params = inspect.signature(module.forward).parameters
+    name = "cache" if "cache" in params else "cache_params"
+    new_kwargs = {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("cache", "cache_params", "position_ids", "cache_position")
+    }
+    new_kwargs[name] = cache
+    new_kwargs["attention_mask"] = None
+    return new_kwargs
+
+
 class NativeMamba2:
     """Scoped hooks that run Mamba2 mixers natively under CP for one batch.
 
@@ -234,32 +275,12 @@ class NativeMamba2:
         if not self._active():
             stack.append(None)
             return None
-        x = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != self.meta.local_len:
-            raise ValueError(
-                f"{type(module).__name__} runs natively under CP and needs hidden_states "
-                f"[B, L={self.meta.local_len}, D], got "
-                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-            )
-        if kwargs.get("attention_mask") is not None:
-            raise ValueError(
-                f"{type(module).__name__} got an attention_mask under CP; padding comes from "
-                "the sharded batch"
-            )
+        native_input(module, args, kwargs, self.meta.local_len)  # checked before any hook
         call = _Call(module, self.group, self.meta.rank, self.meta.world_size)
         in_proj: nn.Module = call.module.in_proj
         handle = in_proj.register_forward_hook(call.capture)
         stack.append((call, handle))
-        params = inspect.signature(module.forward).parameters
-        name = "cache" if "cache" in params else "cache_params"
-        new_kwargs = {
-            k: v
-            for k, v in kwargs.items()
-            if k not in ("cache", "cache_params", "position_ids", "cache_position")
-        }
-        new_kwargs[name] = _SeedCache(call)
-        new_kwargs["attention_mask"] = None
-        return args, new_kwargs
+        return args, native_kwargs(module, kwargs, _SeedCache(call))
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """Forward hook: drop the call's projection hook."""
@@ -268,17 +289,6 @@ class NativeMamba2:
             entry[1].remove()
         return output
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """Register the hooks on every site for the span of the block, then remove them."""
-        handles: list[RemovableHandle] = []
-        try:
-            for site in self.sites:
-                handles.append(site.module.register_forward_pre_hook(self.pre, with_kwargs=True))
-                handles.append(
-                    site.module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
-                )
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+        return hooks_on(self.sites, self.pre, self.post)
