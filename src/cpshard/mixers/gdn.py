@@ -41,6 +41,7 @@ detection's site type and the token meta.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from cpshard._comm import all_gather_dim0
 from cpshard.attention.context import active_mode
 from cpshard.mixers.detect import MixerSite, hooks_on
 from cpshard.mixers.mamba2 import (
+    SeedCache,
     conv_width,
     native_input,
     native_kwargs,
@@ -231,34 +233,6 @@ class _Call:
         return h + 0.0 * gathered.sum()
 
 
-class _SeedCache:
-    """The cache interface the Gated DeltaNet forward reads, for one call: halo and ``S0`` in."""
-
-    def __init__(self, call: _Call, rows: int, device: torch.device) -> None:
-        self.call = call
-        self.rows = rows
-        self.device = device
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.call.state_slot(self.rows, self.device)
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        # non-None: the forward then prepends the state through update_conv_state
-        return torch.empty(0)
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def update_conv_state(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return self.call.with_halo(hidden_states)
-
-    def get_recurrent_states_to_keep(self, layer_idx: int) -> int:
-        return 0
-
-    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
 class NativeGatedDeltaNet:
     """Scoped hooks that run Gated DeltaNet mixers natively under CP for one batch.
 
@@ -310,7 +284,11 @@ class NativeGatedDeltaNet:
             for name in _FORMS[form][2]
         ]
         stack.append((call, handles))
-        return args, native_kwargs(module, kwargs, _SeedCache(call, x.shape[0], x.device))
+        return args, native_kwargs(
+            module,
+            kwargs,
+            SeedCache(call.with_halo, functools.partial(call.state_slot, x.shape[0], x.device)),
+        )
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """Forward hook: drop the call's projection hooks; check the state reached the rule."""

@@ -32,7 +32,7 @@ import importlib
 import importlib.util
 import inspect
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
     "NativeMamba2",
+    "SeedCache",
     "conv_width",
     "is_native_mamba2",
     "native_input",
@@ -183,11 +184,23 @@ class _Call:
         return h + 0.0 * (s_all.sum() + m_all.sum())
 
 
-class _SeedCache:
-    """The cache interface the Mamba2 forward reads, for one call: halo in, ``h0`` in."""
+class SeedCache:
+    """The cache interface a native mixer's forward reads, for one call: the convolution halo
+    and the incoming state in, nothing recorded.
 
-    def __init__(self, call: _Call) -> None:
-        self.call = call
+    Args:
+        with_halo: ``[B, C, L]`` pre-convolution input -> the same with the previous rank's last
+            ``k - 1`` columns prepended (``update_conv_state``).
+        state: The incoming recurrent state (``get_recurrent_state``).
+    """
+
+    def __init__(
+        self,
+        with_halo: Callable[[torch.Tensor], torch.Tensor],
+        state: Callable[[], torch.Tensor],
+    ) -> None:
+        self.with_halo = with_halo
+        self.state = state
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         # non-None: the forward then prepends the state through update_conv_state
@@ -197,10 +210,10 @@ class _SeedCache:
         return False
 
     def update_conv_state(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return self.call.with_halo(hidden_states)
+        return self.with_halo(hidden_states)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.call.h0()
+        return self.state()
 
     def get_recurrent_states_to_keep(self, layer_idx: int) -> int:
         return 0
@@ -280,7 +293,7 @@ class NativeMamba2:
         in_proj: nn.Module = call.module.in_proj
         handle = in_proj.register_forward_hook(call.capture)
         stack.append((call, handle))
-        return args, native_kwargs(module, kwargs, _SeedCache(call))
+        return args, native_kwargs(module, kwargs, SeedCache(call.with_halo, call.h0))
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """Forward hook: drop the call's projection hook."""
