@@ -83,7 +83,6 @@ __all__ = [
     "begin_prepare",
     "begin_sync",
     "end_sync",
-    "note_summed_by_ddp",
     "params_fingerprint",
     "prepared_mesh",
     "step_state",
@@ -610,24 +609,6 @@ def prepared_mesh(module: nn.Module) -> DeviceMesh | None:
         if watch is not None:
             return watch.mesh if _comm.cp_group(watch.mesh) is not None else None
     return None
-
-
-def note_summed_by_ddp(model: nn.Module) -> None:
-    """Record that a ``DistributedDataParallel`` all-reduce just summed ``model``'s gradients.
-
-    For the cpshard trainers (:mod:`cpshard.integrations`), where no ``sync_grads`` runs: the
-    Trainer's DDP averages over the whole world, and the cpshard loss is scaled so that average
-    is the CP sum (the DDP group is checked to be the world before the first forward). Call it
-    only after a backward whose DDP gradient sync ran (not inside ``no_sync``): the model's CP
-    backward passes since then count as summed, so the next prepare after the optimizer step
-    does not report a forgotten ``sync_grads``.
-    """
-    watch = _watch_of(model)
-    if watch is None:
-        return
-    watch.backwards = 0
-    if watch.state is not None:
-        watch.state.backwards_since_sync = 0
 
 
 # --- sync -----------------------------------------------------------------------------------

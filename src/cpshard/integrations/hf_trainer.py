@@ -60,8 +60,7 @@ from transformers import Trainer, TrainingArguments
 
 from cpshard import _comm
 from cpshard.attention import checkpoint_context_fn
-from cpshard.dispatch import prepare_cp_forward, unwrap_model
-from cpshard.guards.step import note_summed_by_ddp
+from cpshard.dispatch import prepare_cp_forward
 from cpshard.layouts.documents import PackSpec
 from cpshard.loss import count_tokens, cp_cross_entropy
 from cpshard.sharding.labels import shift_labels, shift_labels_packed
@@ -433,23 +432,6 @@ class CPDataMixin:
         if self.cp is not None:
             shard_dataloader_by_dp(dataloader, self.cp)
         return dataloader
-
-    def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """The trainer's step; a backward whose DDP sync ran counts as the CP gradient sum.
-
-        No ``cpshard.sync_grads`` runs here: the world-wide DDP mean of the scaled loss is the CP
-        sum (see the module docstring), so the step record is told the gradients were summed
-        (else the next prepare after the optimizer step reports a forgotten sync). Inside
-        ``no_sync`` (gradient accumulation's earlier micro-batches) nothing is summed yet.
-        """
-        out = cast(Any, super()).training_step(model, *args, **kwargs)
-        if (
-            self.cp is not None
-            and isinstance(model, DistributedDataParallel)
-            and model.require_backward_grad_sync
-        ):
-            note_summed_by_ddp(unwrap_model(model))
-        return out
 
 
 class CPTrainerMixin(CPDataMixin):
