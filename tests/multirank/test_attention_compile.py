@@ -7,8 +7,8 @@ import torch
 from _attention_fns import compiled_module_case
 
 from _ranks import Ranks
-from cpshard.attention.core import _COMPILED_GATHER_BROKEN
-from cpshard.names import METHOD_NAMES
+from cpshard.attention.kernels import COMPILE_BEFORE_2_13
+from cpshard.names import GATHERING_METHODS, METHOD_NAMES
 from cpshard.tools.launch import RankFailure
 
 pytestmark = pytest.mark.multirank
@@ -23,7 +23,7 @@ def test_fullgraph_compile_matches_eager(ranks: Ranks, method: str) -> None:
 
     On torch < 2.13 the compiled all-gather methods give wrong gradients (seen on 2.11): cpshard
     refuses them inside a compiled region there, on every rank."""
-    if _COMPILED_GATHER_BROKEN and method in ("all_gather", "selective"):
+    if COMPILE_BEFORE_2_13 and method in GATHERING_METHODS:
         with pytest.raises(RankFailure, match="compiled backward gives wrong gradients") as info:
             ranks(2, compiled_module_case, method, True)
         assert str(info.value).count("upgrade torch to 2.13") == 2  # on both ranks

@@ -196,10 +196,10 @@ def test_fp64_cpu_blocks_under_compile_avoid_the_broken_op(broken: bool) -> None
 
     q64, q32 = torch.zeros(1, 1, 2, 4, dtype=torch.float64), torch.zeros(1, 1, 2, 4)
     with (
-        mock.patch.object(kernels, "_FP64_COMPILE_BROKEN", broken),
+        mock.patch.object(kernels, "COMPILE_BEFORE_2_13", broken),
         mock.patch.object(torch.compiler, "is_compiling", return_value=True),
     ):
         assert pick_backend(q64) == ("math" if broken else "cpu_flash")
         assert pick_backend(q32) == "cpu_flash"
-    with mock.patch.object(kernels, "_FP64_COMPILE_BROKEN", broken):
+    with mock.patch.object(kernels, "COMPILE_BEFORE_2_13", broken):
         assert pick_backend(q64) == "cpu_flash"  # eager: always the fused op

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard._comm import cp_group, group_rank_and_size
 from cpshard.attention.cost import CallShape, CostModel, choose_method, plan_facts
-from cpshard.attention.kernels import KernelBackend
+from cpshard.attention.kernels import COMPILE_BEFORE_2_13, KernelBackend
 from cpshard.attention.methods import METHODS, method_named, servable
 from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.softcap import check_softcap
@@ -43,15 +43,6 @@ class CPAttentionSharder(Protocol):
     @property
     def token_meta(self) -> TokenMeta | None:
         """Token meta of the batch the sharder last sharded, or ``None`` before that."""
-
-
-# torch < 2.13 (seen on 2.11): torch.compile(fullgraph=True) of the all-gather methods gives the
-# right output but wrong q/k/v gradients (root cause not isolated: not the attention kernel, not
-# the collectives' staging buffers); compiled regions refuse those methods there (eager is exact).
-_COMPILED_GATHER_BROKEN = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (
-    2,
-    13,
-)
 
 
 def check_method(method: str) -> None:
@@ -269,8 +260,11 @@ def cp_sdpa(
             f"cpshard.attention.plan.attention_plan(meta).for_method({name!r}, {causal}, "
             f"{window}, device) with the sharder's token_meta, or run one eager step first"
         )
+    # torch < 2.13 (seen on 2.11): torch.compile(fullgraph=True) of the gathering methods gives
+    # the right output but wrong q/k/v gradients (root cause not isolated: not the attention
+    # kernel, not the collectives' staging buffers); eager is exact
     if (
-        _COMPILED_GATHER_BROKEN
+        COMPILE_BEFORE_2_13
         and torch.compiler.is_compiling()
         and group is not None
         and name in GATHERING_METHODS

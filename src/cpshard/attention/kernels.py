@@ -46,6 +46,7 @@ from cpshard.attention.cuda_kernels import ConcreteBackend
 from cpshard.attention.merge import accumulation_dtype, empty_partial, merge_into
 
 __all__ = [
+    "COMPILE_BEFORE_2_13",
     "ConcreteBackend",
     "KernelBackend",
     "block_attention",
@@ -59,13 +60,15 @@ KernelBackend = Literal["auto", "cpu_flash", "math", "cuda_flash", "cuda_efficie
 
 _CUDA_ONLY = ("cuda_flash", "cuda_efficient", "cudnn")
 
-# torch < 2.13 (seen on 2.11): torch.compile of the CPU flash op's backward in fp64 fails ("expected
-# scalar type Double but found Float": its meta kernel gives an fp32 logsumexp, the kernel wants
-# fp64), so a compiled fp64 CPU block runs the math kernel (fp64) instead; eager is unaffected.
-_FP64_COMPILE_BROKEN = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (
+COMPILE_BEFORE_2_13 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (
     2,
     13,
 )
+"""torch < 2.13 (the GPU image's 2.11), whose ``torch.compile`` mishandles two CP paths: the CPU
+flash op's fp64 backward fails ("expected scalar type Double but found Float": its meta kernel
+gives an fp32 logsumexp), so a compiled fp64 CPU block runs the math kernel (fp64) instead; and
+:func:`cpshard.attention.core.cp_sdpa` refuses the gathering methods in compiled regions there.
+Eager is unaffected."""
 
 
 def _warn_fallback(reason: str) -> None:
@@ -129,7 +132,7 @@ def pick_backend(
         return backend  # type: ignore[return-value]
     has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     if q.device.type == "cpu" and has_op:
-        if q.dtype == torch.float64 and _FP64_COMPILE_BROKEN and torch.compiler.is_compiling():
+        if q.dtype == torch.float64 and COMPILE_BEFORE_2_13 and torch.compiler.is_compiling():
             return "math"  # same result; the compiled CPU flash op fails in fp64 there
         return "cpu_flash"
     _warn_fallback(
