@@ -382,6 +382,8 @@ def check_batch_consistency(
     """Raise the same ``ValueError`` on every CP rank unless all ranks hold the same batch.
 
     One all-gather of ``len(FIELDS)`` int64 values; no collective without CP (and no hashing).
+    The dispatcher does not call it (its fingerprint rides in the step header); it serves callers
+    that check a batch on their own, and ``benchmarks/bench_consistency.py``.
 
     Args:
         cp_mesh: 1-D CP mesh (already validated) or ``None``.
@@ -403,10 +405,7 @@ def check_batch_consistency(
         options=options,
         hashed=hashed,
     )
-    table = _comm.all_gather_fixed(fp, group)
-    message = mismatch_message(table)
-    if message is not None:
-        raise ValueError(message)
+    raise_on_mismatch(_comm.all_gather_fixed(fp, group))
 
 
 def raise_on_mismatch(table: torch.Tensor | None) -> None:
