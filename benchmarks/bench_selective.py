@@ -9,8 +9,10 @@ and each CP size and packed layout, from the global token meta every rank would 
   ranks named by ``--ranks``: a mask over the stream, another code path than the counts), plus
   the header bytes: none, the split sizes come from the plan;
 * **moved (all_gather / ring)**: ``(C - 1) * L`` slots per rank;
-* **plan s**: wall time of rank ``r``'s selective plan (fresh meta), and of the global cost facts
-  ``plan_facts`` that ``attention="auto"`` reads.
+* **plan s**: process CPU time (and wall time) of rank ``r``'s selective plan (fresh meta, fastest
+  of ``--repeat``, slowest of the ranks named), of the global cost facts ``plan_facts`` that
+  ``attention="auto"`` reads, and of ``auto`` as a whole: the facts, the choice, and the plan of the
+  method it chose (the method is printed after the times).
 
 Part ``cp`` (``--part cp``): cp=2 gloo ranks on the packed benchmark batch of
 ``bench_packed_attention.py`` (S=16384, log-normal documents plus a >= 5k-token one, fp32, D=64,
@@ -149,18 +151,69 @@ def _cp_part(rounds: int) -> None:
                 print(f"| {layout} | {hq}/{hkv} | {m} | {t:.3f} | {t / ref:.2f} |", flush=True)
 
 
-def main() -> None:
+def _cpu_wall(build: Any, repeat: int) -> tuple[float, float]:
+    """Fastest of ``repeat`` runs of ``build()`` (each on fresh inputs): process CPU s, wall s."""
+    cpu = wall = float("inf")
+    for _ in range(repeat):
+        c0, w0 = time.process_time(), time.perf_counter()
+        build()
+        cpu = min(cpu, time.process_time() - c0)
+        wall = min(wall, time.perf_counter() - w0)
+    return cpu, wall
+
+
+def _plan_row(plan: Any, tokens: int, ranks: list[int], repeat: int) -> str:
+    """One table row: bytes moved vs needed, and the host time of each plan (slowest rank)."""
+    from cpshard.attention.auto import choose_for_batch
     from cpshard.attention.cost import plan_facts
+    from cpshard.attention.methods import method_named
+    from cpshard.attention.plan import AttentionPlan
     from cpshard.attention.selective_plan import selective_plan
-    from cpshard.names import PACKED_LAYOUTS
-    from cpshard.tools.balance import all_plans, sample_packed_batch
     from cpshard.tools.plan_cost import plan_meta
+
+    cpu = torch.device("cpu")
+    c = plan.world_size
+    needed = plan_facts(plan_meta(plan)).recv_slots
+    moved_sel = need_sel = 0
+    t_sel = t_auto = (0.0, 0.0)
+    chosen: set[str] = set()
+
+    def sel(r: int) -> None:
+        selective_plan(plan_meta(plan, r), True, None, cpu)
+
+    def auto(r: int) -> None:
+        meta = plan_meta(plan, r)
+        best = choose_for_batch(meta, None)
+        chosen.add(best)
+        method_named(best).plans(AttentionPlan(meta), True, None, cpu)
+
+    for r in ranks:
+        moved_sel += selective_plan(plan_meta(plan, r), True, None, cpu).received  # no header
+        need_sel += int(needed[r])
+        got = _cpu_wall(lambda r=r: sel(r), repeat)
+        t_sel = (max(t_sel[0], got[0]), max(t_sel[1], got[1]))
+        got = _cpu_wall(lambda r=r: auto(r), repeat)
+        t_auto = (max(t_auto[0], got[0]), max(t_auto[1], got[1]))
+    t_facts = _cpu_wall(lambda: plan_facts(plan_meta(plan)), repeat)
+    ag = (c - 1) * plan.padded_len // c * c
+    ratio = moved_sel / need_sel if need_sel else float("nan")
+    return (
+        f"| {tokens} | {c} | {plan.layout} | {int(needed.max())} | {ratio:.3f} "
+        f"| {ag / max(int(needed.sum()), 1):.1f} "
+        f"| {t_sel[0]:.3f} ({t_sel[1]:.3f}) | {t_facts[0]:.3f} ({t_facts[1]:.3f}) "
+        f"| {t_auto[0]:.3f} ({t_auto[1]:.3f}) {'/'.join(sorted(chosen))} |"
+    )
+
+
+def main() -> None:
+    from cpshard.tools.balance import all_plans, sample_packed_batch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1 << 20)
     p.add_argument("--cp", default="8,16,32,64")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks", default="0,last", help="ranks whose selective plan is built")
+    p.add_argument("--repeat", type=int, default=3, help="plan builds per rank (fastest counts)")
     p.add_argument("--part", choices=("plan", "cp", "ranks"), default="plan")
     p.add_argument("--worlds", default="2,3,4,5,6,7,8", help="C of the ranks part")
     p.add_argument("--layout", default="balanced", help="layout of the ranks part")
@@ -176,37 +229,14 @@ def main() -> None:
     spec = sample_packed_batch("lognormal", args.tokens, args.seed)
     print(
         "| tokens | C | layout | needed slots max/rank | selective moved / needed "
-        "| all_gather moved / needed | selective plan s (ranks) | cost facts s |"
+        "| all_gather moved / needed | selective plan CPU s (wall) | cost facts CPU s (wall) "
+        "| auto: facts + its method's plan, CPU s (wall) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.cp.split(",")):
+        ranks = [c - 1 if r == "last" else int(r) for r in args.ranks.split(",")]
         for plan in all_plans(spec, c, include_torch=False):
-            if plan.layout not in PACKED_LAYOUTS:
-                continue
-            meta = plan_meta(plan)
-            t0 = time.perf_counter()
-            facts = plan_facts(meta)
-            t_facts = time.perf_counter() - t0
-            needed = facts.recv_slots
-            ranks = [c - 1 if r == "last" else int(r) for r in args.ranks.split(",")]
-            moved_sel = 0
-            need_sel = 0
-            times = []
-            for r in ranks:
-                fresh = plan_meta(plan, r)
-                t0 = time.perf_counter()
-                sp = selective_plan(fresh, True, None, torch.device("cpu"))
-                times.append(time.perf_counter() - t0)
-                moved_sel += sp.received  # + 0 header bytes
-                need_sel += int(needed[r])
-            ag = (c - 1) * plan.padded_len // c * c
-            ratio = moved_sel / need_sel if need_sel else float("nan")
-            print(
-                f"| {args.tokens} | {c} | {plan.layout} | {int(needed.max())} | {ratio:.3f} "
-                f"| {ag / max(int(needed.sum()), 1):.1f} "
-                f"| {' / '.join(f'{t:.2f}' for t in times)} | {t_facts:.2f} |",
-                flush=True,
-            )
+            print(_plan_row(plan, args.tokens, ranks, args.repeat), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ plain PyTorch models), :func:`use_cp_attention` (HF transformers attention regis
 Owns CP attention: the per-batch plan (:mod:`.plan`, :mod:`.pieces`: which blocks of which
 ranks meet), its execution (:mod:`.kernels`, :mod:`.cuda_kernels`, :mod:`.merge`,
 :mod:`.softcap`, :mod:`.blockwise` and the four methods :mod:`.all_gather`, :mod:`.ring`,
-:mod:`.ulysses`, :mod:`.selective` (with :mod:`.selective_plan`), registered as strategy objects in
+:mod:`.ulysses`, :mod:`.selective` (with :mod:`.selective_plan` and the run counts of
+:mod:`.visibility`), registered as strategy objects in
 :mod:`.methods`), the cost model of ``"auto"`` (:mod:`.cost`, :mod:`.auto`) and the routing of
 model calls (:mod:`.context`, :mod:`.hf`, :mod:`.hf_options`). Import rule: may import
 :mod:`cpshard.sharding` (the token meta and the shard identity), :mod:`cpshard._comm` and

@@ -39,12 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpshard.attention.methods import METHODS
-from cpshard.attention.selective_plan import (
-    MetaArrays,
-    exchange_counts,
-    meta_arrays,
-    query_bounds,
-)
+from cpshard.attention.selective_plan import MetaArrays, exchange_sums, meta_arrays
+from cpshard.attention.visibility import per_rank, visible_pairs
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -136,8 +132,9 @@ class PlanFacts:
         meta_rows: Rows of the token meta (1: one structure for every batch row).
         pairs: ``[C]`` visible query-key pairs of each rank's queries (summed over meta rows).
         local_pairs: ``[C]`` of those, the pairs whose key is on the same rank.
-        exchange: ``[C, C]`` key slots rank ``t`` needs from rank ``o``
-            (:func:`~cpshard.attention.selective_plan.exchange_counts`).
+        recv_slots: ``[C]`` remote key slots each rank's queries see (what selective receives;
+            :func:`~cpshard.attention.selective_plan.exchange_sums`).
+        send_slots: ``[C]`` key slots each rank's peers need from it (what selective sends).
     """
 
     world: int
@@ -145,38 +142,26 @@ class PlanFacts:
     meta_rows: int
     pairs: np.ndarray
     local_pairs: np.ndarray
-    exchange: np.ndarray
-
-    @property
-    def recv_slots(self) -> np.ndarray:
-        """``[C]`` remote key slots each rank's queries see (what selective receives)."""
-        got: np.ndarray = self.exchange.sum(axis=1) - np.diag(self.exchange)
-        return got
-
-    @property
-    def send_slots(self) -> np.ndarray:
-        """``[C]`` key slots each rank's peers need from it (what selective sends)."""
-        got: np.ndarray = self.exchange.sum(axis=0) - np.diag(self.exchange)
-        return got
+    recv_slots: np.ndarray
+    send_slots: np.ndarray
 
 
 def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``([C], [C])``: visible pairs of each rank's queries against every key, and against its
+    own keys (weighted by the meta rows each group stands for); closed forms over runs."""
     c = a.world
     pairs = np.zeros(c, dtype=np.int64)
     local = np.zeros(c, dtype=np.int64)
-    for g in range(a.pos.shape[0]):
-        codes = a.enc(a.doc[g], a.pos[g])
-        every = np.sort(codes)
+    for g, runs in enumerate(a.runs):
         w = int(a.weights[g])
+        pairs += w * runs.pad_tokens  # a pad sees itself, on its own rank
+        local += w * runs.pad_tokens
+        real = runs.real
+        seen = visible_pairs(real, runs.keys(), a.frame, causal, window)
+        pairs += w * per_rank(real.rank, seen, c)
         for r in range(c):
-            lo, hi = query_bounds(a, g, r, causal, window)
-            own = np.sort(codes[a.rank_slice(r)])
-            pairs[r] += w * int(
-                (np.searchsorted(every, hi, "left") - np.searchsorted(every, lo, "left")).sum()
-            )
-            local[r] += w * int(
-                (np.searchsorted(own, hi, "left") - np.searchsorted(own, lo, "left")).sum()
-            )
+            mine = visible_pairs(runs.of(r), runs.keys(r), a.frame, causal, window)
+            local[r] += w * int(mine.sum())
     return pairs, local
 
 
@@ -189,8 +174,8 @@ def plan_facts(meta: TokenMeta, causal: bool = True, window: int | None = None) 
         window: Sliding window or ``None``.
 
     Returns:
-        The facts; cost ``O(S log S)`` host work for a stream of ``S`` tokens, plus ``C^2``
-        binary searches of each rank's merged key intervals.
+        The facts; cost ``O(C R log R)`` host work for ``R`` runs of the stream
+        (:mod:`cpshard.attention.visibility`), whatever the number of tokens.
     """
     key = f"plan_facts|{causal}|{window}"
     hit = meta.plan_cache.get(key)
@@ -198,9 +183,8 @@ def plan_facts(meta: TokenMeta, causal: bool = True, window: int | None = None) 
         return hit
     a = meta_arrays(meta)
     pairs, local = _pairs(a, causal, window)
-    facts = PlanFacts(
-        a.world, a.local_len, int(a.weights.sum()), pairs, local, exchange_counts(a, causal, window)
-    )
+    recv, send = exchange_sums(a, causal, window)
+    facts = PlanFacts(a.world, a.local_len, int(a.weights.sum()), pairs, local, recv, send)
     meta.plan_cache[key] = facts
     return facts
 

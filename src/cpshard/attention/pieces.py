@@ -408,14 +408,21 @@ def tasks_by_key(
         cells = cell[members]
         order = np.argsort(cells, kind="stable")
         members, cells = members[order], cells[order]
-        bounds = np.flatnonzero(np.diff(cells)) + 1
-        for grp in np.split(members, bounds):
-            q0, q1 = int(p.qi[grp].min()), int((p.qi[grp] + p.nq[grp]).max())
-            k0, k1 = int(p.ki[grp].min()), int((p.ki[grp] + p.nk[grp]).max())
+        heads = np.append(0, np.flatnonzero(np.diff(cells)) + 1)
+        g_q0 = np.minimum.reduceat(p.qi[members], heads).tolist()
+        g_q1 = np.maximum.reduceat(p.qi[members] + p.nq[members], heads).tolist()
+        g_k0 = np.minimum.reduceat(p.ki[members], heads).tolist()
+        g_k1 = np.maximum.reduceat(p.ki[members] + p.nk[members], heads).tolist()
+        for i, grp in enumerate(np.split(members, heads[1:])):
+            q0, q1, k0, k1 = g_q0[i], g_q1[i], g_k0[i], g_k1[i]
             mask = np.zeros((q1 - q0, k1 - k0), dtype=bool)
             for j in grp.tolist():
                 r, c = int(p.qi[j]) - q0, int(p.ki[j]) - k0
-                mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])] |= _pattern(p, j, window)
+                part = mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])]
+                if p.kind[j] == FULL:  # the most common member: no pattern to build
+                    part[...] = True
+                else:
+                    part |= _pattern(p, j, window)
             key = int(keys[grp[0]])
             computed_k[key] += mask.size
             mask_of[direct.size + len(tiles)] = len(masks)

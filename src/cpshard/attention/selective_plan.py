@@ -9,16 +9,18 @@ have the same document id and (causal) ``k_pos <= q_pos`` (and ``q_pos - k_pos <
 the keys one query sees are the positions ``[lo, hi)`` of its document, with ``hi = q_pos + 1``
 and ``lo = q_pos - window + 1`` (causal; ``lo`` unbounded without a window) or the whole document
 (bidirectional). A rank's queries see the union of their intervals; encoded as
-``(document, position)`` on one int64 axis the union is a sorted set of disjoint intervals, and a
-key is needed iff a binary search finds it inside one. Cost ``O(S log S)`` per rank for a stream of
-``S`` tokens, no ``[Lq, Lk]`` matrix.
+``(document, position)`` on one int64 axis (:mod:`cpshard.attention.visibility`) the union is a
+sorted set of disjoint intervals, built from the query *runs* (one interval per run, not per
+token), and the key runs inside it are found by binary searches. Cost ``O(R log R)`` per rank for
+``R`` runs of the stream plus the slots it names; no per-token sort, no ``[Lq, Lk]`` matrix.
 
 Batch rows: the exchange moves whole key slots ``[B, H, ., D]``, shared by every row, so a slot is
 sent when a query of *any* row group needs it (the union over row groups). With one meta row (the
 packed batch) that is exactly the needed set.
 
-Owns :class:`SelectivePlan` (this rank's exchange and kernel plans) and :func:`exchange_counts`
-(the ``[C, C]`` matrix of key slots each rank needs from each other, for the cost model). Imports
+Owns :class:`SelectivePlan` (this rank's exchange and kernel plans), :func:`exchange_sums` (what
+each rank receives and sends, for the cost model) and :func:`exchange_counts` (the ``[C, C]``
+matrix of key slots each rank needs from each other). Imports
 the plan module (its row grouping and :func:`~cpshard.attention.plan.pair_plan`) and the token
 meta; never a collective.
 """
@@ -31,17 +33,16 @@ import numpy as np
 import torch
 
 from cpshard.attention.plan import PairPlan, pair_plan
+from cpshard.attention.visibility import Depth, Frame, RankRuns, per_rank, stream_runs
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
     "MetaArrays",
     "SelectivePlan",
-    "covered",
     "exchange_counts",
-    "intervals",
+    "exchange_sums",
     "meta_arrays",
-    "needed_by",
-    "query_bounds",
+    "needed_slots",
     "selective_plan",
 ]
 
@@ -57,7 +58,9 @@ class MetaArrays:
         weights: ``[G]`` how many meta rows each group stands for.
         world: CP size ``C``.
         local_len: Tokens per rank ``L``.
-        frame: ``(lowest document id, lowest position, position span)`` of the encoding.
+        frame: The ``(document, position)`` code map of the batch.
+        runs: The runs of every group's stream, by rank
+            (:class:`~cpshard.attention.visibility.RankRuns`).
     """
 
     pos: np.ndarray
@@ -66,13 +69,8 @@ class MetaArrays:
     weights: np.ndarray
     world: int
     local_len: int
-    frame: tuple[int, int, int]
-
-    def enc(self, doc: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """``(document, position)`` -> one sortable int64 (positions clipped to the span)."""
-        lo_doc, lo_pos, span = self.frame
-        codes: np.ndarray = (doc - lo_doc) * span + np.clip(x - lo_pos, 0, span - 1)
-        return codes
+    frame: Frame
+    runs: tuple[RankRuns, ...]
 
     def rank_slice(self, rank: int) -> slice:
         """Stream slots of ``rank``'s local tokens."""
@@ -84,80 +82,45 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     hit = meta.plan_cache.get("meta_arrays")
     if isinstance(hit, MetaArrays):
         return hit
-    pos = meta.positions.detach().cpu().numpy().astype(np.int64)
-    doc = meta.document_ids.detach().cpu().numpy().astype(np.int64)
-    groups: dict[bytes, list[int]] = {}
-    for r in range(pos.shape[0]):
-        groups.setdefault(pos[r].tobytes() + b"|" + doc[r].tobytes(), []).append(r)
-    firsts = [g[0] for g in groups.values()]
-    rows = None if len(groups) == 1 else list(groups.values())
-    weights = np.array([len(g) for g in groups.values()], dtype=np.int64)
+    pos = meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+    doc = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    if pos.shape[0] == 1 and doc.shape[0] == 1:
+        groups = [[0]]
+    else:
+        seen: dict[bytes, list[int]] = {}
+        for r in range(pos.shape[0]):
+            seen.setdefault(pos[r].tobytes() + b"|" + doc[r].tobytes(), []).append(r)
+        groups = list(seen.values())
+    firsts = [g[0] for g in groups]
+    rows = None if len(groups) == 1 else groups
+    weights = np.array([len(g) for g in groups], dtype=np.int64)
     p, d = pos[firsts], doc[firsts]
-    frame = (int(d.min()), int(p.min()), int(p.max()) - int(p.min()) + 2) if p.size else (0, 0, 2)
-    arrays = MetaArrays(p, d, rows, weights, meta.world_size, meta.local_len, frame)
+    if p.size:
+        frame = Frame(int(d.min()), int(p.min()), int(p.max()) - int(p.min()) + 2)
+    else:
+        frame = Frame(0, 0, 2)
+    merge = bool(np.all((d >= 0) | (d == -1 - p)))
+    n = meta.local_len
+    c = meta.world_size
+    runs = tuple(
+        RankRuns(stream_runs(p[g], d[g], n, merge, frame), c, frame) for g in range(p.shape[0])
+    )
+    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
 
-def query_bounds(
-    a: MetaArrays, g: int, rank: int, causal: bool, window: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per query of ``rank`` (row group ``g``): the encoded keys it sees, ``[lo, hi)``.
-
-    Returns:
-        ``(lo, hi)``: int64 ``[L]`` each, in ``rank``'s local order.
-    """
-    sl = a.rank_slice(rank)
-    qp, qd = a.pos[g, sl], a.doc[g, sl]
-    far = np.iinfo(np.int32).max  # clipped to the document's ends by enc
-    if causal:
-        lo_pos = qp - window + 1 if window is not None else np.full_like(qp, -far)
-        hi_pos = qp + 1
-    else:
-        lo_pos, hi_pos = np.full_like(qp, -far), np.full_like(qp, far)
-    return a.enc(qd, lo_pos), a.enc(qd, hi_pos)
-
-
-def intervals(
-    a: MetaArrays, g: int, rank: int, causal: bool, window: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """The keys ``rank``'s queries of row group ``g`` see, as disjoint encoded intervals.
-
-    Returns:
-        ``(lo, hi)``: sorted int64 arrays; a key with code ``c`` is seen iff
-        ``lo[i] <= c < hi[i]`` for some ``i``.
-    """
-    lo, hi = query_bounds(a, g, rank, causal, window)
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], np.maximum.accumulate(hi[order])
-    if lo.size == 0:
-        return lo, hi
-    start = np.ones(lo.size, dtype=bool)
-    start[1:] = lo[1:] > hi[:-1]  # a gap before it: a new disjoint interval starts here
-    first = np.flatnonzero(start)
-    last = np.append(first[1:], lo.size) - 1
-    return lo[first], hi[last]
-
-
-def covered(codes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Bool mask: which ``codes`` fall inside one of the disjoint intervals ``[lo, hi)``."""
-    idx = np.searchsorted(lo, codes, side="right") - 1
-    inside = idx >= 0
-    inside[inside] = codes[inside] < hi[idx[inside]]
-    return inside
-
-
-def needed_by(
-    a: MetaArrays, rank: int, causal: bool, window: int | None, slots: slice | None = None
+def needed_slots(
+    a: MetaArrays, rank: int, causal: bool, window: int | None, holder: int | None = None
 ) -> np.ndarray:
-    """Bool mask over stream ``slots`` (default all ``C * L``): the slots some query of ``rank``
-    sees (any row group), own included."""
-    sl = slice(0, a.pos.shape[1]) if slots is None else slots
-    need = np.zeros(sl.stop - sl.start, dtype=bool)
-    for g in range(a.pos.shape[0]):
-        lo, hi = intervals(a, g, rank, causal, window)
-        need |= covered(a.enc(a.doc[g, sl], a.pos[g, sl]), lo, hi)
-    return need
+    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself;
+    only those of ``holder``'s tokens, relative to ``holder``'s first slot, if given."""
+    base = 0 if holder is None else holder * a.local_len
+    need = np.zeros(a.pos.shape[1] if holder is None else a.local_len, dtype=bool)
+    for runs in a.runs:
+        keys = runs.real.take(runs.real.rank != rank) if holder is None else runs.of(holder)
+        need[runs.seen(rank, causal, window).covered_slots(keys) - base] = True
+    return np.flatnonzero(need)
 
 
 def exchange_counts(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray:
@@ -170,17 +133,48 @@ def exchange_counts(a: MetaArrays, causal: bool, window: int | None) -> np.ndarr
     """
     c, n = a.world, a.local_len
     out = np.zeros((c, c), dtype=np.int64)
-    for g in range(a.pos.shape[0]):
-        codes = a.enc(a.doc[g], a.pos[g])
-        owned = [np.sort(codes[a.rank_slice(o)]) for o in range(c)]
+    for runs in a.runs:
+        keys = runs.real
+        out[np.arange(c), np.arange(c)] += runs.pad_tokens
         for t in range(c):
-            lo, hi = intervals(a, g, t, causal, window)
-            for o in range(c):
-                keys = owned[o]
-                out[t, o] += int(
-                    (np.searchsorted(keys, hi, "left") - np.searchsorted(keys, lo, "left")).sum()
-                )
+            inside = runs.seen(t, causal, window).count(keys.code, keys.code + keys.n)
+            out[t] += per_rank(keys.rank, inside, c)
     return np.minimum(out, n)
+
+
+def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``([C], [C])`` int64: the remote key slots each rank's queries see (what the selective
+    exchange receives) and the slots its peers need of it (what it sends).
+
+    The row and column sums of :func:`exchange_counts` off the diagonal, in ``O(R log R)`` for one
+    row group: a rank receives ``|U_t & keys| - |U_t & own keys|`` (``U_t`` the codes its queries
+    see), and what all ranks need of a key run is the integral over the run of the *depth*, the
+    number of ranks whose ``U_t`` covers a code (one sweep over every ``U_t``'s ends). With several
+    row groups the capped matrix of :func:`exchange_counts` is summed instead.
+    """
+    c = a.world
+    if len(a.runs) != 1:
+        m = exchange_counts(a, causal, window)
+        diag = np.diag(m)
+        return m.sum(axis=1) - diag, m.sum(axis=0) - diag
+    runs = a.runs[0]
+    every = runs.keys()
+    recv = np.zeros(c, dtype=np.int64)
+    own_seen = np.zeros(c, dtype=np.int64)
+    ends: list[np.ndarray] = []
+    steps: list[np.ndarray] = []
+    for t in range(c):
+        u = runs.seen(t, causal, window)
+        own = runs.keys(t)
+        own_seen[t] = int((own.below(u.hi) - own.below(u.lo)).sum())
+        recv[t] = int((every.below(u.hi) - every.below(u.lo)).sum()) - own_seen[t]
+        ends += [u.lo, u.hi]
+        steps += [np.ones(u.lo.size, dtype=np.int64), -np.ones(u.hi.size, dtype=np.int64)]
+    depth = Depth(np.concatenate(ends), np.concatenate(steps))
+    keys = runs.real
+    covered = depth.integral(keys.code + keys.n) - depth.integral(keys.code)
+    send = per_rank(keys.rank, covered, c) - own_seen
+    return recv, send
 
 
 @dataclass(frozen=True)
@@ -236,16 +230,14 @@ def selective_plan(
     a = meta_arrays(meta)
     rank, world, n = meta.rank, a.world, a.local_len
     own = a.rank_slice(rank)
-    need = needed_by(a, rank, causal, window)
-    need[own] = False
-    recv_slots = np.flatnonzero(need)
+    recv_slots = needed_slots(a, rank, causal, window)
     recv_splits = tuple(int(x) for x in np.bincount(recv_slots // max(n, 1), minlength=world))
     sends: list[np.ndarray] = []
     for t in range(world):
         if t == rank:
             sends.append(np.zeros(0, dtype=np.int64))
             continue
-        sends.append(np.flatnonzero(needed_by(a, t, causal, window, own)))
+        sends.append(needed_slots(a, t, causal, window, holder=rank))
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
     k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]

@@ -1,0 +1,367 @@
+"""How many keys each query sees, and which, by closed forms over runs of the stream (host).
+
+The facts behind the selective exchange and the cost model of ``attention="auto"`` are counts of
+visible (query, key) pairs and sets of visible key slots. Computing them token by token costs a
+sort of the whole stream and a binary search per token and rank pair; at 1M tokens over 64 ranks
+that is seconds per batch. Here the stream is cut into *runs* (:func:`~cpshard.attention.pieces.
+run_table`: consecutive slots of one rank, one document, consecutive positions; a stretch of
+padding is one run) and every count is a closed form over runs: the work grows with the number
+of runs (documents times their cuts), not with the tokens.
+
+Encoding: ``(document, position)`` is one int64 code, ``(doc - lo_doc) * span + (pos - lo_pos)``
+(:class:`Frame`), so the keys of one document occupy one range of codes and the keys a query
+sees are one code interval:
+
+* causal: ``[doc start, code(q) + 1)``, with a window ``[code(q - window + 1), code(q) + 1)``
+  (clipped to the document's start);
+* bidirectional: the document's whole range.
+
+A set of key runs is a multiset of code intervals ``[c_j, e_j)``. The number of its keys below a
+code ``x`` is ``F(x) = sum_j max(0, x - c_j) - max(0, x - e_j)``, and the sum of ``F`` over the
+codes ``[u, v)`` has the closed form ``Q(v) - Q(u)`` with
+``2 Q(x) = sum_{c_j < x} (x - c_j)^2 - (x - c_j)`` (minus the same over the ends). Both come from
+prefix sums of the sorted ends and binary searches: :class:`KeyCounts`. The prefix sums of
+squares exceed int64 for large codes, so they are taken modulo ``2**64`` (numpy ``uint64``
+wraps): every result is a count that fits in int64, and a difference of values that agree
+modulo ``2**64`` is exact.
+
+A pad (document id ``-1 - position``) sees only itself: pad runs count one pair per token, on
+their own rank, and are never keys of anyone else.
+
+Imports :mod:`.pieces` (the run table) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from cpshard.attention.pieces import PAD_CLASS, run_table
+
+__all__ = [
+    "Depth",
+    "Frame",
+    "KeyCounts",
+    "RankRuns",
+    "StreamRuns",
+    "Union",
+    "per_rank",
+    "query_intervals",
+    "stream_runs",
+    "visible_pairs",
+]
+
+_I64 = npt.NDArray[np.int64]
+_U64 = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The ``(document, position)`` -> code map of one batch.
+
+    Attributes:
+        lo_doc: Lowest document id of the stream.
+        lo_pos: Lowest position.
+        span: Codes per document: ``max position - lo_pos + 2`` (room for one past the last
+            position, and a code after it that no key has).
+    """
+
+    lo_doc: int
+    lo_pos: int
+    span: int
+
+    def doc_start(self, doc: _I64) -> _I64:
+        """Code of ``doc``'s lowest possible position (every key of ``doc`` is at or above it)."""
+        return (doc - self.lo_doc) * self.span
+
+    def code(self, doc: _I64, pos: _I64) -> _I64:
+        """Code of ``(doc, pos)``, positions clipped into the document's range."""
+        out: _I64 = self.doc_start(doc) + np.clip(pos - self.lo_pos, 0, self.span - 1)
+        return out
+
+
+@dataclass(frozen=True)
+class StreamRuns:
+    """The runs of one row group's stream (rank-major; runs never cross a rank boundary).
+
+    Attributes:
+        start: ``[R]`` stream slot of each run's first token.
+        n: ``[R]`` tokens of each run.
+        pos: ``[R]`` position of each run's first token.
+        doc: ``[R]`` document id (pad runs: the id of their first token).
+        rank: ``[R]`` rank holding the run.
+        pad: ``[R]`` the run is a stretch of padding (each token sees only itself).
+        code: ``[R]`` code of the first token (meaningless for pad runs).
+    """
+
+    start: _I64
+    n: _I64
+    pos: _I64
+    doc: _I64
+    rank: _I64
+    pad: npt.NDArray[np.bool_]
+    code: _I64
+
+    def take(self, sel: npt.NDArray[np.bool_] | slice) -> StreamRuns:
+        """The runs where ``sel`` holds (a bool mask or a slice)."""
+        return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
+
+
+def stream_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool, frame: Frame) -> StreamRuns:
+    """The :class:`StreamRuns` of one stream row.
+
+    Args:
+        pos: ``[C * L]`` positions, rank-major.
+        doc: ``[C * L]`` document ids.
+        local_len: Tokens per rank ``L``.
+        merge_pads: Every negative id is a pad of the convention ``-1 - position``: such slots
+            form pad runs. Otherwise every id, negative or not, is a document.
+        frame: The code map.
+    """
+    table = run_table(pos[None], doc[None], merge_pads, breaks=max(local_len, 1))
+    pad = table.cls == PAD_CLASS
+    d = doc[table.start]
+    code = np.where(pad, 0, frame.code(d, table.pos))
+    rank = table.start // max(local_len, 1)
+    return StreamRuns(table.start, table.n, table.pos, d, rank, pad, code)
+
+
+def per_rank(rank: _I64, values: _I64, world: int) -> _I64:
+    """``[C]`` int64: the sum of ``values`` per ``rank`` (exact, unlike a float ``bincount``)."""
+    out = np.zeros(world, dtype=np.int64)
+    np.add.at(out, rank, values)
+    return out
+
+
+def _prefix(x: _U64) -> _U64:
+    out = np.zeros(x.size + 1, dtype=np.uint64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+class KeyCounts:
+    """Counts over a multiset of key code intervals ``[lo_j, hi_j)`` (see the module doc).
+
+    Args:
+        lo: ``[K]`` first code of each key run.
+        hi: ``[K]`` one past its last code.
+    """
+
+    def __init__(self, lo: _I64, hi: _I64) -> None:
+        self._ends = []
+        for e in (lo, hi):
+            s = np.sort(e).astype(np.uint64)
+            self._ends.append((np.sort(e), _prefix(s), _prefix(s * s)))
+
+    def below(self, x: _I64) -> _I64:
+        """``[N]``: keys with a code ``< x`` (a key run contributes its part below ``x``)."""
+        xu = x.astype(np.uint64)
+        total = np.zeros(x.shape, dtype=np.uint64)
+        for sign, (s, p1, _) in zip((1, -1), self._ends, strict=True):
+            k = np.searchsorted(s, x, side="left")
+            part = k.astype(np.uint64) * xu - p1[k]
+            total = total + part if sign > 0 else total - part
+        out: _I64 = total.view(np.int64)
+        return out
+
+    def _twice_q(self, x: _I64) -> _U64:
+        xu = x.astype(np.uint64)
+        total = np.zeros(x.shape, dtype=np.uint64)
+        for sign, (s, p1, p2) in zip((1, -1), self._ends, strict=True):
+            k = np.searchsorted(s, x, side="left").astype(np.uint64)
+            # sum over the k ends below x of (x - s)^2 - (x - s)
+            part = k * xu * xu - np.uint64(2) * xu * p1[k] + p2[k] - k * xu + p1[k]
+            total = total + part if sign > 0 else total - part
+        return total
+
+    def range_sum(self, u: _I64, v: _I64) -> _I64:
+        """``[N]``: ``sum of below(x) for u <= x < v`` (``u <= v``)."""
+        twice: _I64 = (self._twice_q(v) - self._twice_q(u)).view(np.int64)
+        return twice // 2
+
+
+def visible_pairs(
+    q: StreamRuns, keys: KeyCounts, frame: Frame, causal: bool, window: int | None
+) -> _I64:
+    """``[R]`` visible (query, key) pairs of each non-pad query run against ``keys``.
+
+    Args:
+        q: Query runs, none of them pad runs.
+        keys: The key set.
+        frame: The code map.
+        causal: Causal masking.
+        window: Sliding window (causal only) or ``None``.
+    """
+    n = q.n
+    ds = frame.doc_start(q.doc)
+    if not causal:
+        return n * (keys.below(ds + frame.span - 1) - keys.below(ds))
+    upper = keys.range_sum(q.code + 1, q.code + n + 1)
+    if window is None:
+        return upper - n * keys.below(ds)
+    first = q.pos - window + 1  # lowest key position of the run's first query
+    clipped = np.clip(frame.lo_pos - first, 0, n)  # queries whose window starts before lo_pos
+    lower = clipped * keys.below(ds) + keys.range_sum(
+        ds + (first + clipped - frame.lo_pos), ds + (first + n - frame.lo_pos)
+    )
+    out: _I64 = upper - lower
+    return out
+
+
+def query_intervals(
+    q: StreamRuns, frame: Frame, causal: bool, window: int | None
+) -> tuple[_I64, _I64]:
+    """``(lo, hi)``: the code interval of the keys each non-pad query run's queries see."""
+    ds = frame.doc_start(q.doc)
+    if not causal:
+        return ds, ds + frame.span - 1
+    hi = q.code + q.n
+    if window is None:
+        return ds, hi
+    return frame.code(q.doc, q.pos - window + 1), hi
+
+
+class Union:
+    """The union of code intervals, as sorted disjoint intervals.
+
+    Args:
+        lo: ``[N]`` interval starts.
+        hi: ``[N]`` interval ends (exclusive).
+    """
+
+    def __init__(self, lo: _I64, hi: _I64) -> None:
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        if lo.size:
+            hi = np.maximum.accumulate(hi)
+            start = np.ones(lo.size, dtype=bool)
+            start[1:] = lo[1:] > hi[:-1]  # a gap before it: a new disjoint interval
+            first = np.flatnonzero(start)
+            last = np.append(first[1:], lo.size) - 1
+            lo, hi = lo[first], hi[last]
+        self.lo: _I64 = lo
+        self.hi: _I64 = hi
+        self._before = np.zeros(lo.size + 1, dtype=np.int64)
+        np.cumsum(hi - lo, out=self._before[1:])
+
+    def measure_below(self, x: _I64) -> _I64:
+        """``[N]``: codes ``< x`` inside the union."""
+        if not self.lo.size:
+            return np.zeros(x.shape, dtype=np.int64)
+        k = np.searchsorted(self.lo, x, side="left")  # intervals starting below x
+        last = np.maximum(k - 1, 0)
+        inside = np.minimum(x - self.lo[last], self.hi[last] - self.lo[last])
+        out: _I64 = np.where(k > 0, self._before[last] + inside, 0)
+        return out
+
+    def count(self, lo: _I64, hi: _I64) -> _I64:
+        """``[N]``: codes of each interval ``[lo, hi)`` inside the union."""
+        return self.measure_below(hi) - self.measure_below(lo)
+
+    def covered_slots(self, runs: StreamRuns) -> _I64:
+        """Stream slots of ``runs`` whose code lies inside the union, in run order."""
+        if not self.lo.size or not runs.n.size:
+            return np.zeros(0, dtype=np.int64)
+        c, e = runs.code, runs.code + runs.n
+        i0 = np.searchsorted(self.hi, c, side="right")  # first interval ending after c
+        i1 = np.searchsorted(self.lo, e, side="left")  # intervals starting before e
+        counts = np.maximum(i1 - i0, 0)
+        run = np.repeat(np.arange(c.size), counts)
+        offs = np.cumsum(counts) - counts
+        iv = i0[run] + (np.arange(int(counts.sum())) - offs[run])
+        a = np.maximum(c[run], self.lo[iv]) - c[run] + runs.start[run]
+        b = np.minimum(e[run], self.hi[iv]) - c[run] + runs.start[run]
+        return _aranges(a, b)
+
+
+class Depth:
+    """A step function of codes: ``D(x) = sum of step[k] for every end[k] <= x`` (e.g. +1 at each
+    interval start and -1 at each end: how many intervals cover ``x``), and its integral.
+
+    Args:
+        end: ``[N]`` codes where the function steps.
+        step: ``[N]`` the step at each.
+    """
+
+    def __init__(self, end: _I64, step: _I64) -> None:
+        order = np.argsort(end, kind="stable")
+        self._at = end[order]
+        self._level = np.cumsum(step[order])  # D on [at[k], at[k + 1])
+        widths = np.diff(self._at) * self._level[:-1] if self._at.size else self._at
+        self._area = np.zeros(self._at.size, dtype=np.int64)  # integral up to at[k]
+        if self._at.size > 1:
+            np.cumsum(widths, out=self._area[1:])
+
+    def integral(self, x: _I64) -> _I64:
+        """``[N]``: ``sum of D(y) for y < x``."""
+        if not self._at.size:
+            return np.zeros(x.shape, dtype=np.int64)
+        k = np.searchsorted(self._at, x, side="right") - 1  # last step at or below x
+        last = np.maximum(k, 0)
+        out: _I64 = np.where(k >= 0, self._area[last] + self._level[last] * (x - self._at[last]), 0)
+        return out
+
+
+class RankRuns:
+    """The runs of one row group's stream, by rank, with the counting structures the plans share
+    (built on first use, then kept for the batch).
+
+    Args:
+        runs: The stream's runs (rank-major, so each rank's runs are one slice).
+        world: CP size ``C``.
+        frame: The code map.
+
+    Attributes:
+        runs: Every run.
+        real: The runs that are not padding (the keys anyone but their own token can see).
+        pad_tokens: ``[C]`` pad tokens of each rank.
+    """
+
+    def __init__(self, runs: StreamRuns, world: int, frame: Frame) -> None:
+        self.runs = runs
+        self.frame = frame
+        self.real = runs.take(~runs.pad)
+        self.pad_tokens = per_rank(runs.rank[runs.pad], runs.n[runs.pad], world)
+        self._bounds = np.searchsorted(self.real.rank, np.arange(world + 1), side="left")
+        self._keys: dict[int | None, KeyCounts] = {}
+        self._seen: dict[tuple[int, bool, int | None], Union] = {}
+
+    def of(self, rank: int) -> StreamRuns:
+        """The real runs of ``rank``."""
+        return self.real.take(slice(int(self._bounds[rank]), int(self._bounds[rank + 1])))
+
+    def keys(self, rank: int | None = None) -> KeyCounts:
+        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's)."""
+        hit = self._keys.get(rank)
+        if hit is None:
+            r = self.real if rank is None else self.of(rank)
+            hit = self._keys[rank] = KeyCounts(r.code, r.code + r.n)
+        return hit
+
+    def seen(self, rank: int, causal: bool, window: int | None) -> Union:
+        """The codes of the keys ``rank``'s real queries see."""
+        key = (rank, causal, window)
+        hit = self._seen.get(key)
+        if hit is None:
+            q = self.of(rank)
+            hit = self._seen[key] = Union(*query_intervals(q, self.frame, causal, window))
+        return hit
+
+
+def _aranges(a: _I64, b: _I64) -> _I64:
+    """Concatenation of ``arange(a[i], b[i])`` over ``i`` (empty ranges skipped)."""
+    n = np.maximum(b - a, 0)
+    total = int(n.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    keep = n > 0
+    a, n = a[keep], n[keep]
+    steps = np.ones(total, dtype=np.int64)
+    heads = np.cumsum(n) - n
+    steps[0] = a[0]
+    # at each range's head jump from the previous range's last value to this range's start
+    steps[heads[1:]] = a[1:] - (a[:-1] + n[:-1] - 1)
+    out: _I64 = np.cumsum(steps)
+    return out

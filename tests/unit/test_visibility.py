@@ -1,0 +1,137 @@
+"""Counts by closed forms over runs against the dense visibility rule (no process group).
+
+The plan facts behind ``attention="auto"`` (pairs per rank, what the selective exchange receives
+and sends) and the selective plan's slots are computed from runs of the stream
+(:mod:`cpshard.attention.visibility`); here every one of them is compared with the rule itself,
+token by token, on streams with every feature the runs must survive: windows, bidirectional
+masks, pads by the convention and negative ids that are not pads, positions that repeat, and
+meta rows of different structure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpshard.attention.cost import plan_facts
+from cpshard.attention.selective_plan import exchange_counts, meta_arrays, selective_plan
+from cpshard.attention.visibility import KeyCounts, Union
+from cpshard.sharding.meta import TokenMeta
+
+CPU = torch.device("cpu")
+MASKS = ((True, None), (True, 1), (True, 3), (False, None))
+
+
+def _stream(rng: np.random.Generator, kind: str) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(C, pos [B, C*L], doc [B, C*L])``: a random rank-major stream of one ``kind``."""
+    world, local = int(rng.integers(1, 6)), int(rng.integers(1, 16))
+    s = world * local
+    rows = int(rng.integers(1, 4))
+    shared = rng.permutation(s)
+    pos_rows, doc_rows = [], []
+    for b in range(rows):
+        perm = shared if b % 2 == 0 else rng.permutation(s)  # rows 0 and 2: one structure
+        doc = np.zeros(s, dtype=np.int64)
+        for cut in rng.choice(np.arange(1, s), size=min(int(rng.integers(0, 4)), s - 1),
+                              replace=False) if s > 1 else []:  # fmt: skip
+            doc[cut:] += 1
+        pos = np.arange(s)
+        pads = int(rng.integers(0, s // 2 + 1))
+        if kind == "pads":  # pads by the convention: each sees only itself
+            doc[s - pads :] = -1 - pos[s - pads :]
+        elif kind == "negative":  # a negative id that is not a pad: one document
+            doc[s - pads :] = -7
+        elif kind == "repeats":  # every position twice
+            pos = pos // 2
+        pos_rows.append(pos[perm])
+        doc_rows.append(doc[perm])
+    return world, np.stack(pos_rows), np.stack(doc_rows)
+
+
+def _dense(
+    pos: np.ndarray, doc: np.ndarray, world: int, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(pairs [C], local pairs [C], exchange [C, C])`` by the rule, token by token."""
+    n = pos.shape[1] // world
+    pairs = np.zeros(world, dtype=np.int64)
+    local = np.zeros(world, dtype=np.int64)
+    exchange = np.zeros((world, world), dtype=np.int64)
+    groups = {(p.tobytes(), d.tobytes()): (p, d) for p, d in zip(pos, doc, strict=True)}
+    for p, d in zip(pos, doc, strict=True):
+        vis = d[:, None] == d[None, :]
+        diff = p[:, None] - p[None, :]
+        if causal:
+            vis &= diff >= 0
+        if window is not None:
+            vis &= diff < window
+        for t in range(world):
+            rows = vis[t * n : (t + 1) * n]
+            pairs[t] += rows.sum()
+            local[t] += rows[:, t * n : (t + 1) * n].sum()
+            if (p.tobytes(), d.tobytes()) in groups:  # one count per structure
+                seen = rows.any(axis=0)
+                exchange[t] += seen.reshape(world, n).sum(axis=1)
+        groups.pop((p.tobytes(), d.tobytes()), None)
+    return pairs, local, np.minimum(exchange, n)
+
+
+@pytest.mark.parametrize("kind", ["plain", "pads", "negative", "repeats"])
+def test_facts_and_plans_equal_the_rule_token_by_token(kind: str) -> None:
+    rng = np.random.default_rng(["plain", "pads", "negative", "repeats"].index(kind))
+    for _ in range(60):
+        world, pos, doc = _stream(rng, kind)
+        metas = [
+            TokenMeta(r, world, torch.from_numpy(pos.copy()), torch.from_numpy(doc.copy()))
+            for r in range(world)
+        ]
+        n = metas[0].local_len
+        for causal, window in MASKS:
+            pairs, local, exchange = _dense(pos, doc, world, causal, window)
+            facts = plan_facts(metas[0], causal, window)
+            np.testing.assert_array_equal(facts.pairs, pairs)
+            np.testing.assert_array_equal(facts.local_pairs, local)
+            np.testing.assert_array_equal(
+                exchange_counts(meta_arrays(metas[0]), causal, window), exchange
+            )
+            diag = np.diag(exchange)
+            np.testing.assert_array_equal(facts.recv_slots, exchange.sum(axis=1) - diag)
+            np.testing.assert_array_equal(facts.send_slots, exchange.sum(axis=0) - diag)
+            for r, meta in enumerate(metas):  # the slots themselves, any row
+                plan = selective_plan(meta, causal, window, CPU)
+                vis = doc[:, r * n : (r + 1) * n, None] == doc[:, None, :]
+                diff = pos[:, r * n : (r + 1) * n, None] - pos[:, None, :]
+                if causal:
+                    vis &= diff >= 0
+                if window is not None:
+                    vis &= diff < window
+                need = vis.any(axis=(0, 1))
+                need[r * n : (r + 1) * n] = False
+                np.testing.assert_array_equal(plan.recv_slots, np.flatnonzero(need))
+
+
+def test_key_counts_are_exact_where_the_squares_overflow_int64() -> None:
+    """Codes near 2**40: their squares wrap uint64, the counts must not."""
+    rng = np.random.default_rng(5)
+    base = 1 << 40
+    lo = base + np.sort(rng.integers(0, 10_000, size=50))
+    hi = lo + rng.integers(0, 300, size=50)  # overlapping runs: a multiset
+    counts = KeyCounts(lo, hi)
+    xs = base + rng.integers(-50, 10_500, size=40)
+    keys = [c for a, b in zip(lo.tolist(), hi.tolist(), strict=True) for c in range(a, b)]
+    want_below = [sum(1 for k in keys if k < x) for x in xs.tolist()]
+    np.testing.assert_array_equal(counts.below(xs), want_below)
+    u = np.minimum(xs, xs[::-1])
+    v = np.maximum(xs, xs[::-1])
+    pairs = zip(u.tolist(), v.tolist(), strict=True)
+    want = [sum(sum(1 for k in keys if k < x) for x in range(a, b)) for a, b in pairs]
+    np.testing.assert_array_equal(counts.range_sum(u, v), want)
+
+
+def test_union_counts_and_slots() -> None:
+    u = Union(np.array([10, 0, 12, 30]), np.array([15, 5, 20, 31]))
+    np.testing.assert_array_equal(u.lo, [0, 10, 30])
+    np.testing.assert_array_equal(u.hi, [5, 20, 31])
+    np.testing.assert_array_equal(
+        u.count(np.array([0, 3, 18, 25]), np.array([40, 12, 40, 26])), [16, 4, 3, 0]
+    )
