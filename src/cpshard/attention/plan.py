@@ -38,7 +38,7 @@ slot order (:attr:`PairPlan.slot_order`) that sorts the stream by position, and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -60,10 +60,12 @@ __all__ = [
     "SMALL_PAIRS",
     "TILE",
     "AttentionPlan",
+    "HostRows",
     "PairPlan",
     "Task",
     "attention_plan",
     "check_window",
+    "host_rows",
     "pair_plan",
 ]
 
@@ -144,6 +146,47 @@ def _row_groups(pos: np.ndarray | None, doc: np.ndarray) -> list[list[int]]:
         else:
             groups.append([r])
     return groups
+
+
+class HostRows(NamedTuple):
+    """Host copies of a token meta, one row per group of batch rows with equal structure.
+
+    Attributes:
+        pos: ``[G, C * L]`` int64 positions of each group's first row.
+        doc: ``[G, C * L]`` int64 document ids.
+        rows: Batch rows of every group, or ``None`` (one group serving every row).
+        weights: ``[G]`` meta rows each group stands for.
+        merge: Every negative id is a pad of the convention ``-1 - position``.
+    """
+
+    pos: np.ndarray
+    doc: np.ndarray
+    rows: list[list[int]] | None
+    weights: np.ndarray
+    merge: bool
+
+
+def host_rows(meta: TokenMeta) -> HostRows:
+    """The :class:`HostRows` of ``meta`` (cached on it: one host copy and one grouping per batch,
+    shared by the attention plan and the selective plan)."""
+    hit = meta.plan_cache.get("host_rows")
+    if isinstance(hit, HostRows):
+        return hit
+    pos = meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+    doc = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    if pos.shape[0] != doc.shape[0]:  # one row of positions for every row of documents, or so
+        pos, doc = np.broadcast_arrays(pos, doc)
+    groups = [list(range(pos.shape[0]))]
+    if pos.shape[0] > 1:
+        same_pos = bool((pos == pos[:1]).all())
+        if not (same_pos and bool((doc == doc[:1]).all())):
+            groups = _row_groups(None if same_pos else pos, doc)
+    firsts = [g[0] for g in groups]
+    p, d = np.ascontiguousarray(pos[firsts]), np.ascontiguousarray(doc[firsts])
+    weights = np.array([len(g) for g in groups], dtype=np.int64)
+    host = HostRows(p, d, None if len(groups) == 1 else groups, weights, _merge_pads(p, d))
+    meta.plan_cache["host_rows"] = host
+    return host
 
 
 def _sort_order(pos: np.ndarray) -> np.ndarray:
@@ -263,24 +306,11 @@ class AttentionPlan:
     )
 
     def __post_init__(self) -> None:
-        pos = self.meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
-        doc = self.meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
-        if pos.shape[0] != doc.shape[0]:
-            pos = np.broadcast_to(pos, doc.shape)
-            doc = np.broadcast_to(doc, pos.shape)
-        rows = None
-        firsts = [0]
-        if pos.shape[0] > 1:
-            same_pos = bool((pos == pos[:1]).all())
-            same_doc = bool((doc == doc[:1]).all())
-            if not (same_pos and same_doc):
-                groups = _row_groups(None if same_pos else pos, doc)
-                firsts = [g[0] for g in groups]
-                rows = None if len(groups) == 1 else groups
-        object.__setattr__(self, "_rows", rows)
-        object.__setattr__(self, "_pos", np.ascontiguousarray(pos[firsts]))
-        object.__setattr__(self, "_doc", np.ascontiguousarray(doc[firsts]))
-        object.__setattr__(self, "_merge", _merge_pads(self._pos, self._doc))
+        host = host_rows(self.meta)
+        object.__setattr__(self, "_rows", host.rows)
+        object.__setattr__(self, "_pos", host.pos)
+        object.__setattr__(self, "_doc", host.doc)
+        object.__setattr__(self, "_merge", host.merge)
 
     @property
     def rank(self) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.plan import PairPlan, pair_plan
+from cpshard.attention.plan import PairPlan, host_rows, pair_plan
 from cpshard.attention.visibility import Depth, Frame, RankRuns, per_rank, stream_runs
 from cpshard.sharding.meta import TokenMeta
 
@@ -82,24 +82,13 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     hit = meta.plan_cache.get("meta_arrays")
     if isinstance(hit, MetaArrays):
         return hit
-    pos = meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
-    doc = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
-    if pos.shape[0] == 1 and doc.shape[0] == 1:
-        groups = [[0]]
-    else:
-        seen: dict[bytes, list[int]] = {}
-        for r in range(pos.shape[0]):
-            seen.setdefault(pos[r].tobytes() + b"|" + doc[r].tobytes(), []).append(r)
-        groups = list(seen.values())
-    firsts = [g[0] for g in groups]
-    rows = None if len(groups) == 1 else groups
-    weights = np.array([len(g) for g in groups], dtype=np.int64)
-    p, d = pos[firsts], doc[firsts]
+    host = host_rows(meta)
+    p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     if p.size:
         frame = Frame(int(d.min()), int(p.min()), int(p.max()) - int(p.min()) + 2)
     else:
         frame = Frame(0, 0, 2)
-    merge = bool(np.all((d >= 0) | (d == -1 - p)))
+    merge = host.merge
     n = meta.local_len
     c = meta.world_size
     runs = tuple(
