@@ -4,19 +4,27 @@ The plan facts behind ``attention="auto"`` (pairs per rank, what the selective e
 and sends) and the selective plan's slots are computed from runs of the stream
 (:mod:`cpshard.attention.visibility`); here every one of them is compared with the rule itself,
 token by token, on streams with every feature the runs must survive: windows, bidirectional
-masks, pads by the convention and negative ids that are not pads, positions that repeat, and
-meta rows of different structure.
+masks, pads by the convention and negative ids that are not pads, positions that repeat,
+document ids spread over all of int64, and meta rows of different structure.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from cpshard.attention.cost import plan_facts
-from cpshard.attention.selective_plan import exchange_counts, meta_arrays, selective_plan
-from cpshard.attention.visibility import KeyCounts, Union
+from cpshard.attention.cost import _pairs, plan_facts
+from cpshard.attention.selective_plan import (
+    exchange_counts,
+    exchange_sums,
+    meta_arrays,
+    selective_plan,
+    wanted_of,
+)
+from cpshard.attention.visibility import KeyCounts, RankRuns, Union
 from cpshard.sharding.meta import TokenMeta
 
 CPU = torch.device("cpu")
@@ -44,6 +52,8 @@ def _stream(rng: np.random.Generator, kind: str) -> tuple[int, np.ndarray, np.nd
             doc[s - pads :] = -7
         elif kind == "repeats":  # every position twice
             pos = pos // 2
+        elif kind == "sparse":  # ids anywhere in int64, e.g. hashes
+            doc = doc * (1 << 55) - (1 << 61)
         pos_rows.append(pos[perm])
         doc_rows.append(doc[perm])
     return world, np.stack(pos_rows), np.stack(doc_rows)
@@ -76,9 +86,12 @@ def _dense(
     return pairs, local, np.minimum(exchange, n)
 
 
-@pytest.mark.parametrize("kind", ["plain", "pads", "negative", "repeats"])
+KINDS = ["plain", "pads", "negative", "repeats", "sparse"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_facts_and_plans_equal_the_rule_token_by_token(kind: str) -> None:
-    rng = np.random.default_rng(["plain", "pads", "negative", "repeats"].index(kind))
+    rng = np.random.default_rng(KINDS.index(kind))
     for _ in range(60):
         world, pos, doc = _stream(rng, kind)
         metas = [
@@ -108,6 +121,41 @@ def test_facts_and_plans_equal_the_rule_token_by_token(kind: str) -> None:
                 need = vis.any(axis=(0, 1))
                 need[r * n : (r + 1) * n] = False
                 np.testing.assert_array_equal(plan.recv_slots, np.flatnonzero(need))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_blocks_answer_as_rank_by_rank(kind: str) -> None:
+    """The every-rank-at-once path (rank blocks) and the rank-by-rank path agree."""
+    rng = np.random.default_rng(10 + KINDS.index(kind))
+    for _ in range(40):
+        world, pos, doc = _stream(rng, kind)
+        meta = TokenMeta(0, world, torch.from_numpy(pos[:1]), torch.from_numpy(doc[:1]))
+        a = meta_arrays(meta)
+        assert a.runs[0].blocked
+        loops = dataclasses.replace(
+            a, runs=tuple(RankRuns(r.runs, world, a.frame, blocked=False) for r in a.runs)
+        )
+        for causal, window in MASKS:
+            for got, want in zip(
+                (*exchange_sums(a, causal, window), *_pairs(a, causal, window)),
+                (*exchange_sums(loops, causal, window), *_pairs(loops, causal, window)),
+                strict=True,
+            ):
+                np.testing.assert_array_equal(got, want)
+            for r in range(world):
+                for got, want in zip(
+                    wanted_of(a, r, causal, window),
+                    wanted_of(loops, r, causal, window),
+                    strict=True,
+                ):
+                    np.testing.assert_array_equal(got, want)
+
+
+def test_positions_too_sparse_to_code_are_refused() -> None:
+    pos = torch.tensor([[0, 1 << 61, 2, 3]])
+    doc = torch.tensor([[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"documents \* span < 2\*\*62"):
+        plan_facts(TokenMeta(0, 2, pos, doc))
 
 
 def test_key_counts_are_exact_where_the_squares_overflow_int64() -> None:

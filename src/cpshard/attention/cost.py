@@ -159,6 +159,10 @@ def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray,
         real = runs.real
         seen = visible_pairs(real, runs.keys(), a.frame, causal, window)
         pairs += w * per_rank(real.rank, seen, c)
+        if runs.blocked:  # every rank's own keys at once, in its rank block
+            mine = visible_pairs(real, runs.keys(-1), a.frame, causal, window, runs.shift())
+            local += w * per_rank(real.rank, mine, c)
+            continue
         for r in range(c):
             mine = visible_pairs(runs.of(r), runs.keys(r), a.frame, causal, window)
             local[r] += w * int(mine.sum())

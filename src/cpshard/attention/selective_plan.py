@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from cpshard.attention.plan import PairPlan, host_rows, pair_plan
-from cpshard.attention.visibility import Depth, Frame, RankRuns, per_rank, stream_runs
+from cpshard.attention.visibility import Depth, Frame, RankRuns, coded, per_rank, raw_runs
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "meta_arrays",
     "needed_slots",
     "selective_plan",
+    "wanted_of",
 ]
 
 
@@ -84,32 +85,56 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
         return hit
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
-    if p.size:
-        frame = Frame(int(d.min()), int(p.min()), int(p.max()) - int(p.min()) + 2)
-    else:
-        frame = Frame(0, 0, 2)
-    merge = host.merge
-    n = meta.local_len
-    c = meta.world_size
-    runs = tuple(
-        RankRuns(stream_runs(p[g], d[g], n, merge, frame), c, frame) for g in range(p.shape[0])
-    )
+    n, c = meta.local_len, meta.world_size
+    raw = [raw_runs(p[g], d[g], n, host.merge) for g in range(p.shape[0])]
+    docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
+    lo_pos = int(p.min()) if p.size else 0
+    frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)
+    if docs.size * frame.span >= 1 << 62:
+        raise ValueError(
+            f"the token meta's positions span {frame.span - 2} over {docs.size} documents: the "
+            "attention plan codes (document, position) in int64 and needs documents * span < "
+            "2**62; positions are token positions in the padded stream (0..P-1 for every "
+            "built-in layout), pass those"
+        )
+    runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
     arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
 
-def needed_slots(
-    a: MetaArrays, rank: int, causal: bool, window: int | None, holder: int | None = None
-) -> np.ndarray:
-    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself;
-    only those of ``holder``'s tokens, relative to ``holder``'s first slot, if given."""
-    base = 0 if holder is None else holder * a.local_len
-    need = np.zeros(a.pos.shape[1] if holder is None else a.local_len, dtype=bool)
+def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
+    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
+    need = np.zeros(a.pos.shape[1], dtype=bool)
     for runs in a.runs:
-        keys = runs.real.take(runs.real.rank != rank) if holder is None else runs.of(holder)
-        need[runs.seen(rank, causal, window).covered_slots(keys) - base] = True
+        keys = runs.real.take(runs.real.rank != rank)
+        need[runs.seen(rank, causal, window).covered_slots(keys)[0]] = True
     return np.flatnonzero(need)
+
+
+def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> list[np.ndarray]:
+    """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees (none for
+    ``rank`` itself): what ``rank`` sends to ``t``."""
+    c, n = a.world, a.local_len
+    if len(a.runs) == 1 and a.runs[0].blocked:  # every peer at once, in its rank block
+        runs = a.runs[0]
+        own = runs.of(rank)
+        peers = np.delete(np.arange(c), rank)
+        reps = own.take(np.tile(np.arange(own.n.size), peers.size))
+        to = np.repeat(peers, own.n.size)
+        slots, run = runs.seen(-1, causal, window).covered_slots(reps, runs.shift(to))
+        dest = to[run]
+        cuts = np.searchsorted(dest, np.arange(c + 1))
+        return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
+    out = []
+    for t in range(c):
+        need = np.zeros(n, dtype=bool)
+        for runs in a.runs:
+            if t != rank:
+                slots = runs.seen(t, causal, window).covered_slots(runs.of(rank))[0]
+                need[slots - rank * n] = True
+        out.append(np.flatnonzero(need))
+    return out
 
 
 def exchange_counts(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray:
@@ -148,17 +173,26 @@ def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.n
         return m.sum(axis=1) - diag, m.sum(axis=0) - diag
     runs = a.runs[0]
     every = runs.keys()
-    recv = np.zeros(c, dtype=np.int64)
-    own_seen = np.zeros(c, dtype=np.int64)
-    ends: list[np.ndarray] = []
-    steps: list[np.ndarray] = []
-    for t in range(c):
-        u = runs.seen(t, causal, window)
-        own = runs.keys(t)
-        own_seen[t] = int((own.below(u.hi) - own.below(u.lo)).sum())
-        recv[t] = int((every.below(u.hi) - every.below(u.lo)).sum()) - own_seen[t]
-        ends += [u.lo, u.hi]
-        steps += [np.ones(u.lo.size, dtype=np.int64), -np.ones(u.hi.size, dtype=np.int64)]
+    if runs.blocked:  # every rank at once, in its rank block
+        u = runs.seen(-1, causal, window)
+        of = u.lo // runs.stride
+        off = runs.shift(of)
+        mine = runs.keys(-1)
+        own_seen = per_rank(of, mine.below(u.hi) - mine.below(u.lo), c)
+        recv = per_rank(of, every.below(u.hi - off) - every.below(u.lo - off), c) - own_seen
+        ends = [u.lo - off, u.hi - off]
+        steps = [np.ones(u.lo.size, dtype=np.int64), -np.ones(u.hi.size, dtype=np.int64)]
+    else:
+        recv = np.zeros(c, dtype=np.int64)
+        own_seen = np.zeros(c, dtype=np.int64)
+        ends, steps = [], []
+        for t in range(c):
+            ut = runs.seen(t, causal, window)
+            own = runs.keys(t)
+            own_seen[t] = int((own.below(ut.hi) - own.below(ut.lo)).sum())
+            recv[t] = int((every.below(ut.hi) - every.below(ut.lo)).sum()) - own_seen[t]
+            ends += [ut.lo, ut.hi]
+            steps += [np.ones(ut.lo.size, dtype=np.int64), -np.ones(ut.hi.size, dtype=np.int64)]
     depth = Depth(np.concatenate(ends), np.concatenate(steps))
     keys = runs.real
     covered = depth.integral(keys.code + keys.n) - depth.integral(keys.code)
@@ -221,12 +255,7 @@ def selective_plan(
     own = a.rank_slice(rank)
     recv_slots = needed_slots(a, rank, causal, window)
     recv_splits = tuple(int(x) for x in np.bincount(recv_slots // max(n, 1), minlength=world))
-    sends: list[np.ndarray] = []
-    for t in range(world):
-        if t == rank:
-            sends.append(np.zeros(0, dtype=np.int64))
-            continue
-        sends.append(needed_slots(a, t, causal, window, holder=rank))
+    sends = wanted_of(a, rank, causal, window)
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
     k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]

@@ -8,9 +8,10 @@ run_table`: consecutive slots of one rank, one document, consecutive positions; 
 padding is one run) and every count is a closed form over runs: the work grows with the number
 of runs (documents times their cuts), not with the tokens.
 
-Encoding: ``(document, position)`` is one int64 code, ``(doc - lo_doc) * span + (pos - lo_pos)``
-(:class:`Frame`), so the keys of one document occupy one range of codes and the keys a query
-sees are one code interval:
+Encoding: ``(document, position)`` is one int64 code, ``doc * span + (pos - lo_pos)`` with
+``doc`` the document's index among the stream's documents (:class:`Frame`: any int64 ids, however
+sparse, give codes below ``documents * span``), so the keys of one document occupy one range of
+codes and the keys a query sees are one code interval:
 
 * causal: ``[doc start, code(q) + 1)``, with a window ``[code(q - window + 1), code(q) + 1)``
   (clipped to the document's start);
@@ -47,9 +48,10 @@ __all__ = [
     "RankRuns",
     "StreamRuns",
     "Union",
+    "coded",
     "per_rank",
     "query_intervals",
-    "stream_runs",
+    "raw_runs",
     "visible_pairs",
 ]
 
@@ -62,22 +64,24 @@ class Frame:
     """The ``(document, position)`` -> code map of one batch.
 
     Attributes:
-        lo_doc: Lowest document id of the stream.
+        docs: Sorted distinct document ids of the real (non-pad) runs; a run's document is
+            coded by its index here.
         lo_pos: Lowest position.
         span: Codes per document: ``max position - lo_pos + 2`` (room for one past the last
             position, and a code after it that no key has).
     """
 
-    lo_doc: int
+    docs: _I64
     lo_pos: int
     span: int
 
     def doc_start(self, doc: _I64) -> _I64:
-        """Code of ``doc``'s lowest possible position (every key of ``doc`` is at or above it)."""
-        return (doc - self.lo_doc) * self.span
+        """Code of document index ``doc``'s lowest possible position (its keys are at or above)."""
+        out: _I64 = doc * self.span
+        return out
 
     def code(self, doc: _I64, pos: _I64) -> _I64:
-        """Code of ``(doc, pos)``, positions clipped into the document's range."""
+        """Code of ``(document index, pos)``, positions clipped into the document's range."""
         out: _I64 = self.doc_start(doc) + np.clip(pos - self.lo_pos, 0, self.span - 1)
         return out
 
@@ -90,7 +94,7 @@ class StreamRuns:
         start: ``[R]`` stream slot of each run's first token.
         n: ``[R]`` tokens of each run.
         pos: ``[R]`` position of each run's first token.
-        doc: ``[R]`` document id (pad runs: the id of their first token).
+        doc: ``[R]`` document index in :attr:`Frame.docs` (pad runs: 0).
         rank: ``[R]`` rank holding the run.
         pad: ``[R]`` the run is a stretch of padding (each token sees only itself).
         code: ``[R]`` code of the first token (meaningless for pad runs).
@@ -109,8 +113,9 @@ class StreamRuns:
         return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
 
 
-def stream_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool, frame: Frame) -> StreamRuns:
-    """The :class:`StreamRuns` of one stream row.
+def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> StreamRuns:
+    """The runs of one stream row with their document *ids* and no codes yet (see
+    :func:`coded`).
 
     Args:
         pos: ``[C * L]`` positions, rank-major.
@@ -118,14 +123,18 @@ def stream_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool, frame: F
         local_len: Tokens per rank ``L``.
         merge_pads: Every negative id is a pad of the convention ``-1 - position``: such slots
             form pad runs. Otherwise every id, negative or not, is a document.
-        frame: The code map.
     """
     table = run_table(pos[None], doc[None], merge_pads, breaks=max(local_len, 1))
     pad = table.cls == PAD_CLASS
-    d = doc[table.start]
-    code = np.where(pad, 0, frame.code(d, table.pos))
     rank = table.start // max(local_len, 1)
-    return StreamRuns(table.start, table.n, table.pos, d, rank, pad, code)
+    return StreamRuns(table.start, table.n, table.pos, doc[table.start], rank, pad, 0 * rank)
+
+
+def coded(runs: StreamRuns, frame: Frame) -> StreamRuns:
+    """``runs`` (from :func:`raw_runs`) with document indices of ``frame`` and codes."""
+    doc = np.where(runs.pad, 0, np.searchsorted(frame.docs, runs.doc))
+    code = np.where(runs.pad, 0, frame.code(doc, runs.pos))
+    return StreamRuns(runs.start, runs.n, runs.pos, doc, runs.rank, runs.pad, code)
 
 
 def per_rank(rank: _I64, values: _I64, world: int) -> _I64:
@@ -183,7 +192,12 @@ class KeyCounts:
 
 
 def visible_pairs(
-    q: StreamRuns, keys: KeyCounts, frame: Frame, causal: bool, window: int | None
+    q: StreamRuns,
+    keys: KeyCounts,
+    frame: Frame,
+    causal: bool,
+    window: int | None,
+    shift: _I64 | int = 0,
 ) -> _I64:
     """``[R]`` visible (query, key) pairs of each non-pad query run against ``keys``.
 
@@ -193,12 +207,15 @@ def visible_pairs(
         frame: The code map.
         causal: Causal masking.
         window: Sliding window (causal only) or ``None``.
+        shift: Added to every code of the queries (``[R]`` or a scalar): the rank blocks of
+            :class:`RankRuns`, where ``keys`` holds every rank's keys shifted alike.
     """
     n = q.n
-    ds = frame.doc_start(q.doc)
+    ds = frame.doc_start(q.doc) + shift
     if not causal:
         return n * (keys.below(ds + frame.span - 1) - keys.below(ds))
-    upper = keys.range_sum(q.code + 1, q.code + n + 1)
+    code = q.code + shift
+    upper = keys.range_sum(code + 1, code + n + 1)
     if window is None:
         return upper - n * keys.below(ds)
     first = q.pos - window + 1  # lowest key position of the run's first query
@@ -260,11 +277,14 @@ class Union:
         """``[N]``: codes of each interval ``[lo, hi)`` inside the union."""
         return self.measure_below(hi) - self.measure_below(lo)
 
-    def covered_slots(self, runs: StreamRuns) -> _I64:
-        """Stream slots of ``runs`` whose code lies inside the union, in run order."""
+    def covered_slots(self, runs: StreamRuns, shift: _I64 | int = 0) -> tuple[_I64, _I64]:
+        """Stream slots of ``runs`` whose code (plus ``shift``) lies inside the union, in run
+        order, and the index of the run each slot belongs to."""
         if not self.lo.size or not runs.n.size:
-            return np.zeros(0, dtype=np.int64)
-        c, e = runs.code, runs.code + runs.n
+            z = np.zeros(0, dtype=np.int64)
+            return z, z
+        c = runs.code + shift
+        e = c + runs.n
         i0 = np.searchsorted(self.hi, c, side="right")  # first interval ending after c
         i1 = np.searchsorted(self.lo, e, side="left")  # intervals starting before e
         counts = np.maximum(i1 - i0, 0)
@@ -273,7 +293,7 @@ class Union:
         iv = i0[run] + (np.arange(int(counts.sum())) - offs[run])
         a = np.maximum(c[run], self.lo[iv]) - c[run] + runs.start[run]
         b = np.minimum(e[run], self.hi[iv]) - c[run] + runs.start[run]
-        return _aranges(a, b)
+        return _aranges(a, b), np.repeat(run, np.maximum(b - a, 0))
 
 
 class Depth:
@@ -312,6 +332,8 @@ class RankRuns:
         runs: The stream's runs (rank-major, so each rank's runs are one slice).
         world: CP size ``C``.
         frame: The code map.
+        blocked: Answer per-rank questions for every rank at once in rank blocks (see
+            :meth:`shift`); default: when the shifted codes fit int64.
 
     Attributes:
         runs: Every run.
@@ -319,12 +341,17 @@ class RankRuns:
         pad_tokens: ``[C]`` pad tokens of each rank.
     """
 
-    def __init__(self, runs: StreamRuns, world: int, frame: Frame) -> None:
+    def __init__(
+        self, runs: StreamRuns, world: int, frame: Frame, blocked: bool | None = None
+    ) -> None:
         self.runs = runs
         self.frame = frame
+        self.world = world
         self.real = runs.take(~runs.pad)
         self.pad_tokens = per_rank(runs.rank[runs.pad], runs.n[runs.pad], world)
         self._bounds = np.searchsorted(self.real.rank, np.arange(world + 1), side="left")
+        self.stride = max(frame.docs.size, 1) * frame.span
+        self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
         self._seen: dict[tuple[int, bool, int | None], Union] = {}
 
@@ -333,20 +360,37 @@ class RankRuns:
         return self.real.take(slice(int(self._bounds[rank]), int(self._bounds[rank + 1])))
 
     def keys(self, rank: int | None = None) -> KeyCounts:
-        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's)."""
+        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's;
+        ``-1``: of every rank's in its rank block, see :meth:`shift`)."""
         hit = self._keys.get(rank)
         if hit is None:
-            r = self.real if rank is None else self.of(rank)
-            hit = self._keys[rank] = KeyCounts(r.code, r.code + r.n)
+            r = self.real if rank is None or rank < 0 else self.of(rank)
+            lo = r.code + self.shift() if rank == -1 else r.code
+            hit = self._keys[rank] = KeyCounts(lo, lo + r.n)
         return hit
 
+    def shift(self, rank: _I64 | None = None) -> _I64:
+        """The *rank blocks*: rank ``r``'s codes shifted by ``r * stride`` lie in
+        ``[r * stride, (r + 1) * stride)``, so one structure answers per-rank questions for every
+        rank at once (only when :attr:`blocked`: the shifted codes fit int64).
+
+        Args:
+            rank: Ranks (default: of every real run).
+        """
+        out: _I64 = (self.real.rank if rank is None else rank) * self.stride
+        return out
+
     def seen(self, rank: int, causal: bool, window: int | None) -> Union:
-        """The codes of the keys ``rank``'s real queries see."""
+        """The codes of the keys ``rank``'s real queries see (``-1``: every rank's, in its
+        rank block)."""
         key = (rank, causal, window)
         hit = self._seen.get(key)
         if hit is None:
-            q = self.of(rank)
-            hit = self._seen[key] = Union(*query_intervals(q, self.frame, causal, window))
+            q = self.real if rank == -1 else self.of(rank)
+            lo, hi = query_intervals(q, self.frame, causal, window)
+            if rank == -1:
+                lo, hi = lo + self.shift(), hi + self.shift()
+            hit = self._seen[key] = Union(lo, hi)
         return hit
 
 
