@@ -86,7 +86,7 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
-    raw = [raw_runs(p[g], d[g], n, host.merge) for g in range(p.shape[0])]
+    raw = raw_runs(p, d, n, host.merge)
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
     lo_pos = int(p.min()) if p.size else 0
     frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)

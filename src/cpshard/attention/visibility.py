@@ -113,21 +113,36 @@ class StreamRuns:
         return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
 
 
-def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> StreamRuns:
-    """The runs of one stream row with their document *ids* and no codes yet (see
+def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> list[StreamRuns]:
+    """The runs of every stream row, with their document *ids* and no codes yet (see
     :func:`coded`).
 
     Args:
-        pos: ``[C * L]`` positions, rank-major.
-        doc: ``[C * L]`` document ids.
+        pos: ``[G, C * L]`` positions, rank-major, one row per row group.
+        doc: ``[G, C * L]`` document ids.
         local_len: Tokens per rank ``L``.
         merge_pads: Every negative id is a pad of the convention ``-1 - position``: such slots
             form pad runs. Otherwise every id, negative or not, is a document.
+
+    Returns:
+        One :class:`StreamRuns` per row (slots relative to the row).
     """
-    table = run_table(pos[None], doc[None], merge_pads, breaks=max(local_len, 1))
+    table = run_table(pos, doc, merge_pads, breaks=max(local_len, 1))  # one pass, every row
+    width = pos.shape[1]
+    start = table.start - table.grp * width
     pad = table.cls == PAD_CLASS
-    rank = table.start // max(local_len, 1)
-    return StreamRuns(table.start, table.n, table.pos, doc[table.start], rank, pad, 0 * rank)
+    rank = start // max(local_len, 1)
+    ids = doc.reshape(-1)[table.start]
+    cuts = np.searchsorted(table.grp, np.arange(pos.shape[0] + 1))
+    out = []
+    for g in range(pos.shape[0]):
+        sl = slice(int(cuts[g]), int(cuts[g + 1]))
+        out.append(
+            StreamRuns(
+                start[sl], table.n[sl], table.pos[sl], ids[sl], rank[sl], pad[sl], 0 * rank[sl]
+            )
+        )
+    return out
 
 
 def coded(runs: StreamRuns, frame: Frame) -> StreamRuns:
