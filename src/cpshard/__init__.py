@@ -12,7 +12,6 @@ the arrows between them: ARCHITECTURE.md.
 # Subpackages the README uses as ``cpshard.<name>.<fn>``: ``import cpshard`` is enough for them.
 from cpshard import attention, loss
 from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
-from cpshard.guards import consistency
 from cpshard.layouts.closed_form import (
     ContiguousLayout,
     NoneLayout,
@@ -22,6 +21,7 @@ from cpshard.layouts.closed_form import (
 )
 from cpshard.layouts.documents import PackSpec
 from cpshard.loss import sync_grads
+from cpshard.sharding import consistency
 from cpshard.sharding.batch import TokenKey, attention_mask_to_padding_mask
 from cpshard.sharding.labels import shift_labels, shift_labels_packed
 from cpshard.sharding.meta import TokenMeta

@@ -33,9 +33,7 @@ from cpshard.attention.cost import CostModel
 from cpshard.attention.hf import cp_attention_scope
 from cpshard.attention.methods import method_named
 from cpshard.attention.plan import attention_plan
-from cpshard.guards.consistency import dispatch_fingerprint, raise_on_mismatch
 from cpshard.guards.model import install_model_guard, remember_shard
-from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.guards.step import (
     ForwardTracker,
     StepState,
@@ -54,8 +52,10 @@ from cpshard.layouts.index import check_rank_map
 from cpshard.mixers import MixerPlan, check_token_mixers, with_token_mixers
 from cpshard.names import ATTENTION_CHOICES, LAYOUT_NAMES, PACKED_LAYOUTS, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
+from cpshard.sharding.consistency import dispatch_fingerprint, raise_on_mismatch
 from cpshard.sharding.facts import CPContext, ShardBatchFn
 from cpshard.sharding.packed import packed_sharder
+from cpshard.sharding.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.sharding.sharder import CPSharder, gather_rank_map
 
 __all__ = [
@@ -201,7 +201,7 @@ def make_cp_batch_and_ctx(
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
             (one all-gather of a few int64 values; what it covers:
-            :mod:`cpshard.guards.consistency`) and raise on every rank if they differ; also
+            :mod:`cpshard.sharding.consistency`) and raise on every rank if they differ; also
             makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
             the hashing of the values (not the all-gather: names, shapes, arguments and the flag
             itself are still compared); pass it only if the loop guarantees identical batches

@@ -9,7 +9,7 @@ timeout with messages that do not name the cause. This module keeps, per rank an
 
 * one all-gather of :data:`HEADER_SIZE` + :data:`PAYLOAD_SIZE` int64 values at the start of
   :func:`prepare_cp_forward` / :func:`make_cp_batch_and_ctx` (always, also with
-  ``check_consistency=False``; the batch fingerprint of :mod:`cpshard.guards.consistency` rides
+  ``check_consistency=False``; the batch fingerprint of :mod:`cpshard.sharding.consistency` rides
   in its payload slots), of the first CP attention call of a forward, of the first CP attention
   call of each backward pass, and of
   :func:`cpshard.sync_grads`. It says which phase this rank is entering (and a few facts the
