@@ -72,10 +72,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpshard",
-        ("cpshard.tools", "cpshard.cli", "cpshard.models"),
-        "the core (and `import cpshard`) never imports tools, cli or models",
+        ("cpshard.tools", "cpshard.parity", "cpshard.cli", "cpshard.models"),
+        "the core (and `import cpshard`) never imports tools, parity, cli or models",
         exempt=(
             "cpshard.tools",
+            "cpshard.parity",
             "cpshard.cli",
             "cpshard.models",
             "cpshard.__main__",
@@ -85,17 +86,38 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpshard",
         ("cpshard.tools",),
-        "tools serve the cli (cpshard.launch re-exports the launcher)",
-        exempt=("cpshard.tools", "cpshard.cli", "cpshard.launch"),
+        "tools serve parity and the cli (cpshard.launch re-exports the launcher)",
+        exempt=("cpshard.tools", "cpshard.parity", "cpshard.cli", "cpshard.launch"),
     ),
-    Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models sit on the core, below tools"),
+    Rule(
+        "cpshard.models",
+        ("cpshard.tools", "cpshard.parity", "cpshard.cli"),
+        "models sit on the core, below tools and parity",
+    ),
     Rule(
         "cpshard",
         ("cpshard.integrations", "trl", "accelerate"),
         "the trainer integrations are optional (trl, accelerate): only they import those",
         exempt=("cpshard.integrations",),
     ),
-    Rule("cpshard.tools", ("cpshard.cli",), "the cli is built on tools, not the reverse"),
+    Rule(
+        "cpshard.tools",
+        ("cpshard.parity", "cpshard.cli"),
+        "parity and the cli are built on tools, not the reverse",
+    ),
+    Rule("cpshard.parity", ("cpshard.cli",), "the cli only parses the arguments of a parity run"),
+    Rule(
+        "cpshard.parity.plan",
+        ("cpshard",),
+        "the rows of a run come from the model table: no collective, no rank",
+        allow=("cpshard.names", "cpshard.parity.plan", "cpshard.parity.runs"),
+    ),
+    Rule(
+        "cpshard.parity.report",
+        ("cpshard",),
+        "the report formats records: nothing of cpshard (matplotlib lazily, for --plot)",
+        allow=("cpshard.parity.report",),
+    ),
     Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
     Rule(
         "cpshard.sharding.consistency",
@@ -246,7 +268,12 @@ def test_the_package_keeps_its_import_rules() -> None:
 def test_the_checker_sees_the_whole_package() -> None:
     names = {m for m, _, _ in _modules()}
     assert {"cpshard", "cpshard._comm", "cpshard.layouts", "cpshard.sharding.sharder"} <= names
-    assert {"cpshard.tools", "cpshard.cli.main", "cpshard.attention.ring"} <= names
+    assert {
+        "cpshard.tools",
+        "cpshard.cli.main",
+        "cpshard.attention.ring",
+        "cpshard.parity.runs",
+    } <= names
     assert len(names) > 40
 
 
@@ -270,11 +297,13 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
         ("cpshard.attention.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
         # core never imports tools / cli / models, even lazily
-        ("cpshard.dispatch", "def f():\n    from cpshard.tools.parity import MODELS\n", None),
+        ("cpshard.dispatch", "def f():\n    from cpshard.parity.runs import MODELS\n", None),
         ("cpshard", "from cpshard import models\n", ["cpshard.models"]),
         ("cpshard.guards.model", "import cpshard.cli.main\n", ["cpshard.cli.main"]),
-        ("cpshard.cli.x", "from cpshard.tools.parity import MODELS\n", []),
-        ("cpshard.tools.x", "from cpshard.cli._parity_run import LocalRunner\n", None),
+        ("cpshard.cli.x", "from cpshard.parity.runs import MODELS\n", []),
+        ("cpshard.parity.x", "from cpshard.cli.parity import run\n", None),
+        ("cpshard.tools.x", "from cpshard.parity.runners import LocalRunner\n", None),
+        ("cpshard.parity.report", "from cpshard.parity.runs import MODELS\n", None),
     ],
 )
 def test_the_checker_flags_what_the_rules_forbid(

@@ -20,6 +20,7 @@ ARCHITECTURE = Path(__file__).resolve().parents[2] / "ARCHITECTURE.md"
 UNDRAWN = {"cpshard", "cpshard.__main__", "cpshard.launch"}
 PACKAGES = (
     "cli",
+    "parity",
     "tools",
     "models",
     "integrations",

@@ -6,5 +6,5 @@ step's life on every rank (:mod:`.step`). The cross-rank batch fingerprint and t
 live in :mod:`cpshard.sharding` (:mod:`~cpshard.sharding.consistency`,
 :mod:`~cpshard.sharding.pad_id`).
 
-Import rule: see ``RULES`` in tests/unit/test_architecture.py (row ``cpshard.guards``).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
