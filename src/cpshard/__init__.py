@@ -3,10 +3,11 @@
 See ``cpshard.prepare_cp_forward`` (with a model) and ``cpshard.make_cp_batch_and_ctx``.
 
 Owns the public face only: it re-exports the names the README uses from the core (layouts,
-sharding, guards, attention, dispatch, loss). It never imports :mod:`cpshard.tools`,
-:mod:`cpshard.cli` or :mod:`cpshard.models`, so ``import cpshard`` loads no tool, command or
+sharding, guards, attention, dispatch, loss), so ``import cpshard`` loads no tool, command or
 example model (``cpshard.models`` and ``cpshard.launch`` are imported by name). The folders and
 the arrows between them: ARCHITECTURE.md.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 # Subpackages the README uses as ``cpshard.<name>.<fn>``: ``import cpshard`` is enough for them.

@@ -10,8 +10,7 @@ cpshard's CP attention context over its token meta, with the caller's ``attentio
 model-owned or custom ``shard_batch`` that returns its own context keeps it. An HF model's
 attention switch wraps the result (:func:`cpshard.attention.hf.cp_attention_scope`).
 
-Import rule: the top of the package: may import every cpshard package except
-:mod:`cpshard.tools`, :mod:`cpshard.cli` and :mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ the modules it exempts and why. A new rule is one more row. Every import counts:
 lazy (inside a function), relative, and attribute chains through an imported name
 (``import torch`` then ``torch.distributed.barrier()``).
 
-Two more checks of the package's shape: every module says what it is (a module docstring), and
-the layout and method names are spelled as a collection only in :mod:`cpshard.names`.
+More checks of the package's shape: every module says what it is (a module docstring) and points
+at this table for its import rules (one line, :data:`POINTER`; the rules are written only here
+and in ARCHITECTURE.md's diagram), and the layout and method names are spelled as a collection
+only in :mod:`cpshard.names`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ TYPE_NAMES = (
 )
 # torch's private CP load balancers: index generators that tools/balance.py measures.
 TORCH_BALANCERS = ("torch.distributed.tensor.experimental._context_parallel._load_balancer",)
+
+# Modules that import (almost) nothing of cpshard: (module, what it may import besides itself and
+# names, why).
+LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("cpshard.attention.merge", (), "torch only"),
+    ("cpshard.attention.pieces", (), "torch and numpy only; the attention plan is its one user"),
+    ("cpshard.attention.softcap", ("cpshard.attention.merge",), "the merge only"),
+    ("cpshard.layouts.documents", (), "PackSpec parses the document structure, torch only"),
+    ("cpshard.layouts.index", (), "index helpers every layout shares, torch and numpy only"),
+    ("cpshard.mixers.segments", ("cpshard.sharding.meta",), "the token meta only"),
+    ("cpshard.models.decoder", (), "torch only"),
+    ("cpshard.sharding.gather", ("cpshard._comm",), "the token gather's one collective"),
+    ("cpshard.sharding.meta", (), "the per-token facts attention reads, torch only"),
+    ("cpshard.tools.corpus", (), "the shipped text corpus"),
+)
+# Modules that plan or cost on the host: they never import the collectives.
+HOST_ONLY = (
+    "cpshard.attention.auto",
+    "cpshard.attention.cost",
+    "cpshard.attention.plan",
+    "cpshard.attention.selective_plan",
+    "cpshard.tools.plan_cost",
+)
 
 RULES: tuple[Rule, ...] = (
     Rule("cpshard.names", ("cpshard", "torch", "numpy"), "names.py is a leaf (typing only)"),
@@ -176,6 +201,14 @@ RULES: tuple[Rule, ...] = (
         allow=("cpshard.mixers.detect",),
     ),
     Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
+    *(
+        Rule(m, ("cpshard",), f"{m} is a leaf: {why}", allow=(m, "cpshard.names", *ok))
+        for m, ok, why in LEAVES
+    ),
+    *(
+        Rule(m, ("cpshard._comm",), "host-side planning and cost: never a collective")
+        for m in HOST_ONLY
+    ),
 )
 
 
@@ -304,6 +337,9 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard.parity.x", "from cpshard.cli.parity import run\n", None),
         ("cpshard.tools.x", "from cpshard.parity.runners import LocalRunner\n", None),
         ("cpshard.parity.report", "from cpshard.parity.runs import MODELS\n", None),
+        # leaves and host-side planning
+        ("cpshard.attention.merge", "from cpshard.attention.kernels import f\n", None),
+        ("cpshard.attention.plan", "from cpshard import _comm\n", ["cpshard._comm"]),
     ],
 )
 def test_the_checker_flags_what_the_rules_forbid(
@@ -321,6 +357,27 @@ def test_a_new_rule_is_one_row() -> None:
     assert _names(src, "cpshard.sharding.batch") == []
     row = Rule("cpshard.sharding", ("cpshard.loss",), "a made-up rule for this test")
     assert _names(src, "cpshard.sharding.batch", (*RULES, row)) == ["cpshard.loss.count_tokens"]
+
+
+POINTER = (
+    "Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module."
+)
+# The sub-commands' docstrings are their --help text (cpshard.cli.main): no pointer there.
+HELP_TEXTS = {f"cpshard.cli.{m}" for m in ("balance", "layouts", "parity", "plan")}
+
+
+def test_every_module_docstring_points_at_the_rule_table() -> None:
+    """The import rules are written once, here: a module's docstring says only where they are."""
+    bad = []
+    for m, p, _ in _modules():
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        lines = [line for line in doc.splitlines() if line.lstrip().startswith("Import rule")]
+        want = [] if m in HELP_TEXTS else [POINTER]
+        if lines != want:
+            bad.append(f"  {m}: {lines or 'no pointer'}")
+    assert not bad, f"each module's docstring holds exactly the line {POINTER!r}:\n" + "\n".join(
+        bad
+    )
 
 
 def test_every_module_has_a_docstring() -> None:

@@ -1,10 +1,9 @@
 """torch's fused CUDA attention ops that return the log-sum-exp, and which one a call may use.
 
 :mod:`cpshard.attention.kernels` calls these behind its ``block_attention`` (and
-``benchmarks/_varlen_kernels.py`` its helpers); nothing else should. It imports only torch.
-Every function here only calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch
-registers meta kernels for the CUDA ops), which is how the CPU test suite checks argument order
-and result shapes.
+``benchmarks/_varlen_kernels.py`` its helpers); nothing else should. Every function here only
+calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch registers meta kernels
+for the CUDA ops), which is how the CPU test suite checks argument order and result shapes.
 
 Ops (schemas of torch 2.11-2.13; only positional arguments and ``scale=`` are used):
 
@@ -49,6 +48,8 @@ torch 2.13; **not yet run on a GPU** (``tests/gpu`` and ``benchmarks/gpu_check.s
   natural log (torch's own context parallelism merges it like flash's), cuDNN's shape limits for
   small or odd sequence lengths, and the memory-efficient kernel's output for a row whose bias is
   all ``-inf`` (overwritten here with ``out = 0``, ``lse = -inf`` either way).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

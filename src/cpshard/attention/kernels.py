@@ -1,7 +1,6 @@
 """One local attention block with its log-sum-exp, and its backward given the global result.
 
-This is the only place that runs attention math; it imports nothing of cpshard outside
-:mod:`cpshard.attention` (:mod:`.cuda_kernels`, :mod:`.merge`). Every CP method reduces to calls of
+This is the only place that runs attention math. Every CP method reduces to calls of
 :func:`block_attention` (forward: partial output and natural-log LSE of one query block against
 one key block) and :func:`block_attention_backward` (gradients of one block, given the *merged*
 output and LSE of the whole key set), merged by :mod:`cpshard.attention.merge`.
@@ -25,6 +24,8 @@ GQA: ``k``/``v`` have ``Hkv`` heads dividing ``Hq``; query head ``h`` uses key h
 ``h // (Hq // Hkv)`` (the ``repeat_kv`` convention). K/V are never repeated: the CPU flash,
 memory-efficient and cuDNN backends run once per query group on a strided view of ``q``, CUDA flash
 takes ``Hkv`` heads natively, the math backend broadcasts.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

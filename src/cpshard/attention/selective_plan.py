@@ -18,9 +18,9 @@ sent when a query of *any* row group needs it (the union over row groups). With 
 packed batch) that is exactly the needed set.
 
 Owns :class:`SelectivePlan` (this rank's exchange and kernel plans) and :func:`exchange_counts`
-(the ``[C, C]`` matrix of key slots each rank needs from each other, for the cost model). Imports
-the plan module (its row grouping and :func:`~cpshard.attention.plan.pair_plan`) and the token
-meta; never a collective.
+(the ``[C, C]`` matrix of key slots each rank needs from each other, for the cost model).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

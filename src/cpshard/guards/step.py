@@ -50,9 +50,10 @@ Not tracked: forwards traced by ``torch.compile`` (no header, no backward record
 contexts (a ``shard_batch`` that returns its own context factory: the forward is tracked as a
 whole, its attention calls are not), and cp=1 (no collective to mismatch).
 
-Imports only torch and :mod:`cpshard._comm`; :mod:`cpshard.dispatch` and :mod:`cpshard.loss`
-call it, and :mod:`cpshard.attention.context` gets a :class:`ForwardTracker` handed in (it never
-imports this module).
+:mod:`cpshard.dispatch` and :mod:`cpshard.loss` call it; :mod:`cpshard.attention.context` gets a
+:class:`ForwardTracker` handed in.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -12,8 +12,5 @@ the packed ``shard_batch`` (:mod:`.packed`), the per-token facts attention reads
 Sharding only shards: a built-in ``shard_batch`` returns a context with no attention in it, and
 the dispatcher (:mod:`cpshard.dispatch`) composes CP attention over the shard's token meta.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.consistency`,
-:mod:`cpshard._comm` (the only door to ``torch.distributed``) and :mod:`cpshard.names`. It never
-imports :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`,
-:mod:`cpshard.cli` or :mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """

@@ -6,11 +6,7 @@ that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller 
 rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
 the mesh the batch was sharded on), once per shard: nothing is updated field by field.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta`,
-:mod:`cpshard.sharding.token_index` and the content hash of :mod:`cpshard.sharding.consistency`;
-never
-:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
