@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
 from cpshard import _comm
-from cpshard.guards.consistency import (
+from cpshard.sharding.consistency import (
     batch_fingerprint,
     check_batch_consistency,
     check_verb_consistency,

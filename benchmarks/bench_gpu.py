@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,15 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.attention import cp_sdpa
-from cpshard.attention.kernels import (
-    block_attention,
-    block_attention_backward,
-    varlen_attention,
-    varlen_attention_backward,
-)
+from cpshard.attention.kernels import block_attention, block_attention_backward
 from cpshard.layouts.closed_form import RoundRobinLayout
 from cpshard.sharding.meta import TokenMeta
 from cpshard.tools.launch import LocalRanks, RankFailure
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _varlen_kernels import varlen_attention, varlen_attention_backward
 
 HQ, HKV, D = 16, 4, 128
 DTYPE = torch.bfloat16

@@ -3,16 +3,16 @@
 See ``cpshard.prepare_cp_forward`` (with a model) and ``cpshard.make_cp_batch_and_ctx``.
 
 Owns the public face only: it re-exports the names the README uses from the core (layouts,
-sharding, guards, attention, dispatch, loss). It never imports :mod:`cpshard.tools`,
-:mod:`cpshard.cli` or :mod:`cpshard.models`, so ``import cpshard`` loads no tool, command or
+sharding, guards, attention, dispatch, loss), so ``import cpshard`` loads no tool, command or
 example model (``cpshard.models`` and ``cpshard.launch`` are imported by name). The folders and
 the arrows between them: ARCHITECTURE.md.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 # Subpackages the README uses as ``cpshard.<name>.<fn>``: ``import cpshard`` is enough for them.
 from cpshard import attention, loss
 from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
-from cpshard.guards import consistency
 from cpshard.layouts.closed_form import (
     ContiguousLayout,
     NoneLayout,
@@ -22,6 +22,7 @@ from cpshard.layouts.closed_form import (
 )
 from cpshard.layouts.documents import PackSpec
 from cpshard.loss import sync_grads
+from cpshard.sharding import consistency
 from cpshard.sharding.batch import TokenKey, attention_mask_to_padding_mask
 from cpshard.sharding.labels import shift_labels, shift_labels_packed
 from cpshard.sharding.meta import TokenMeta

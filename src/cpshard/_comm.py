@@ -1,12 +1,7 @@
 """The only module of cpshard that calls ``torch.distributed``.
 
-Owns every collective, the group/rank lookups of a mesh and process-group creation; imports
-nothing of cpshard (a leaf). Precise rule, enforced by ``tests/unit/test_architecture.py``: outside
-this module, cpshard imports from ``torch.distributed`` only the type names ``DeviceMesh``,
-``ProcessGroup`` and ``DTensor`` (annotations and ``isinstance`` checks, which communicate
-nothing), plus, in :mod:`cpshard.tools`, torch's private CP load balancers (index generators that
-:mod:`cpshard.tools.balance` measures). Every function of ``torch.distributed`` is called from
-here.
+Owns every collective, the group/rank lookups of a mesh and process-group creation: every
+function of ``torch.distributed`` that cpshard calls is called from here.
 
 Every collective here takes its process group explicitly and makes its tensors contiguous at the
 boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contiguous tensor handed to
@@ -29,6 +24,8 @@ The CPU tests check this on gloo: ``tests/_nccl_like.py`` makes every group look
 module (``dist`` answers ``"nccl"`` and refuses every tensor that :func:`_move` did not put on the
 group's device), and the forced host-staging tests make :func:`_transport` copy CPU tensors through
 fresh host buffers.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

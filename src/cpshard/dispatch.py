@@ -10,8 +10,7 @@ cpshard's CP attention context over its token meta, with the caller's ``attentio
 model-owned or custom ``shard_batch`` that returns its own context keeps it. An HF model's
 attention switch wraps the result (:func:`cpshard.attention.hf.cp_attention_scope`).
 
-Import rule: the top of the package: may import every cpshard package except
-:mod:`cpshard.tools`, :mod:`cpshard.cli` and :mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -33,9 +32,7 @@ from cpshard.attention.cost import CostModel
 from cpshard.attention.hf import cp_attention_scope
 from cpshard.attention.methods import method_named
 from cpshard.attention.plan import attention_plan
-from cpshard.guards.consistency import dispatch_fingerprint, raise_on_mismatch
 from cpshard.guards.model import install_model_guard, remember_shard
-from cpshard.guards.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.guards.step import (
     ForwardTracker,
     StepState,
@@ -54,8 +51,10 @@ from cpshard.layouts.index import check_rank_map
 from cpshard.mixers import MixerPlan, check_token_mixers, with_token_mixers
 from cpshard.names import ATTENTION_CHOICES, LAYOUT_NAMES, PACKED_LAYOUTS, LayoutName
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
+from cpshard.sharding.consistency import dispatch_fingerprint, raise_on_mismatch
 from cpshard.sharding.facts import CPContext, ShardBatchFn
 from cpshard.sharding.packed import packed_sharder
+from cpshard.sharding.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.sharding.sharder import CPSharder, gather_rank_map
 
 __all__ = [
@@ -201,7 +200,7 @@ def make_cp_batch_and_ctx(
         tp_mesh: Optional TP mesh handed to ``shard_batch``.
         check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
             (one all-gather of a few int64 values; what it covers:
-            :mod:`cpshard.guards.consistency`) and raise on every rank if they differ; also
+            :mod:`cpshard.sharding.consistency`) and raise on every rank if they differ; also
             makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
             the hashing of the values (not the all-gather: names, shapes, arguments and the flag
             itself are still compared); pass it only if the loop guarantees identical batches

@@ -14,9 +14,7 @@ Example:
     >>> loss = cp_cross_entropy(logits, local["labels"], num_tokens=n)  # doctest: +SKIP
     >>> loss.backward(); sync_grads(model, cp_mesh)          # doctest: +SKIP
 
-Imports only torch, :mod:`cpshard._comm` (its collectives; ``DeviceMesh`` and ``DTensor`` as
-type names) and the step record (:mod:`cpshard.guards.step`); nothing else of cpshard, so a
-training loop can use it with any sharder.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

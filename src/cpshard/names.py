@@ -6,8 +6,7 @@ in display order), :data:`AttentionMethod` / :data:`METHOD_NAMES` (the concrete 
 and :data:`AttentionChoice` / :data:`ATTENTION_CHOICES` (those plus ``"auto"``). The dispatcher, the
 attention entry point and the CLI import them from here.
 
-Imports nothing but ``typing``: it is a leaf every other module (and the tests and benchmarks,
-which take their method and layout tuples from here) may depend on.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 
 Note: ``round_robin`` is torch's head-tail layout (Megatron's DualChunkSwap, zigzag) -- rank ``r``
 holds chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp`` -- not the striped layout the name

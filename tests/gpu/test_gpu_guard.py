@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cpshard
-from cpshard.guards.consistency import batch_fingerprint
+from cpshard.sharding.consistency import batch_fingerprint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def test_fingerprint_matches_across_devices() -> None:
     gpu = batch_fingerprint(on_gpu, **kw)
     assert gpu.device.type == "cuda"
     # the "dtypes and shapes" slot names the device type, every other slot must agree
-    from cpshard.guards.consistency import FIELDS
+    from cpshard.sharding.consistency import FIELDS
 
     differ = {FIELDS[i] for i in range(len(FIELDS)) if cpu[i] != gpu.cpu()[i]}
     assert differ == {"dtypes and shapes"}

@@ -13,13 +13,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from cpshard.attention.kernels import (
-    block_attention,
-    block_attention_backward,
-    pick_backend,
-    varlen_attention,
-    varlen_attention_backward,
-)
+from _varlen import varlen_attention, varlen_attention_backward
+from cpshard.attention.kernels import block_attention, block_attention_backward, pick_backend
 from cpshard.attention.merge import merge
 
 pytestmark = [

@@ -19,10 +19,10 @@ from torch.testing import assert_close
 import cpshard
 from _nccl_like import NcclLikeRefusal, nccl_like
 from cpshard import _comm
-from cpshard.cli._parity_run import LaunchedRunner
 from cpshard.loss import count_tokens, reduce_for_logging, sync_grads
+from cpshard.parity.runners import LaunchedRunner
+from cpshard.parity.runs import ParityCase, train_steps
 from cpshard.tools.corpus import dense_batch
-from cpshard.tools.parity import ParityCase, train_steps
 
 
 def refuses_cpu_tensor(cp_mesh: DeviceMesh) -> str:

@@ -14,9 +14,9 @@ from _collective_fns import (
 )
 
 from _ranks import Ranks
-from cpshard.guards.consistency import FIELDS
 from cpshard.guards.step import HEADER_SIZE, PAYLOAD_SIZE
 from cpshard.layouts.closed_form import RoundRobinLayout
+from cpshard.sharding.consistency import FIELDS
 
 pytestmark = pytest.mark.multirank
 

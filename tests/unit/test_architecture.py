@@ -6,8 +6,10 @@ the modules it exempts and why. A new rule is one more row. Every import counts:
 lazy (inside a function), relative, and attribute chains through an imported name
 (``import torch`` then ``torch.distributed.barrier()``).
 
-Two more checks of the package's shape: every module says what it is (a module docstring), and
-the layout and method names are spelled as a collection only in :mod:`cpshard.names`.
+More checks of the package's shape: every module says what it is (a module docstring) and points
+at this table for its import rules (one line, :data:`POINTER`; the rules are written only here
+and in ARCHITECTURE.md's diagram), and the layout and method names are spelled as a collection
+only in :mod:`cpshard.names`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,31 @@ TYPE_NAMES = (
 # torch's private CP load balancers: index generators that tools/balance.py measures.
 TORCH_BALANCERS = ("torch.distributed.tensor.experimental._context_parallel._load_balancer",)
 
+# Modules that import (almost) nothing of cpshard: (module, what it may import besides itself and
+# names, why).
+LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("cpshard.attention.merge", (), "torch only"),
+    ("cpshard.attention.pieces", (), "torch and numpy only; the plan and the run counts use it"),
+    ("cpshard.attention.softcap", ("cpshard.attention.merge",), "the merge only"),
+    ("cpshard.attention.visibility", ("cpshard.attention.pieces",), "the run table only"),
+    ("cpshard.layouts.documents", (), "PackSpec parses the document structure, torch only"),
+    ("cpshard.layouts.index", (), "index helpers every layout shares, torch and numpy only"),
+    ("cpshard.mixers.segments", ("cpshard.sharding.meta",), "the token meta only"),
+    ("cpshard.models.decoder", (), "torch only"),
+    ("cpshard.sharding.gather", ("cpshard._comm",), "the token gather's one collective"),
+    ("cpshard.sharding.meta", (), "the per-token facts attention reads, torch only"),
+    ("cpshard.tools.corpus", (), "the shipped text corpus"),
+)
+# Modules that plan or cost on the host: they never import the collectives.
+HOST_ONLY = (
+    "cpshard.attention.auto",
+    "cpshard.attention.cost",
+    "cpshard.attention.plan",
+    "cpshard.attention.selective_plan",
+    "cpshard.attention.visibility",
+    "cpshard.tools.plan_cost",
+)
+
 RULES: tuple[Rule, ...] = (
     Rule("cpshard.names", ("cpshard", "torch", "numpy"), "names.py is a leaf (typing only)"),
     Rule(
@@ -72,10 +99,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpshard",
-        ("cpshard.tools", "cpshard.cli", "cpshard.models"),
-        "the core (and `import cpshard`) never imports tools, cli or models",
+        ("cpshard.tools", "cpshard.parity", "cpshard.cli", "cpshard.models"),
+        "the core (and `import cpshard`) never imports tools, parity, cli or models",
         exempt=(
             "cpshard.tools",
+            "cpshard.parity",
             "cpshard.cli",
             "cpshard.models",
             "cpshard.__main__",
@@ -85,32 +113,60 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpshard",
         ("cpshard.tools",),
-        "tools serve the cli (cpshard.launch re-exports the launcher)",
-        exempt=("cpshard.tools", "cpshard.cli", "cpshard.launch"),
+        "tools serve parity and the cli (cpshard.launch re-exports the launcher)",
+        exempt=("cpshard.tools", "cpshard.parity", "cpshard.cli", "cpshard.launch"),
     ),
-    Rule("cpshard.models", ("cpshard.tools", "cpshard.cli"), "models sit on the core, below tools"),
+    Rule(
+        "cpshard.models",
+        ("cpshard.tools", "cpshard.parity", "cpshard.cli"),
+        "models sit on the core, below tools and parity",
+    ),
     Rule(
         "cpshard",
         ("cpshard.integrations", "trl", "accelerate"),
         "the trainer integrations are optional (trl, accelerate): only they import those",
         exempt=("cpshard.integrations",),
     ),
-    Rule("cpshard.tools", ("cpshard.cli",), "the cli is built on tools, not the reverse"),
-    Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
     Rule(
-        "cpshard.guards.consistency",
-        ("cpshard.sharding", "cpshard.attention", "cpshard.dispatch"),
-        "sharding calls the batch fingerprint, so it sits below sharding",
+        "cpshard.tools",
+        ("cpshard.parity", "cpshard.cli"),
+        "parity and the cli are built on tools, not the reverse",
+    ),
+    Rule("cpshard.parity", ("cpshard.cli",), "the cli only parses the arguments of a parity run"),
+    Rule(
+        "cpshard.parity.plan",
+        ("cpshard",),
+        "the rows of a run come from the model table: no collective, no rank",
+        allow=("cpshard.names", "cpshard.parity.plan", "cpshard.parity.runs"),
     ),
     Rule(
-        "cpshard.guards.pad_id",
-        ("cpshard.sharding", "cpshard.attention", "cpshard.dispatch"),
-        "the pad-id rule is a leaf the dispatcher calls",
+        "cpshard.parity.report",
+        ("cpshard",),
+        "the report formats records: nothing of cpshard (matplotlib lazily, for --plot)",
+        allow=("cpshard.parity.report",),
+    ),
+    Rule("cpshard.launch", ("cpshard.cli",), "the one launcher lives in cpshard.tools.launch"),
+    Rule(
+        "cpshard.sharding.consistency",
+        ("cpshard",),
+        "the batch fingerprint is a leaf of sharding: it imports only _comm",
+        allow=("cpshard._comm", "cpshard.sharding.consistency"),
+    ),
+    Rule(
+        "cpshard.sharding.pad_id",
+        ("cpshard",),
+        "the pad-id rule is a leaf the dispatcher calls (torch only)",
+        allow=("cpshard.sharding.pad_id",),
+    ),
+    Rule(
+        "cpshard.guards",
+        ("cpshard.dispatch", "cpshard.loss", "cpshard.mixers"),
+        "the dispatcher and the losses call the guards, which sit on attention and sharding",
     ),
     Rule(
         "cpshard.guards.step",
         ("cpshard",),
-        "the step record sits below attention, sharding and loss: it imports only _comm",
+        "the step record the losses read imports only _comm",
         allow=("cpshard._comm", "cpshard.guards.step"),
     ),
     Rule(
@@ -147,6 +203,14 @@ RULES: tuple[Rule, ...] = (
         allow=("cpshard.mixers.detect",),
     ),
     Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
+    *(
+        Rule(m, ("cpshard",), f"{m} is a leaf: {why}", allow=(m, "cpshard.names", *ok))
+        for m, ok, why in LEAVES
+    ),
+    *(
+        Rule(m, ("cpshard._comm",), "host-side planning and cost: never a collective")
+        for m in HOST_ONLY
+    ),
 )
 
 
@@ -239,7 +303,12 @@ def test_the_package_keeps_its_import_rules() -> None:
 def test_the_checker_sees_the_whole_package() -> None:
     names = {m for m, _, _ in _modules()}
     assert {"cpshard", "cpshard._comm", "cpshard.layouts", "cpshard.sharding.sharder"} <= names
-    assert {"cpshard.tools", "cpshard.cli.main", "cpshard.attention.ring"} <= names
+    assert {
+        "cpshard.tools",
+        "cpshard.cli.main",
+        "cpshard.attention.ring",
+        "cpshard.parity.runs",
+    } <= names
     assert len(names) > 40
 
 
@@ -263,11 +332,16 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
         ("cpshard.attention.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
         # core never imports tools / cli / models, even lazily
-        ("cpshard.dispatch", "def f():\n    from cpshard.tools.parity import MODELS\n", None),
+        ("cpshard.dispatch", "def f():\n    from cpshard.parity.runs import MODELS\n", None),
         ("cpshard", "from cpshard import models\n", ["cpshard.models"]),
         ("cpshard.guards.model", "import cpshard.cli.main\n", ["cpshard.cli.main"]),
-        ("cpshard.cli.x", "from cpshard.tools.parity import MODELS\n", []),
-        ("cpshard.tools.x", "from cpshard.cli._parity_run import LocalRunner\n", None),
+        ("cpshard.cli.x", "from cpshard.parity.runs import MODELS\n", []),
+        ("cpshard.parity.x", "from cpshard.cli.parity import run\n", None),
+        ("cpshard.tools.x", "from cpshard.parity.runners import LocalRunner\n", None),
+        ("cpshard.parity.report", "from cpshard.parity.runs import MODELS\n", None),
+        # leaves and host-side planning
+        ("cpshard.attention.merge", "from cpshard.attention.kernels import f\n", None),
+        ("cpshard.attention.plan", "from cpshard import _comm\n", ["cpshard._comm"]),
     ],
 )
 def test_the_checker_flags_what_the_rules_forbid(
@@ -285,6 +359,27 @@ def test_a_new_rule_is_one_row() -> None:
     assert _names(src, "cpshard.sharding.batch") == []
     row = Rule("cpshard.sharding", ("cpshard.loss",), "a made-up rule for this test")
     assert _names(src, "cpshard.sharding.batch", (*RULES, row)) == ["cpshard.loss.count_tokens"]
+
+
+POINTER = (
+    "Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module."
+)
+# The sub-commands' docstrings are their --help text (cpshard.cli.main): no pointer there.
+HELP_TEXTS = {f"cpshard.cli.{m}" for m in ("balance", "layouts", "parity", "plan")}
+
+
+def test_every_module_docstring_points_at_the_rule_table() -> None:
+    """The import rules are written once, here: a module's docstring says only where they are."""
+    bad = []
+    for m, p, _ in _modules():
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        lines = [line for line in doc.splitlines() if line.lstrip().startswith("Import rule")]
+        want = [] if m in HELP_TEXTS else [POINTER]
+        if lines != want:
+            bad.append(f"  {m}: {lines or 'no pointer'}")
+    assert not bad, f"each module's docstring holds exactly the line {POINTER!r}:\n" + "\n".join(
+        bad
+    )
 
 
 def test_every_module_has_a_docstring() -> None:

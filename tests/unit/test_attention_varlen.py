@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpshard.attention.kernels import (
-    block_attention,
-    block_attention_backward,
-    varlen_attention,
-    varlen_attention_backward,
-)
+from _varlen import varlen_attention, varlen_attention_backward
+from cpshard.attention.kernels import block_attention, block_attention_backward
 from cpshard.attention.merge import merge
 
 BACKENDS = ("cpu_flash", "math")

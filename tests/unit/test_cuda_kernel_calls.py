@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import _varlen as vk
 from cpshard.attention import cuda_kernels as ck
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -165,8 +166,8 @@ def test_cudnn_calls_bind_to_schema(rec: dict[str, _Recorder]) -> None:
 def test_varlen_calls_bind_to_schema(rec: dict[str, _Recorder]) -> None:
     q, k = _meta(30, 4, 72), _meta(40, 2, 72)
     cu = torch.empty(4, dtype=torch.int32, device="meta")
-    out, lse = ck.flash_varlen_forward(q, k, k, cu, cu, 16, 20, causal=True, scale=0.3)
-    ck.flash_varlen_backward(q, q, k, k, out, lse, cu, cu, 16, 20, causal=True, scale=0.3)
+    out, lse = vk.flash_varlen_forward(q, k, k, cu, cu, 16, 20, causal=True, scale=0.3)
+    vk.flash_varlen_backward(q, q, k, k, out, lse, cu, cu, 16, 20, causal=True, scale=0.3)
     (f,) = rec["_flash_attention_forward"].calls
     assert f["cum_seq_q"] is cu
     assert (f["max_q"], f["max_k"], f["dropout_p"]) == (16, 20, 0.0)
@@ -182,9 +183,9 @@ def test_varlen_single_query_runs_keep_a_bound_of_two(rec: dict[str, _Recorder])
     """max_q == 1 with GQA takes flash's reshape to [n_runs, ...], which an empty run breaks."""
     q, k = _meta(2, 4, 64), _meta(9, 2, 64)  # 3 runs: 1, 0 and 1 queries
     cu_q = torch.empty(4, dtype=torch.int32, device="meta")
-    ck.flash_varlen_forward(q, k, k, cu_q, cu_q, 1, 5, causal=True, scale=0.3)
+    vk.flash_varlen_forward(q, k, k, cu_q, cu_q, 1, 5, causal=True, scale=0.3)
     assert rec["_flash_attention_forward"].calls[0]["max_q"] == 2
-    assert [ck.varlen_max_q_bound(m) for m in (0, 1, 2, 7)] == [2, 2, 2, 7]
+    assert [vk.varlen_max_q_bound(m) for m in (0, 1, 2, 7)] == [2, 2, 2, 7]
 
 
 def test_unexpected_lse_layout_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,7 +203,7 @@ def test_unexpected_lse_layout_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(
         RuntimeError, match=r"log-sum-exp of shape \(3, 4, 16\), expected \(4, 30\)"
     ):
-        ck.flash_varlen_forward(q, k, k, cu, cu, 16, 20, causal=True, scale=0.3)
+        vk.flash_varlen_forward(q, k, k, cu, cu, 16, 20, causal=True, scale=0.3)
 
 
 def test_lse_rows_accepts_padding_only_where_allowed() -> None:

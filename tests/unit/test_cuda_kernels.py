@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import _varlen as vk
 from cpshard.attention import cuda_kernels as ck
 from cpshard.attention.kernels import pick_backend
 
@@ -170,10 +171,10 @@ def test_aligned_bias_layout() -> None:
 def test_varlen_ops_on_meta() -> None:
     q, k = _meta(30, 4, 72), _meta(40, 2, 72)
     cu = torch.empty(4, dtype=torch.int32, device="meta")
-    out, lse = ck.flash_varlen_forward(q, k, k, cu, cu, 16, 20, causal=True, scale=0.1)
+    out, lse = vk.flash_varlen_forward(q, k, k, cu, cu, 16, 20, causal=True, scale=0.1)
     assert out.shape == q.shape
     assert lse.shape == (4, 30)
-    dq, dk, dv = ck.flash_varlen_backward(
+    dq, dk, dv = vk.flash_varlen_backward(
         q, q, k, k, out, lse, cu, cu, 16, 20, causal=True, scale=0.1
     )
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
@@ -182,9 +183,9 @@ def test_varlen_ops_on_meta() -> None:
 def test_varlen_visible_keys_bottom_right() -> None:
     cu_q = torch.tensor([0, 3, 5, 5, 6], dtype=torch.int32)  # runs: 3, 2, 0, 1 queries
     cu_k = torch.tensor([0, 5, 6, 8, 8], dtype=torch.int32)  # runs: 5, 1, 2, 0 keys
-    got = ck.varlen_visible_keys(cu_q, cu_k, 6, causal=True)
+    got = vk.varlen_visible_keys(cu_q, cu_k, 6, causal=True)
     assert got.tolist() == [3, 4, 5, 0, 1, 0]
-    assert ck.varlen_visible_keys(cu_q, cu_k, 6, causal=False).tolist() == [5, 5, 5, 1, 1, 0]
+    assert vk.varlen_visible_keys(cu_q, cu_k, 6, causal=False).tolist() == [5, 5, 5, 1, 1, 0]
 
 
 @pytest.mark.parametrize("broken", [False, True])

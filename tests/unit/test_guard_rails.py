@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cpshard
-from cpshard.guards.consistency import FIELDS, batch_fingerprint, mismatch_message
 from cpshard.models import TinyDecoder, TinyDecoderConfig
+from cpshard.sharding.consistency import FIELDS, batch_fingerprint, mismatch_message
 
 
 def _fp(batch: Any, **kw: Any) -> torch.Tensor:
@@ -221,7 +221,7 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
 def test_content_hash_is_a_nonlinear_sum_over_every_element(shape: tuple[int, ...]) -> None:
     """sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel mod 2**64, w_k = k * G, checked against
     plain Python integers."""
-    from cpshard.guards.consistency import _content_hash
+    from cpshard.sharding.consistency import _content_hash
 
     x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
     m = (1 << 64) - 1
@@ -233,7 +233,7 @@ def test_content_hash_is_a_nonlinear_sum_over_every_element(shape: tuple[int, ..
 
 
 def test_content_hash_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cpshard.guards import consistency
+    from cpshard.sharding import consistency
 
     x = torch.randn(5, 7, 3)
     whole = int(consistency._content_hash(x))
@@ -244,7 +244,7 @@ def test_content_hash_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch)
 def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> None:
     """Issue 17: float values outside a 4096-value sample, crafted collisions of a weighted sum,
     numpy / list / string entries: each changes the fingerprint."""
-    from cpshard.guards.consistency import _content_hash
+    from cpshard.sharding.consistency import _content_hash
 
     emb = torch.randn(2, 4096, 8, generator=torch.Generator().manual_seed(0))
     later = emb.clone()
@@ -310,7 +310,7 @@ def test_custom_shard_batch_ctx_supports_with_statement() -> None:
 def test_fingerprint_of_lists_mixing_tensors_and_large_ints() -> None:
     """A list entry holding tensors beside other items (e.g. per-document lengths as 0-d
     tensors) hashes without overflowing int64, the same way twice, and sees every item."""
-    from cpshard.guards.consistency import batch_fingerprint
+    from cpshard.sharding.consistency import batch_fingerprint
 
     ids = torch.arange(12).reshape(1, 12)
 
@@ -326,8 +326,8 @@ def test_fingerprint_of_lists_mixing_tensors_and_large_ints() -> None:
 
 def test_batch_fingerprint_fits_the_step_header_payload() -> None:
     """The dispatcher sends the fingerprint in the step header's payload slots (one collective)."""
-    from cpshard.guards.consistency import FIELDS, batch_fingerprint
     from cpshard.guards.step import PAYLOAD_SIZE
+    from cpshard.sharding.consistency import FIELDS, batch_fingerprint
 
     fp = batch_fingerprint({"input_ids": torch.ones(2, 8, dtype=torch.long)}, layout="auto",
                            attention="auto", padding_token_id=0)  # fmt: skip

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import cpshard.cli.parity as parity_cli
-from cpshard.cli._parity_plan import plan_rows
-from cpshard.cli._parity_report import Record, format_row, write_json, write_plot
+import cpshard.parity.driver as parity_driver
 from cpshard.cli.main import main
 from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
-from cpshard.tools.parity import (
+from cpshard.parity.plan import plan_rows
+from cpshard.parity.report import Record, format_row, write_json, write_plot
+from cpshard.parity.runs import (
     TOLERANCES,
     ParityCase,
     ParityResult,
@@ -32,8 +33,8 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("work started before the input was checked")
 
-    monkeypatch.setattr(parity_cli, "LocalRunner", refuse)
-    monkeypatch.setattr(parity_cli, "LaunchedRunner", refuse)
+    monkeypatch.setattr(parity_driver, "LocalRunner", refuse)
+    monkeypatch.setattr(parity_driver, "LaunchedRunner", refuse)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
@@ -286,7 +287,7 @@ def test_layouts_rejects_too_many_ranks_before_starting_any(
 def test_local_runner_bounds_collectives_not_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """--timeout is the ranks' process-group timeout; a row itself has no deadline (a long row
     of a thorough run must not be killed by a limit nobody set)."""
-    import cpshard.cli._parity_run as parity_run
+    import cpshard.parity.runners as parity_run
 
     seen: dict[str, Any] = {}
 

@@ -12,11 +12,9 @@ ranks meet), its execution (:mod:`.kernels`, :mod:`.cuda_kernels`, :mod:`.merge`
 :mod:`.ulysses`, :mod:`.selective` (with :mod:`.selective_plan` and the run counts of
 :mod:`.visibility`), registered as strategy objects in
 :mod:`.methods`), the cost model of ``"auto"`` (:mod:`.cost`, :mod:`.auto`) and the routing of
-model calls (:mod:`.context`, :mod:`.hf`, :mod:`.hf_options`). Import rule: may import
-:mod:`cpshard.sharding` (the token meta and the shard identity), :mod:`cpshard._comm` and
-:mod:`cpshard.names`; never :mod:`cpshard.dispatch`, :mod:`cpshard.guards`, tools, cli or models.
-The kernel modules import nothing of cpshard outside this package
-(``tests/unit/test_architecture.py``).
+model calls (:mod:`.context`, :mod:`.hf`, :mod:`.hf_options`).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from cpshard.attention.context import checkpoint_context_fn, cp_attention_context, suspend

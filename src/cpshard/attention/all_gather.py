@@ -18,8 +18,7 @@ synchronous collectives: same results, no overlap.
 :class:`AllGatherMethod` is the method's strategy object (its plans, input check and the
 differentiable forward whose backward is above), registered in :mod:`cpshard.attention.methods`.
 
-Imports the plan, the blockwise runner, the kernels and the merge of this package and
-:mod:`cpshard._comm` (its collectives); nothing else of cpshard.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ same choice without a collective.
 The log memo (last choice per CP mesh, weakly keyed) is the one piece of state that outlives a
 batch here; it decides nothing but whether a log line is written.
 
-Imports the cost model, the method registry and the token meta; never a collective.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

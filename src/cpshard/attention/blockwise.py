@@ -5,8 +5,7 @@ slices of ``q`` and ``k``/``v`` (no mask, the kernel's ``is_causal``, or a prepa
 mask); partial results are merged with the online-softmax rule. Nothing here reads tensor values
 on the host, so the per-layer work has no host-device sync and no data-dependent branching.
 
-Imports only the kernels, the soft-cap kernel, the merge and the plan of this package: nothing
-else of cpshard.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

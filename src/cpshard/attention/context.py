@@ -25,9 +25,9 @@
 Nothing global is patched, and the autograd Functions capture the group and meta, so
 ``backward()`` may run outside the context.
 
-Owns the routing mode and the activation-checkpointing hook. Imports :func:`cp_sdpa`, the token
-meta and the shard identity (:mod:`cpshard.sharding`) and :mod:`cpshard._comm` (the group of a
-mesh); never :mod:`cpshard.dispatch` or :mod:`cpshard.guards`.
+Owns the routing mode and the activation-checkpointing hook.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

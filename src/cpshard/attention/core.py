@@ -6,9 +6,9 @@ waiting in a collective.
 
 Owns the argument checks and the resolution of ``method="auto"`` (:mod:`.cost`); the methods
 themselves are strategy objects looked up by name in :mod:`.methods` (names from
-:mod:`cpshard.names`). Imports the registry, the cost model, the plan, the kernels, the token meta
-(:mod:`cpshard.sharding.meta`) and :mod:`cpshard._comm`; never :mod:`cpshard.dispatch` or
-:mod:`cpshard.guards`.
+:mod:`cpshard.names`).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Every input is a global fact of the batch (the token meta every rank holds) or o
 and dtype, equal on every rank), so every rank computes the same costs and picks the same method
 without a collective. Ties go to the first method in :data:`cpshard.names.METHOD_NAMES` order.
 
-Imports the selective plan's host arrays and the method registry; never a collective.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

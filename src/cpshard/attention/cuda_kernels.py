@@ -1,8 +1,8 @@
 """torch's fused CUDA attention ops that return the log-sum-exp, and which one a call may use.
 
-:mod:`cpshard.attention.kernels` calls these behind its ``block_attention`` and
-``varlen_attention``; nothing else should. It imports only torch. Every function here
-only calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch registers meta kernels
+:mod:`cpshard.attention.kernels` calls these behind its ``block_attention`` (and
+``benchmarks/_varlen_kernels.py`` its helpers); nothing else should. Every function here only
+calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch registers meta kernels
 for the CUDA ops), which is how the CPU test suite checks argument order and result shapes.
 
 Ops (schemas of torch 2.11-2.13; only positional arguments and ``scale=`` are used):
@@ -21,10 +21,8 @@ Ops (schemas of torch 2.11-2.13; only positional arguments and ``scale=`` are us
   head dim <= 128, no mask, square causal only, at least 2 keys (cuDNN rejects a block of one
   key: such blocks, e.g. of a 1-token document, go to flash or memory-efficient attention);
   explicit request only (never chosen by ``auto``).
-* varlen: ``aten._flash_attention_forward`` / ``_flash_attention_backward`` with ``cum_seq_q`` /
-  ``cum_seq_k`` (``int32 [n + 1]``), q/k/v as ``[T, H, D]``, LSE ``[H, Tq]`` fp32. Causal is
-  aligned bottom-right *per run* (query ``i`` of a run with ``Lq`` queries and ``Lk`` keys sees
-  keys ``j <= i + Lk - Lq``).
+* varlen (``aten._flash_attention_forward`` / ``_flash_attention_backward``): in
+  ``benchmarks/_varlen_kernels.py``, which no engine path calls.
 
 Head dims that are not a multiple of 8 are zero-padded (scores and the output's first ``D``
 columns are unchanged with an explicit ``scale``) and the padding is sliced off. Every backward is
@@ -50,6 +48,8 @@ torch 2.13; **not yet run on a GPU** (``tests/gpu`` and ``benchmarks/gpu_check.s
   natural log (torch's own context parallelism merges it like flash's), cuDNN's shape limits for
   small or odd sequence lengths, and the memory-efficient kernel's output for a row whose bias is
   all ``-inf`` (overwritten here with ``out = 0``, ``lse = -inf`` either way).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -73,11 +73,7 @@ __all__ = [
     "efficient_forward",
     "flash_backward",
     "flash_forward",
-    "flash_varlen_backward",
-    "flash_varlen_forward",
     "padded_head_dim",
-    "varlen_max_q_bound",
-    "varlen_visible_keys",
 ]
 
 ConcreteBackend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "cudnn"]
@@ -573,160 +569,3 @@ def cudnn_backward(
     assert dv_sum is not None
     dq = dqs[0] if g == 1 else torch.stack(dqs, dim=2).flatten(1, 2)
     return dq, dk_sum, dv_sum
-
-
-# --- flash varlen ----------------------------------------------------------------------------
-
-
-def varlen_max_q_bound(max_q: int) -> int:
-    """The ``max_q`` handed to flash varlen: the caller's bound, at least 2.
-
-    With ``max_q == 1`` and ``Hq > Hkv`` (and no window or dropout), torch's flash varlen forward
-    (``mha_varlen_fwd``, "seqlenq_ngroups_swapped") reshapes ``q [Tq, Hq, D]`` to
-    ``[n_runs, Hkv, G, D]``, which raises when a run has no query (``Tq < n_runs``). ``max_q``
-    only sizes the kernel's grid, so 2 is an equally valid bound; causal stays exact because a
-    1-query run sees all its keys under bottom-right alignment either way.
-    """
-    return max(max_q, 2)
-
-
-def varlen_visible_keys(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, *, causal: bool
-) -> torch.Tensor:
-    """Number of keys each packed query sees, computed on the device without a host sync.
-
-    Causal alignment is bottom-right per run: query ``i`` of a run with ``Lq`` queries and ``Lk``
-    keys sees keys ``0 .. i + Lk - Lq`` (clamped to ``[0, Lk]``).
-
-    Args:
-        cu_q: ``int32 [n + 1]`` query run boundaries, ``cu_q[-1] == total_q``.
-        cu_k: ``int32 [n + 1]`` key run boundaries.
-        total_q: Number of packed queries.
-        causal: Bottom-right causal per run.
-
-    Returns:
-        ``int64 [total_q]``.
-    """
-    cq, ck = cu_q.long(), cu_k.long()
-    len_q = cq[1:] - cq[:-1]
-    len_k = ck[1:] - ck[:-1]
-    run = torch.repeat_interleave(
-        torch.arange(len_q.numel(), device=cu_q.device), len_q, output_size=total_q
-    )
-    lk = len_k[run]
-    if not causal:
-        return lk
-    local = torch.arange(total_q, device=cu_q.device) - cq[run]
-    return (local + lk - len_q[run] + 1).clamp(min=0).minimum(lk)
-
-
-def flash_varlen_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    *,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash varlen attention over packed runs, with its LSE.
-
-    Args:
-        q: ``[Tq, Hq, D]`` fp16/bf16 packed queries.
-        k: ``[Tk, Hkv, D]`` packed keys.
-        v: ``[Tk, Hkv, D]`` packed values.
-        cu_q: ``int32 [n + 1]`` query run boundaries on q's device.
-        cu_k: ``int32 [n + 1]`` key run boundaries.
-        max_q: Longest query run.
-        max_k: Longest key run.
-        causal: Bottom-right causal per run.
-        scale: Score scale.
-
-    Returns:
-        ``(out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32)``; queries with no visible key have
-        ``out = 0`` and ``lse = -inf``.
-    """
-    _groups(q, k, 1)
-    d = q.shape[-1]
-    dp = padded_head_dim(d)
-    res = torch.ops.aten._flash_attention_forward(
-        _pad_head(q, dp),
-        _pad_head(k, dp),
-        _pad_head(v, dp),
-        cu_q,
-        cu_k,
-        varlen_max_q_bound(max_q),
-        max_k,
-        0.0,
-        causal,
-        False,
-        scale=scale,
-    )
-    # The run offsets index an unpadded [H, Tq] LSE: any other length is another layout.
-    lse = _lse_rows(
-        res[1], (q.shape[1],), q.shape[0], "_flash_attention_forward (varlen)", exact=True
-    ).float()
-    out = res[0][..., :d]
-    # flash reports lse = +inf for a query with no key; the contract is out = 0, lse = -inf.
-    empty = varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0
-    lse = lse.masked_fill(empty.unsqueeze(0), float("-inf"))
-    out = out.masked_fill(empty[:, None, None], 0.0)
-    return out, lse
-
-
-def flash_varlen_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    *,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`flash_varlen_forward` given the merged ``out`` / ``lse``.
-
-    ``lse`` may be ``-inf`` for queries that see no key anywhere; it is replaced by 0 (every
-    score of such a query is masked, so it contributes nothing).
-
-    Returns:
-        ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])`` in q's dtype.
-    """
-    _groups(q, k, 1)
-    d = q.shape[-1]
-    dp = padded_head_dim(d)
-    lse = lse.float()
-    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).contiguous()
-    seed, offset = _rng_placeholders(q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _pad_head(grad_out.to(q.dtype), dp),
-        _pad_head(q, dp),
-        _pad_head(k, dp),
-        _pad_head(v, dp),
-        _pad_head(out.to(q.dtype), dp),
-        lse,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        0.0,
-        causal,
-        seed,
-        offset,
-        scale=scale,
-    )
-    # Queries that see no key, and keys of runs without queries, get exact zeros (flash may
-    # skip writing them for empty runs).
-    dq = dq[..., :d].masked_fill(
-        (varlen_visible_keys(cu_q, cu_k, q.shape[0], causal=causal) == 0)[:, None, None], 0.0
-    )
-    unseen = (varlen_visible_keys(cu_k, cu_q, k.shape[0], causal=False) == 0)[:, None, None]
-    return dq, dk[..., :d].masked_fill(unseen, 0.0), dv[..., :d].masked_fill(unseen, 0.0)

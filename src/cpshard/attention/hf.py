@@ -17,8 +17,7 @@ mask builder) and selects it on a model.
 
 transformers is imported lazily.
 
-Imports only this package's routing context and HF options (and transformers, lazily); never
-:mod:`cpshard.dispatch` (which calls :func:`cp_attention_scope`) or :mod:`cpshard.guards`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

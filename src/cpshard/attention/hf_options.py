@@ -27,8 +27,7 @@ from the module's config and the batch's token meta:
 layer runs the soft-capped math of :mod:`cpshard.attention.softcap`; see
 :mod:`cpshard.attention.hf`.)
 
-Imports only the window and soft-cap checks, the token meta and the routing context of this
-package.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

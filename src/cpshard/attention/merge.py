@@ -14,7 +14,7 @@ the naive form computes ``exp(-inf - -inf) = nan``. :func:`merge` handles that c
 All math here runs in the accumulation dtype (fp32, or fp64 for fp64 inputs): callers pass
 accumulators in that dtype and partial results in any floating dtype.
 
-Imports only torch.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

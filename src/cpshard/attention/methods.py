@@ -13,7 +13,7 @@ Each method (``all_gather``, ``ring``, ``ulysses``, ``selective``:
 :func:`method_named` looks a name up; nothing else in cpshard switches on method names.
 ``"auto"`` is not a method: :mod:`cpshard.attention.cost` resolves it to one of these.
 
-Imports the four method modules and the plan; nothing else of cpshard.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

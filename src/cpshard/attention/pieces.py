@@ -21,7 +21,7 @@ same aligned :data:`TILE` x :data:`TILE` cell of (query slot, key slot) are grou
 kernel call (a mask only where its pattern needs one: the pad diagonal shares one identity).
 The host work is a few sorts and searches over the runs plus one Python step per kernel call.
 
-Imports only torch and numpy; :mod:`cpshard.attention.plan` is its one user.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

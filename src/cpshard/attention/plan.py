@@ -1,8 +1,7 @@
 """One attention plan per batch: which query rows meet which key rows, cut into kernel calls.
 
 Not to be confused with :class:`~cpshard.layouts.packed.PackedPlan` (where tokens live): an
-:class:`AttentionPlan` says which blocks attention computes. Imports :mod:`.pieces` and the token
-meta (:mod:`cpshard.sharding.meta`); never a collective.
+:class:`AttentionPlan` says which blocks attention computes.
 
 The plan is built on the host from the token meta (global position and document id of every
 token of every rank) once per batch and reused by every layer and by the backward; the per-layer
@@ -33,6 +32,8 @@ attends the whole stream to itself: where the rank-major stream cuts documents i
 head-tail layout cuts each into ``2C`` chunks, which would pair as ``(2C)^2``), its plan carries a
 slot order (:attr:`PairPlan.slot_order`) that sorts the stream by position, and the runner
 (:mod:`.blockwise`) attends in that order: one run per document again.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

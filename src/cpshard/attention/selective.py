@@ -17,8 +17,9 @@ Bytes per rank and layer (forward): ``sum(recv_splits) * 2 * B * Hkv * D * items
 rank, so this is a small fraction of the all-gather's ``(C-1) * L`` slots.
 
 :class:`SelectiveMethod` is the method's strategy object, registered in
-:mod:`cpshard.attention.methods`. Imports the plans, the blockwise runner, the kernels, the
-merge, the sequence-major helpers of :mod:`.all_gather` and :mod:`cpshard._comm` (its all-to-all).
+:mod:`cpshard.attention.methods`.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

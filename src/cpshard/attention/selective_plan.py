@@ -20,9 +20,9 @@ packed batch) that is exactly the needed set.
 
 Owns :class:`SelectivePlan` (this rank's exchange and kernel plans), :func:`exchange_sums` (what
 each rank receives and sends, for the cost model) and :func:`exchange_counts` (the ``[C, C]``
-matrix of key slots each rank needs from each other). Imports
-the plan module (its row grouping and :func:`~cpshard.attention.plan.pair_plan`) and the token
-meta; never a collective.
+matrix of key slots each rank needs from each other). Never a collective.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ autograd: the "cpshard" HF attention runs it outside a CP context when a layer p
 because transformers' own sdpa function ignores ``softcap`` in some releases (5.17: Gemma 2 would
 silently lose its soft-capping) and rejects it in others (5.25).
 
-Imports only :mod:`cpshard.attention.merge`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

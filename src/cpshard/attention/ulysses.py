@@ -9,8 +9,7 @@ head group ``j`` then uses exactly key head group ``j`` (the ``repeat_kv`` conve
 :class:`UlyssesMethod` is the method's strategy object (its plans, the head-count check and the
 differentiable forward whose backward is above), registered in :mod:`cpshard.attention.methods`.
 
-Imports the plan, the blockwise runner and the kernels of this package and :mod:`cpshard._comm`
-(its all-to-all); nothing else of cpshard.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

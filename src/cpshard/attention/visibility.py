@@ -29,7 +29,7 @@ modulo ``2**64`` is exact.
 A pad (document id ``-1 - position``) sees only itself: pad runs count one pair per token, on
 their own rank, and are never keys of anyone else.
 
-Imports :mod:`.pieces` (the run table) only.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

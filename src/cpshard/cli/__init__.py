@@ -1,5 +1,7 @@
 """The ``cpshard`` command: argument parsing, runners and reports of each sub-command.
 
-The work itself lives in :mod:`cpshard.tools` and the core; the cli may import any of them.
-Nothing else imports the cli (only :mod:`cpshard.__main__`, to run it).
+The work itself lives in :mod:`cpshard.tools`, :mod:`cpshard.parity` and the core; for
+``cpshard parity`` the cli only parses and checks the arguments.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """

@@ -2,6 +2,8 @@
 
 Owns the sub-command table. Every sub-command module is imported to build the parser (each adds
 its own arguments and ``--help`` text); the chosen one's ``run`` then does the work.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

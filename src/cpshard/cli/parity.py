@@ -23,9 +23,8 @@ work starts). Examples:
     cpshard parity --models all --steps 50 --json parity.json --plot parity.png  # thorough
     cpshard parity --models llama,tiny --dtypes float32,bfloat16 --ranks 2
 
-This module owns the arguments and the driver loop; the rows are :mod:`._parity_plan`, the
-runners :mod:`._parity_run`, the report :mod:`._parity_report`, the training and the comparison
-:mod:`cpshard.tools.parity`.
+This module owns the arguments; the rows, the runners, the driver loop, the report, the training
+and the comparison are the :mod:`cpshard.parity` package.
 """
 
 from __future__ import annotations
@@ -33,40 +32,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cpshard.cli._parity_plan import Row, plan_rows
-from cpshard.cli._parity_report import Record, format_row, table_header, write_json, write_plot
-from cpshard.cli._parity_run import (
-    DEFAULT_TIMEOUT_S,
-    CpSide,
-    LaunchedRunner,
-    LocalRunner,
-    launched_world_size,
-)
 from cpshard.names import DENSE_LAYOUTS, METHOD_NAMES, PACKED_LAYOUTS
-from cpshard.tools.launch import RankFailure
-from cpshard.tools.parity import (
-    GRAD_SYNCS,
-    HEADS,
-    KV_HEADS,
-    MODELS,
-    TOLERANCES,
-    ParityCase,
-    ParityResult,
-    Shadow,
-    compare,
-)
+from cpshard.parity.driver import run_parity
+from cpshard.parity.runners import DEFAULT_TIMEOUT_S, launched_world_size
+from cpshard.parity.runs import GRAD_SYNCS, MODELS, TOLERANCES, ParityCase
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
 def _tolerance_text() -> str:
-    lines = ["Tolerances, at every step (see cpshard.tools.parity.TOLERANCES for why):"]
+    lines = ["Tolerances, at every step (see cpshard.parity.runs.TOLERANCES for why):"]
     for dtype, tol in TOLERANCES.items():
         lines.append(f"    {dtype}: rel |dloss| <= {tol.rel_loss:g}, grad err <= {tol.grad:g}")
     return "\n".join(lines)
@@ -217,114 +195,6 @@ def _validate(args: argparse.Namespace) -> dict[str, list[str]]:
     return names
 
 
-def _plan_text(args: argparse.Namespace, names: dict[str, list[str]], rows: list[Row]) -> str:
-    todo = [r for r in rows if r.skip is None]
-    lines = [
-        f"cpshard parity: cp={args.ranks} vs cp=1 through the same training code; {len(rows)} "
-        f"rows ({len(todo)} to run), {args.steps} AdamW steps each",
-        f"  models: {', '.join(f'{m} ({MODELS[m].description})' for m in names['models'])}",
-        f"  batches: corpus text (CPython docs, byte tokens); dense [{args.batch_size}, "
-        f"{args.seq_len}], packed [1, {args.batch_size * args.seq_len}]; seed {args.seed}",
-        f"  attention heads {HEADS}, KV heads {KV_HEADS}; gradient sync: {args.grad_sync}",
-        "  compared at every step: rel |dloss| = |loss_N - loss_1| / loss_1 of the two runs, and "
-        "grad err = max|g_N - g_1| / max|g_1| (all parameters after the CP gradient sync, g_1 "
-        "on the same weights)",
-    ]
-    for dtype in names["dtypes"]:
-        tol = TOLERANCES[dtype]
-        lines.append(
-            f"  tolerance {dtype}: rel |dloss| <= {tol.rel_loss:g}, grad err <= {tol.grad:g}"
-        )
-    return "\n".join(lines)
-
-
-class _Driver:
-    """Runs the rows on a runner and turns each into a :class:`Record`."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.refs: dict[ParityCase, CpSide] = {}
-
-    def _record(self, row: Row, world: int) -> Record:
-        c = row.case
-        tol = TOLERANCES[c.dtype]
-        return Record(
-            kind=row.kind,
-            model=c.model,
-            dtype=c.dtype,
-            batch=c.batch,
-            layout=row.layout,
-            method="native" if row.kind == "reference" else c.method,
-            world=world,
-            steps=c.steps,
-            grad_sync=c.grad_sync,
-            launcher=self.runner.launcher,
-            backend=self.runner.backend if world > 1 else "none",
-            device=self.runner.device,
-            tol_rel_dloss=tol.rel_loss,
-            tol_grad_err=tol.grad,
-            skipped=row.skip,
-        )
-
-    def reference(self, row: Row) -> CpSide:
-        """The cp=1 run shared by the rows of one model/dtype/batch kind; its per-step gradient
-        errors are against the model's own attention on the same weights (the reference row)."""
-        key = row.ref_key
-        if key not in self.refs:
-            shadow: Shadow = "native" if MODELS[key.model].native_loss is not None else "none"
-            self.refs[key] = self.runner.reference(replace(key, grad_sync="sum"), shadow)
-        return self.refs[key]
-
-    def _fill(self, rec: Record, got: CpSide, ref: ParityResult) -> None:
-        diff = compare(ref, got.result)  # losses of two runs; gradients on the same weights
-        rec.sharder_layout = got.result.layout
-        rec.local_tokens = got.result.local_tokens
-        rec.losses, rec.ref_losses = got.result.losses, ref.losses
-        rec.abs_dloss, rec.rel_dloss, rec.grad_errs = diff.abs_dloss, diff.rel_dloss, diff.grad_err
-        rec.max_abs_dloss = max(diff.abs_dloss)
-        rec.max_rel_dloss = max(diff.rel_dloss)
-        rec.grad_err = max(diff.grad_err)
-        rec.passed = diff.passed(TOLERANCES[rec.dtype])
-        rec.seconds = got.seconds
-        rec.peak_mem_mb, rec.peak_mem_kind = got.peak_mem_mb, got.peak_mem_kind
-
-    def run_row(self, row: Row) -> Record | None:
-        """Run one row on every rank; the main process gets the record, the others ``None``."""
-        if row.kind == "reference":
-            if not self.runner.is_main:
-                return None
-            rec = self._record(row, 1)
-            native = self.runner.native(replace(row.ref_key, grad_sync="sum"))
-            self._fill(rec, self.reference(row), native.result)
-            return rec
-        rec = self._record(row, self.runner.world)
-        if row.skip is not None:
-            return rec if self.runner.is_main else None
-        try:
-            got = self.runner.cp_side(row.case)
-        except RankFailure as err:
-            rec.error, rec.passed = str(err), False
-            return rec
-        if got is None:
-            return None
-        self._fill(rec, got, self.reference(row).result)
-        return rec
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        desc="parity rows",
-        unit="row",
-        file=sys.stderr,
-        disable=not enabled,
-        dynamic_ncols=True,
-        bar_format="{desc}: {n}/{total} |{bar}| [{elapsed} elapsed, ETA {remaining}]",
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     """Run every parity row; exit status 0 iff all passed, 1 if any failed, 2 on bad input."""
     try:
@@ -339,81 +209,16 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         grad_sync=args.grad_sync,
     )
-    rows = plan_rows(
+    return run_parity(
         base,
         models=names["models"],
         dtypes=names["dtypes"],
         layouts=names["layouts"],
         methods=names["methods"],
-        world=args.ranks,
+        ranks=args.ranks,
         one_row=_DEMO_ONE_ROW if args.models.strip() == DEMO else frozenset(),
+        timeout_s=args.timeout,
+        progress=args.progress,
+        json_path=args.json,
+        plot_path=args.plot,
     )
-    import torch
-
-    torch.set_num_threads(1)  # before any op: the local ranks are forked from this process
-    for model in names["models"]:  # one-off imports and init paths before the ranks fork
-        MODELS[model].build(torch.float32, args.seed)
-    runner: Any
-    if launched_world_size() is None:
-        runner = LocalRunner(args.ranks, timeout_s=args.timeout)
-    else:
-        runner = LaunchedRunner(timeout_s=args.timeout)
-    emit: Callable[[str], None] = print if runner.is_main else (lambda _line: None)
-    emit(_plan_text(args, names, rows))
-    emit(f"  cp={args.ranks} side: {runner.world} {runner.backend} ranks ({runner.launcher})\n")
-    t0 = time.perf_counter()
-    records: list[Record] = []
-    driver = _Driver(runner)
-    try:
-        runner.start()
-        bar = _progress(len(rows), args.progress and runner.is_main)
-
-        def show(line: str) -> None:
-            if runner.is_main:
-                bar.write(line, file=sys.stdout)
-
-        for line in table_header():
-            show(line)
-        for row in rows:
-            rec = driver.run_row(row)
-            if rec is not None:
-                records.append(rec)
-                show(format_row(rec))
-            bar.update(1)
-        bar.close()
-        ok = all(r.passed is not False for r in records)
-        ok = runner.agree(ok)
-    finally:
-        runner.close()
-    # every CP row skipped: nothing was compared, not a pass (the same verdict on every rank)
-    compared = any(r.kind == "cp" and r.skip is None for r in rows)
-    if not runner.is_main:
-        return 0 if ok and compared else 1
-    for r in records:
-        if r.error is not None:
-            print(f"\n{r.model} {r.dtype} {r.batch} {r.layout} {r.method}: {r.error}")
-    refs = "; ".join(
-        f"{k.model} {k.dtype} {k.batch}: "
-        + " ".join(f"{x:.4f}" for x in v.result.losses[:4])
-        + (" .." if len(v.result.losses) > 4 else "")
-        for k, v in driver.refs.items()
-    )
-    print(f"\nreference losses (cp=1): {refs}")
-    if args.json is not None:
-        write_json(args.json, records)
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        write_plot(args.plot, records)
-        print(f"wrote {args.plot}")
-    failed = [r for r in records if r.passed is False]
-    if ok and not compared:
-        reasons = sorted({r.skipped for r in records if r.kind == "cp" and r.skipped})
-        print(
-            f"FAIL: every CP row was skipped ({'; '.join(reasons) or 'no CP rows planned'}), so "
-            "no cp=N run was compared with cp=1. Choose rows that can run, e.g. other "
-            "--methods or --ranks"
-        )
-        return 1
-    verdict = "PASS" if ok else f"FAIL ({len(failed)} rows)"
-    print(f"{verdict} in {time.perf_counter() - t0:.1f} s")
-    return 0 if ok else 1

@@ -1,12 +1,10 @@
 """Guard rails: mistakes of a training loop raise on every rank instead of computing garbage.
 
-Owns the cross-rank batch fingerprint (:mod:`.consistency`), the pad-id rule (:mod:`.pad_id`)
-and the call-time guard on a CP-prepared model (:mod:`.model`: stale ctx or batch, forward
-outside ``ctx()``, HF arguments that would be silently wrong, gradient checkpointing).
+Owns the call-time guard on a CP-prepared model (:mod:`.model`: stale ctx or batch, forward
+outside ``ctx()``, HF arguments that would be silently wrong, gradient checkpointing) and the
+step's life on every rank (:mod:`.step`). The cross-rank batch fingerprint and the pad-id rule
+live in :mod:`cpshard.sharding` (:mod:`~cpshard.sharding.consistency`,
+:mod:`~cpshard.sharding.pad_id`).
 
-Import rule: :mod:`.consistency` imports only torch and :mod:`cpshard._comm`, :mod:`.pad_id`
-only torch (both sit below :mod:`cpshard.sharding`, which calls the fingerprint);
-:mod:`.model` also reads :mod:`cpshard.sharding` tags and the active attention mode. Nothing here
-imports :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models` (``tests/unit/test_architecture.py``).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """

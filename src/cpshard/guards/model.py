@@ -27,9 +27,7 @@ attention: silently wrong gradients) -> ``ValueError`` with the fix.
 Whether every rank ran every phase of its step (an exception caught inside the forward, a
 skipped backward or ``sync_grads``) is the step record's job (:mod:`cpshard.guards.step`).
 
-Imports the shard identity (:mod:`cpshard.sharding.facts`) and the active attention mode
-(:mod:`cpshard.attention.context`); never :mod:`cpshard.dispatch` (which installs the guard),
-tools, cli or models.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ timeout with messages that do not name the cause. This module keeps, per rank an
 
 * one all-gather of :data:`HEADER_SIZE` + :data:`PAYLOAD_SIZE` int64 values at the start of
   :func:`prepare_cp_forward` / :func:`make_cp_batch_and_ctx` (always, also with
-  ``check_consistency=False``; the batch fingerprint of :mod:`cpshard.guards.consistency` rides
+  ``check_consistency=False``; the batch fingerprint of :mod:`cpshard.sharding.consistency` rides
   in its payload slots), of the first CP attention call of a forward, of the first CP attention
   call of each backward pass, and of
   :func:`cpshard.sync_grads`. It says which phase this rank is entering (and a few facts the
@@ -50,9 +50,10 @@ Not tracked: forwards traced by ``torch.compile`` (no header, no backward record
 contexts (a ``shard_batch`` that returns its own context factory: the forward is tracked as a
 whole, its attention calls are not), and cp=1 (no collective to mismatch).
 
-Imports only torch and :mod:`cpshard._comm`; :mod:`cpshard.dispatch` and :mod:`cpshard.loss`
-call it, and :mod:`cpshard.attention.context` gets a :class:`ForwardTracker` handed in (it never
-imports this module).
+:mod:`cpshard.dispatch` and :mod:`cpshard.loss` call it; :mod:`cpshard.attention.context` gets a
+:class:`ForwardTracker` handed in.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -8,6 +8,5 @@
 Nothing here is imported by ``import cpshard``: import the submodule you use
 (``pip install "cpshard[trl]"`` brings transformers, accelerate and trl).
 
-Imports the core (dispatch, sharding, loss, ``_comm``) and the optional libraries, lazily; the
-core never imports this package.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """

@@ -42,7 +42,7 @@ first step: ``cp_size`` not dividing the world, accelerate's own ``parallelism_c
 wrapped in DDP, DeepSpeed / FSDP, evaluation during training, ``average_tokens_across_devices``
 off, label smoothing and ``compute_loss_func``. ``cp_size=1`` is the base trainer unchanged.
 
-Imports the core (dispatch, labels, loss, ``_comm``) and transformers (accelerate lazily).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

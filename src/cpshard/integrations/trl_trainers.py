@@ -36,7 +36,7 @@ steps_per_generation``), ``scale_rewards="batch"`` and ``multi_objective_aggrega
 "normalize_then_sum"`` (statistics over the world-gathered batch would count each replica ``C``
 times), multimodal inputs and MoE auxiliary losses.
 
-Imports :mod:`cpshard.integrations.hf_trainer`, the core and trl.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -7,10 +7,7 @@ layouts of packed streams (``packed``; :mod:`.packed`) and our ``balanced`` solv
 checks, inverse permutations, runs) and the one map between the caller's coordinates and the
 padded stream (:mod:`.coordinates`).
 
-Import rule: pure index math on torch / numpy tensors. Nothing here imports
-``torch.distributed``, :mod:`cpshard._comm` or any other cpshard package (only
-:mod:`cpshard.names`, a leaf, is allowed); every other part of cpshard may import this one.
-``tests/unit/test_architecture.py`` enforces it.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from cpshard.layouts.closed_form import (

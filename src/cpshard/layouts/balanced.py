@@ -1,6 +1,5 @@
 """The ``balanced`` layout: our solver for packed batches (equal tokens per rank, causal work
-balanced to the limit, at most ``C - 1`` pad tokens). Pure index math, never ``torch.distributed``;
-imports only torch, numpy and :mod:`cpshard.layouts`.
+balanced to the limit, at most ``C - 1`` pad tokens). Pure index math.
 
 ``balanced`` sorts documents longest first and lays their tokens out *outside-in*
 (positions ``0, n-1, 1, n-2, ...``; any even run of that order is a head-tail pair, whose
@@ -11,6 +10,8 @@ among ``x`` within ``work_tolerance`` of it, cuts at document boundaries are pre
 short documents stay whole on one rank (less remote K/V). Token counts are exactly equal and
 the work error is one token's work per rank (plus ``work_tolerance``). The plan it returns is a
 :class:`~cpshard.layouts.packed.PackedPlan`, like every packed layout.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

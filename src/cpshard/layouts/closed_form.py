@@ -1,7 +1,7 @@
 """Index math for the closed-form CP layouts. No process group is touched here.
 
 Owns ``none``, ``contiguous`` and ``round_robin`` (:class:`ClosedFormLayout` and its local index
-functions); imports only torch and :mod:`cpshard.layouts.index`.
+functions).
 
 A *layout* says which tokens of the padded global stream each CP rank owns, in which local
 order. Everything else (sharding, gathering, attention masks) derives from that map:
@@ -24,6 +24,8 @@ Diagrams for C=2 ranks, padded length P=8 (``a`` = rank 0, ``b`` = rank 1)::
 ring-flash-attention's "zigzag": rank ``r`` of ``C`` owns chunks ``r`` and ``2C-1-r`` of ``2C``,
 which makes causal attention work equal on every rank. It is NOT striped (token ``t`` on rank
 ``t % C``), whatever the name suggests: no striped layout exists here.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

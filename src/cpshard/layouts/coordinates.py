@@ -17,8 +17,7 @@ verbs); :meth:`CallerCoordinates.to_stream` and :meth:`CallerCoordinates.from_st
 coordinate system of a tensor from its shape, never ambiguously: a length that maps to no
 captured coordinate raises ``ValueError`` naming the ones that would.
 
-Import rule: pure tensor math, like the rest of :mod:`cpshard.layouts` (no process group, no
-other cpshard package).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

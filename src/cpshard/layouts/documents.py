@@ -18,8 +18,9 @@ document ids* used by CP attention masks. Three spellings parse into a spec:
 
 Documents have length ``>= 1``; a row may hold no document at all (all padding).
 
-Owns :class:`PackSpec` (parsing and validating the document structure); imports nothing of
-cpshard and never ``torch.distributed``.
+Owns :class:`PackSpec` (parsing and validating the document structure).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

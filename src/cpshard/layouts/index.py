@@ -1,6 +1,7 @@
 """Index helpers shared by every layout: padded lengths, rank-map checks, inverse permutations and
-runs of consecutive indices. Pure index math (torch and numpy only, never ``torch.distributed``);
-imports nothing of cpshard.
+runs of consecutive indices. Pure index math (torch and numpy only).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

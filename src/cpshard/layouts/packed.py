@@ -1,7 +1,6 @@
 """Layouts of packed batches over CP ranks: the :class:`PackedPlan` every packed layout returns,
 ``packed`` (TE THD) and the closed-form layouts applied to a packed stream (``balanced``, our
-solver, is :mod:`cpshard.layouts.balanced`). Pure index math, no process group: imports only
-torch, numpy and :mod:`cpshard.layouts`.
+solver, is :mod:`cpshard.layouts.balanced`). Pure index math, no process group.
 
 Every layout flattens the caller's ``[B, S]`` batch into one *padded stream* of length ``P``:
 
@@ -19,6 +18,8 @@ order. ``packed`` C=2, ``cu=[0,8,16]``::
 
 Moving a caller tensor onto the stream and back is :mod:`cpshard.layouts.coordinates`, the one
 caller-coordinate map.
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -8,9 +8,7 @@
 * :mod:`~cpshard.mixers.segments` and :mod:`~cpshard.mixers.generic`: running a mixer over whole
   documents in global order (gather, run, keep the local rows).
 
-Import rule: imports :mod:`cpshard.attention` (the active CP mode), :mod:`cpshard.sharding`
-(token meta, contexts) and :mod:`cpshard._comm`; never :mod:`cpshard.dispatch` (which calls it),
-:mod:`cpshard.guards`, tools, cli or models.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from cpshard.mixers.detect import MixerSite, find_token_mixers

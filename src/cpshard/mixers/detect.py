@@ -21,7 +21,7 @@ module finds such modules from three kinds of facts, none of them a list of clas
 The unit reported is the decoder layer's direct child that contains the evidence (the module
 the layer calls with ``hidden_states``), or the flagged module itself outside decoder layers.
 
-Import rule: torch only (nothing of cpshard).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ Exact in value and gradient (parameter gradients are each rank's share; the usua
 sum over the group completes them), at the cost of running the mixer over the whole sequence
 on every rank: ``C`` times its compute, and its activations for ``C * L`` tokens.
 
-Imports :mod:`cpshard._comm` (the gather), the segment layout, the token meta and the active
-CP mode (:mod:`cpshard.attention.context`, to act only inside the batch's own context).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Used only where the module's pure-torch path runs (``mamba_ssm`` and ``causal_co
 importable): the CUDA kernels manage the cache differently and are not verified here; there the
 generic path serves.
 
-Imports :mod:`cpshard._comm` (the gathers), the detection's site type and the token meta.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

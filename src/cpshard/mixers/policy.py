@@ -20,8 +20,7 @@ call's arguments only (the same verdict on every rank, so nothing can hang):
 long as each ``with ctx():`` (and are re-installed for an activation checkpoint's
 recomputation, through the CP mode's ``on_recompute``).
 
-Imports the detection, the generic and native paths, :mod:`cpshard._comm` (the mesh's group),
-the shard facts and the active CP mode.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

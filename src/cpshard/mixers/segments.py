@@ -12,7 +12,7 @@ convolution crosses a document boundary.
 :func:`segment_plan` computes the two index maps from the token meta once per batch (host work,
 no collective).
 
-Import rule: :mod:`cpshard.sharding.meta` only.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@
 Each works through :func:`cpshard.prepare_cp_forward` at every CP size (the hook runs at
 ``cp=1`` too, so the reference runs the same path).
 
-Models sit on the core (a model-owned sharder builds on :mod:`cpshard.sharding` and
-:mod:`cpshard._comm`); they never import :mod:`cpshard.tools` or :mod:`cpshard.cli`, and the
-core never imports them.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig

@@ -5,7 +5,7 @@ attention is a plain ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
 about CP. Inside a cpshard context the call sees the global sequence; RoPE uses the global
 ``position_ids`` that the sharder hands back with the batch.
 
-Imports only torch.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ Its attention is explicit masked math (never routed to CP attention); its ``shar
 no context of its own, so the dispatcher's ``ctx()`` is the cpshard attention context over the
 token meta, as for every built-in layout: "this shard runs under CP" holds for it too.
 
-Import rule: an example model; may import :mod:`cpshard.sharding`, :mod:`cpshard._comm` and the
-other example models, never :mod:`cpshard.dispatch`, :mod:`cpshard.tools` or :mod:`cpshard.cli`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

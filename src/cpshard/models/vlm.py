@@ -16,7 +16,7 @@ rows, balanced for packed documents). ``inputs_embeds`` carry the graph of the v
 the embedding: they are sharded out of place, so their gradients reach both. The hook runs at every
 CP size, so the ``cp=1`` reference runs exactly this path.
 
-Imports only torch and :class:`~cpshard.models.decoder.TinyDecoder`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -5,14 +5,12 @@ frozen facts one shard learned, the :class:`~cpshard.sharding.facts.CPContext` t
 and the batch identity of local tensors (:mod:`.facts`), the gather/scatter index the verbs copy
 with (:mod:`.token_index`), the batch conventions and the dense ``shard_batch`` (:mod:`.batch`),
 the packed ``shard_batch`` (:mod:`.packed`), the per-token facts attention reads
-(:class:`~cpshard.sharding.meta.TokenMeta`) and label shifting on the global sequence
-(:mod:`.labels`). The caller-coordinate map is :mod:`cpshard.layouts.coordinates`.
+(:class:`~cpshard.sharding.meta.TokenMeta`), label shifting on the global sequence
+(:mod:`.labels`), the cross-rank batch fingerprint (:mod:`.consistency`) and the pad-id rule
+(:mod:`.pad_id`). The caller-coordinate map is :mod:`cpshard.layouts.coordinates`.
 
 Sharding only shards: a built-in ``shard_batch`` returns a context with no attention in it, and
 the dispatcher (:mod:`cpshard.dispatch`) composes CP attention over the shard's token meta.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency`,
-:mod:`cpshard._comm` (the only door to ``torch.distributed``) and :mod:`cpshard.names`. It never
-imports :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`,
-:mod:`cpshard.cli` or :mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """

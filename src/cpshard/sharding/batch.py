@@ -23,9 +23,7 @@ so ``inputs_embeds`` that require grad pass gradients back).
 Owns the pad table and the dense ``shard_batch``; it returns the shard's facts and no context
 (the dispatcher adds CP attention).
 
-Import rule: :mod:`cpshard.layouts`, :mod:`cpshard._comm`, :mod:`.facts` and :mod:`.meta`;
-never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli`
-or :mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

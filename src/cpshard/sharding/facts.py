@@ -6,11 +6,7 @@ that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller 
 rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
 the mesh the batch was sharded on), once per shard: nothing is updated field by field.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta`,
-:mod:`cpshard.sharding.token_index` and the content hash of :mod:`cpshard.guards.consistency`;
-never
-:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard.guards.consistency import content_hash
 from cpshard.layouts.coordinates import CallerCoordinates
+from cpshard.sharding.consistency import content_hash
 from cpshard.sharding.meta import TokenMeta
 from cpshard.sharding.token_index import TokenIndex
 
@@ -188,7 +184,7 @@ def same_shard(tag: object, meta: object) -> bool:
 def local_record(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], int]]:
     """``{key: (shape, content hash)}`` of a sharded batch's local ``input_ids`` / ``position_ids``.
 
-    One content hash per key (every element; :func:`cpshard.guards.consistency.content_hash`),
+    One content hash per key (every element; :func:`cpshard.sharding.consistency.content_hash`),
     computed once per shard.
     """
     out: dict[str, tuple[tuple[int, ...], int]] = {}

@@ -13,7 +13,7 @@ Differentiable: the backward of the payload is the adjoint of the all-gather (a 
 ``grad="sum"``) or this rank's own slice (``"replicated"``), as for
 :func:`cpshard._comm.all_gather_dim0`.
 
-Import rule: :mod:`cpshard._comm` only (no process group of its own, no other cpshard package).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@ Labels are pre-shifted by the caller (``labels[t]`` is the target of input ``t``
 sharding, the next token of a local token usually lives on another rank, so the shift must happen
 while every rank still holds the whole sequence.
 
-Import rule: :mod:`cpshard.layouts` only (like all of :mod:`cpshard.sharding`, never
-:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models`).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

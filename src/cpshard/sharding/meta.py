@@ -9,8 +9,7 @@ Masking rule (layout-agnostic): query ``q`` sees key ``k`` iff
 Padding gets a unique negative document id (``-1 - position``), so a pad token sees only itself:
 no real token ever sees a pad, and no row is fully masked.
 
-Import rule: torch only (like all of :mod:`cpshard.sharding`, never :mod:`cpshard.attention`,
-:mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -21,9 +21,7 @@ token travel in ``ctx.facts.token_meta``, and the attention masks with them. Pac
 always need document masking, so the dispatcher's ``ctx()`` activates cpshard attention even at
 ``cp_size == 1``.
 
-Import rule: :mod:`cpshard.layouts`, :mod:`cpshard._comm` and the rest of
-:mod:`cpshard.sharding`; never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`,
-:mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -8,9 +8,7 @@ the fact names of the contract (``original_seq_len``, ``padded_seq_len``, ...) r
 token verbs then move any per-token tensor between the caller's coordinates
 (:mod:`cpshard.layouts.coordinates`) and the local shard, exactly as the batch was moved.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency`,
-:mod:`cpshard._comm` and the rest of :mod:`cpshard.sharding`; never :mod:`cpshard.attention`,
-:mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
-from cpshard.guards.consistency import verb_descriptor, verb_mismatch_message
+from cpshard.sharding.consistency import verb_descriptor, verb_mismatch_message
 from cpshard.sharding.facts import (
     CPContext,
     ShardBatchFn,

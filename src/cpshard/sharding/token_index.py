@@ -4,7 +4,7 @@ Built once per (padded length, device) from a rank map and cached with the shard
 ``shard_token_tensor`` is a copy of a few slices (or one ``index_select``) and
 ``gather_token_tensor`` reorders the all-gathered ranks with a precomputed inverse permutation.
 
-Import rule: tensor math on :mod:`cpshard.layouts` only (no process group).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

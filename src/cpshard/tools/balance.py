@@ -17,9 +17,7 @@ document-major, so a contiguous cut hands out whole documents). ``_PTRRLoadBalan
 compiled ``BlockMask``; instead its own scheduler ``ptrr_scheduling`` is fed the exact per-block
 counts ``kv_num_blocks + full_kv_num_blocks`` a 128-token document-causal BlockMask has.
 
-A tool: imports the packed layouts (:mod:`cpshard.layouts`), the corpus and torch's private
-balancers (the one ``torch.distributed`` import outside :mod:`cpshard._comm` that is more than a
-type name; index generators, no collective). Never :mod:`cpshard.cli`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

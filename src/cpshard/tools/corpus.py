@@ -4,7 +4,7 @@
 each. Tokens are bytes (0-255) plus three specials, so any tiny model with ``vocab_size >= 259``
 can train on it.
 
-A tool: imports nothing of cpshard.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ of a parent that was killed), not on a TCP port picked, released and hoped to st
 own connections then listen on ports the OS assigns while they are held.
 
 :func:`run_local_ranks` is the one-shot form (public as ``cpshard.launch.run_local_ranks``).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

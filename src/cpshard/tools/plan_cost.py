@@ -12,7 +12,7 @@ gives the global token meta every rank would hold; from it (host work only, no r
 * **modelled ms**: one layer's forward + backward attention at each given link bandwidth, by the
   cost model of :mod:`cpshard.attention.cost` (its assumptions are documented there).
 
-Imports the packed layouts, the cost model, the method registry and the plans; no collective.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

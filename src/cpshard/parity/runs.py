@@ -7,10 +7,9 @@ on the CP size, so one rank gives the reference and N ranks give the CP result;
 :func:`compare` measures, at every step, how far apart the losses and the gradients are, and
 :data:`TOLERANCES` says how far is too far.
 
-The models a parity run can use are one table, :data:`cpshard.tools.parity_models.MODELS`.
+The models a parity run can use are one table, :data:`cpshard.parity.models.MODELS`.
 
-A tool: imports the public contract (:mod:`cpshard.dispatch`, :mod:`cpshard.loss`),
-:mod:`cpshard._comm` and the other tools; never :mod:`cpshard.cli`, which drives it.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from cpshard import _comm
 from cpshard.dispatch import prepare_cp_forward
 from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging, sync_grads
 from cpshard.names import LayoutName
+from cpshard.parity.models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
 from cpshard.tools.corpus import PAD_ID
-from cpshard.tools.parity_models import HEADS, KV_HEADS, MODELS, BatchSpec, ModelSpec
 
 __all__ = [
     "DTYPES",

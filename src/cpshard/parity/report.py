@@ -16,7 +16,7 @@ JSON (``--json PATH``) is a list of records (``Record`` fields, ``dataclasses.as
 For a ``reference`` row the checked side is the cp=1 reference (``world`` 1) and the reference is
 the model's own attention without cpshard (``method`` ``"native"``).
 
-Imports nothing of cpshard (matplotlib lazily, for ``--plot``).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The rows of a ``cpshard parity`` run: which (model, dtype, batch, layout, method) to check.
 
-Rows come from one table, :data:`cpshard.tools.parity_models.MODELS`: a model with ``layouts``
+Rows come from one table, :data:`cpshard.parity.models.MODELS`: a model with ``layouts``
 gets one row per (layout, method) with the batch kind its layout needs (dense rows for
 ``round_robin`` and ``contiguous``, packed rows for ``balanced`` and ``packed``); a model that
 owns its CP layout (``layouts=None``) gets one row per method on each of its batch kinds, or a
@@ -8,7 +8,7 @@ single row when its attention is its own (``attention="own"``: no CP attention m
 Before the CP rows of a (model, dtype, batch kind), one ``reference`` row checks the cp=1
 reference against the model's own attention, when the model has such a check.
 
-Imports only the names (:mod:`cpshard.names`) and the parity tool; no collective.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cpshard.names import DENSE_LAYOUTS, PACKED_LAYOUTS
-from cpshard.tools.parity import HEADS, KV_HEADS, MODELS, ParityCase
+from cpshard.parity.runs import HEADS, KV_HEADS, MODELS, ParityCase
 
 __all__ = ["LAYOUT_BATCH", "Row", "plan_rows"]
 
@@ -75,7 +75,7 @@ def plan_rows(
 
     Args:
         base: Sizes, steps, seed, grad sync and device shared by every row.
-        models: Keys of :data:`cpshard.tools.parity_models.MODELS`.
+        models: Keys of :data:`cpshard.parity.models.MODELS`.
         dtypes: ``float32``, ``float64``, ``bfloat16``.
         layouts: cpshard layouts for models that do not own theirs.
         methods: Attention methods.

@@ -39,9 +39,9 @@ instead of raising on that rank alone before a collective the others then wait i
 
 Owns the fingerprint and its comparison (:func:`dispatch_fingerprint` for the dispatcher, whose
 fingerprint rides in the step header's one all-gather, :func:`check_batch_consistency` with an
-all-gather of its own, :func:`check_verb_consistency` for the sharder's token verbs). Imports
-only torch and :mod:`cpshard._comm`: :mod:`cpshard.sharding` calls it, so it never imports
-sharding, attention or dispatch.
+all-gather of its own, :func:`check_verb_consistency` for the sharder's token verbs).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

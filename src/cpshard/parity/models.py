@@ -13,8 +13,7 @@ attention without cpshard (the independent check of the cp=1 reference).
 * ``prefix``: :class:`cpshard.models.GlobalPrefixDecoder`, model-owned: its hook returns its own
   sharder, which repositions tokens (a copy of the global prefix on every rank, whole blocks).
 
-A tool: imports :mod:`cpshard.models`, the loss, label shifting and the corpus; never
-:mod:`cpshard.cli`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations

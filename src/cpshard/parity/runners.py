@@ -13,7 +13,7 @@ Both runners offer the same three calls, so ``cpshard parity`` has one driver lo
 them for every row. :class:`LaunchedRunner` joins the process group described by the launcher's
 environment: NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise.
 
-Imports the parity tool, the rank pool and :mod:`cpshard._comm` (process-group creation).
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
+from cpshard.parity.runs import ParityCase, ParityResult, Shadow, native_steps, train_steps
 from cpshard.tools.launch import LocalRanks
-from cpshard.tools.parity import ParityCase, ParityResult, Shadow, native_steps, train_steps
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -5,8 +5,7 @@ a token id. Any valid id works (pad slots are masked out of attention and get la
 ``None`` (what Llama tokenizers give as ``pad_token_id``), a negative or an out-of-vocabulary id
 would fail only on the ranks that hold pad slots, leaving the others in a collective.
 
-Imports only ``torch.nn`` (no collective: the dispatcher runs it before any); never
-:mod:`cpshard.sharding`, :mod:`cpshard.attention` or :mod:`cpshard.dispatch`.
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
