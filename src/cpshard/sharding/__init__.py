@@ -6,7 +6,9 @@ and the batch identity of local tensors (:mod:`.facts`), the gather/scatter inde
 with (:mod:`.token_index`), the batch conventions and the dense ``shard_batch`` (:mod:`.batch`),
 the packed ``shard_batch`` (:mod:`.packed`), the per-token facts attention reads
 (:class:`~cpshard.sharding.meta.TokenMeta`) and label shifting on the global sequence
-(:mod:`.labels`). The caller-coordinate map is :mod:`cpshard.layouts.coordinates`.
+(:mod:`.labels`). The caller-coordinate map is :mod:`cpshard.layouts.coordinates`; where every
+token of a batch lives is one frozen :class:`~cpshard.layouts.placement.Placement`. The public
+toolkit of a custom sharder (:mod:`.toolkit`) is re-exported here.
 
 Sharding only shards: a built-in ``shard_batch`` returns a context with no attention in it, and
 the dispatcher (:mod:`cpshard.dispatch`) composes CP attention over the shard's token meta.
@@ -16,3 +18,39 @@ Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.guards.consistency
 imports :mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`,
 :mod:`cpshard.cli` or :mod:`cpshard.models` (checked by ``tests/unit/test_architecture.py``).
 """
+
+from cpshard.sharding.meta import TokenMeta
+from cpshard.sharding.sharder import CPSharder
+from cpshard.sharding.toolkit import (
+    CallerCoordinates,
+    CPContext,
+    Placement,
+    ShardFacts,
+    TokenKey,
+    closed_form_placement,
+    cp_rank_and_size,
+    facts_from_placement,
+    normalize_batch,
+    packed_placement,
+    pad_document_ids,
+    pad_tokens,
+    pad_value,
+)
+
+__all__ = [
+    "CPContext",
+    "CPSharder",
+    "CallerCoordinates",
+    "Placement",
+    "ShardFacts",
+    "TokenKey",
+    "TokenMeta",
+    "closed_form_placement",
+    "cp_rank_and_size",
+    "facts_from_placement",
+    "normalize_batch",
+    "packed_placement",
+    "pad_document_ids",
+    "pad_tokens",
+    "pad_value",
+]

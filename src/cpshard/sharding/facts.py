@@ -6,11 +6,9 @@ that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller 
 rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
 the mesh the batch was sharded on), once per shard: nothing is updated field by field.
 
-Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta`,
-:mod:`cpshard.sharding.token_index` and the content hash of :mod:`cpshard.guards.consistency`;
-never
-:mod:`cpshard.attention`, :mod:`cpshard.dispatch`, :mod:`cpshard.tools`, :mod:`cpshard.cli` or
-:mod:`cpshard.models`.
+Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta` and the content hash
+of :mod:`cpshard.guards.consistency`; never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`,
+:mod:`cpshard.tools`, :mod:`cpshard.cli` or :mod:`cpshard.models`.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.guards.consistency import content_hash
 from cpshard.layouts.coordinates import CallerCoordinates
+from cpshard.layouts.placement import Placement
 from cpshard.sharding.meta import TokenMeta
-from cpshard.sharding.token_index import TokenIndex
 
 __all__ = [
     "CPContext",
@@ -76,16 +74,31 @@ class ShardFacts(CallerCoordinates):
         cp_mesh: The CP mesh the batch was sharded on (set by :meth:`cpshard.CPSharder.shard`).
         check_consistency: Whether ``gather_token_tensor`` first compares dtype and shape across
             the CP ranks (set by :meth:`cpshard.CPSharder.shard`).
+        placement: The :class:`~cpshard.layouts.placement.Placement` these facts were derived
+            from (:meth:`of`): then ``rank_map`` is its rank map and ``token_meta`` is derived
+            from it, one copy of the layout; ``None`` for facts built field by field.
     """
 
     rank_map: torch.Tensor | None = None
     token_meta: TokenMeta | None = None
     cp_mesh: DeviceMesh | None = field(default=None, compare=False)
     check_consistency: bool = True
-    # Derived gather/scatter indices per (padded length, device); a fresh cache per facts object.
-    index_cache: dict[tuple[int, str], TokenIndex] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    placement: Placement | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, placement: Placement, rank: int) -> ShardFacts:
+        """The facts of rank ``rank`` of a placement: its caller coordinates, its rank map and
+        the token meta derived from it (no field copied by hand)."""
+        coords = placement.coordinates
+        return cls(
+            coords.original_seq_len,
+            coords.padded_seq_len,
+            coords.input_row_shape,
+            coords.input_token_stream_positions,
+            rank_map=placement.rank_map,
+            token_meta=TokenMeta.of(placement, rank),
+            placement=placement,
+        )
 
     @property
     def attention_method(self) -> str | None:
