@@ -4,8 +4,9 @@ Owns the closed-form layouts (``none``, ``contiguous``, ``round_robin``; :mod:`.
 the document structure of packed batches (:class:`~cpshard.layouts.documents.PackSpec`), the
 layouts of packed streams (``packed``; :mod:`.packed`) and our ``balanced`` solver
 (:mod:`.balanced`), plus the index helpers they share (:mod:`.index`: padded lengths, rank-map
-checks, inverse permutations, runs) and the one map between the caller's coordinates and the
-padded stream (:mod:`.coordinates`).
+checks, inverse permutations, runs), the one map between the caller's coordinates and the
+padded stream (:mod:`.coordinates`) and the :class:`~cpshard.layouts.placement.Placement` every
+layout ends in (:mod:`.placement`).
 
 Import rule: pure index math on torch / numpy tensors. Nothing here imports
 ``torch.distributed``, :mod:`cpshard._comm` or any other cpshard package (only
@@ -22,6 +23,7 @@ from cpshard.layouts.closed_form import (
     round_robin_local_indices,
 )
 from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.placement import Placement
 from cpshard.layouts.index import (
     check_rank_map,
     consecutive_runs,
@@ -34,6 +36,7 @@ __all__ = [
     "ContiguousLayout",
     "NoneLayout",
     "PackSpec",
+    "Placement",
     "RoundRobinLayout",
     "check_rank_map",
     "consecutive_runs",

@@ -1,8 +1,9 @@
 """The placement of one batch: the one frozen record of where every token lives.
 
-Every layout ends in a :class:`Placement`: the closed-form ones (:func:`closed_form_placement`),
-the packed ones (:func:`packed_placement` wraps a :class:`~cpshard.layouts.packed.PackedPlan`)
-and a model's own (built directly, e.g. ``cpshard.models.global_prefix``). Everything else is
+Every layout ends in a :class:`Placement`: the closed-form ones
+(``ClosedFormLayout.placement``), the packed ones (``PackedPlan.placement`` wraps the plan of
+``packed`` and ``balanced``) and a model's own (built directly, e.g.
+``cpshard.models.global_prefix``). Everything else is
 derived from it and cached by its consumer, keyed by the placement object (identity): the
 sharder's facts and token index (:mod:`cpshard.sharding`) and the per-token facts attention
 reads (``TokenMeta``, whose ``positions`` are ``rank_map`` flattened, by construction).
@@ -14,17 +15,12 @@ other cpshard package).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from cpshard.layouts.closed_form import ClosedFormLayout
 from cpshard.layouts.coordinates import CallerCoordinates
 
-if TYPE_CHECKING:
-    from cpshard.layouts.packed import PackedPlan
-
-__all__ = ["Placement", "closed_form_placement", "packed_placement", "pad_document_ids"]
+__all__ = ["Placement", "pad_document_ids"]
 
 
 def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
@@ -99,54 +95,3 @@ class Placement:
     def stream_document_ids(self) -> torch.Tensor:
         """LongTensor ``[B or 1, P]``: ``document_ids`` in rank-major stream order."""
         return self.document_ids.index_select(1, self.rank_map.reshape(-1))
-
-
-def closed_form_placement(
-    layout: ClosedFormLayout,
-    world_size: int,
-    rows: int,
-    seq_len: int,
-    padding_mask: torch.Tensor | None,
-    device: torch.device,
-) -> Placement:
-    """The placement of ``[B, S]`` rows under a closed-form layout (CP pads at the row end).
-
-    Args:
-        layout: The closed-form layout.
-        world_size: ``C``.
-        rows: ``B``.
-        seq_len: ``S``, the caller's length.
-        padding_mask: BoolTensor ``[B or 1, S]`` (``True`` = pad) or ``None``.
-        device: Device of the maps.
-    """
-    padded = layout.padded_length(seq_len, world_size)
-    rank_map = layout.rank_map(world_size, padded, device)
-    if padding_mask is None and padded == seq_len:
-        docs = torch.zeros(1, padded, dtype=torch.long, device=device)
-    else:
-        pad = torch.ones(rows, padded, dtype=torch.bool, device=device)
-        pad[:, :seq_len] = False if padding_mask is None else padding_mask.bool()
-        docs = pad_document_ids(torch.zeros_like(pad, dtype=torch.long), pad)
-    return Placement(rank_map, docs, CallerCoordinates(seq_len, padded))
-
-
-def packed_placement(
-    plan: PackedPlan, device: torch.device, stream_padding: torch.Tensor | None = None
-) -> Placement:
-    """The placement of a packed batch under its :class:`~cpshard.layouts.packed.PackedPlan`.
-
-    Args:
-        plan: The plan of the ``packed`` or ``balanced`` layout.
-        device: Device of the maps.
-        stream_padding: BoolTensor ``[P]`` on ``device`` (global order), ``True`` = pad: the
-            plan's pads plus the caller's own pads inside documents; default the plan's pads.
-    """
-    pad = plan.stream_padding_mask.to(device) if stream_padding is None else stream_padding
-    docs = pad_document_ids(plan.stream_document_ids.to(device)[None], pad[None])
-    coordinates = CallerCoordinates(
-        None,
-        plan.padded_len,
-        plan.input_row_shape,
-        plan.input_token_stream_positions.to(device),
-    )
-    return Placement(plan.rank_map.to(device), docs, coordinates)

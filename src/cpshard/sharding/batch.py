@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.layouts.closed_form import ClosedFormLayout
-from cpshard.layouts.placement import closed_form_placement
 from cpshard.sharding.facts import CPContext, ShardFacts
 
 __all__ = [
@@ -474,7 +473,7 @@ def shard_batch_dense(
     x = out[primary]
     bsz, seq_len = x.shape[0], x.shape[1]
     pad_mask = out.get("padding_mask")
-    placement = closed_form_placement(layout, world, bsz, seq_len, pad_mask, x.device)
+    placement = layout.placement(world, bsz, seq_len, pad_mask, x.device)
     padded = placement.padded_len
     facts = ShardFacts.of(placement, rank)
     # cp=1 runs the same path (same keys, same attention semantics); only copies are skipped.

@@ -40,7 +40,6 @@ from cpshard import _comm
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.packed import PackedPlan, plan_packed
-from cpshard.layouts.placement import packed_placement
 from cpshard.names import PACKED_LAYOUTS
 from cpshard.sharding.batch import (
     TokenKey,
@@ -180,7 +179,7 @@ def shard_batch_packed(
     if "padding_mask" in out:  # caller pads inside documents see only themselves too
         caller_pad = out["padding_mask"].bool().reshape(-1).index_select(0, caller.clamp(min=0))
         stream_pad = stream_pad | (caller_pad & (caller >= 0))
-    placement = packed_placement(plan, device, stream_pad)
+    placement = plan.placement(device, stream_pad)
     rank_map = placement.rank_map
     local = rank_map[rank]
     src = caller.index_select(0, local)  # caller index of every local slot, -1 = layout pad

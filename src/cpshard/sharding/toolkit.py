@@ -19,12 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.layouts.coordinates import CallerCoordinates
-from cpshard.layouts.placement import (
-    Placement,
-    closed_form_placement,
-    packed_placement,
-    pad_document_ids,
-)
+from cpshard.layouts.placement import Placement, pad_document_ids
 from cpshard.sharding.batch import TokenKey, normalize_batch, pad_tokens, pad_value
 from cpshard.sharding.facts import CPContext, ShardFacts
 
@@ -34,11 +29,9 @@ __all__ = [
     "Placement",
     "ShardFacts",
     "TokenKey",
-    "closed_form_placement",
     "cp_rank_and_size",
     "facts_from_placement",
     "normalize_batch",
-    "packed_placement",
     "pad_document_ids",
     "pad_tokens",
     "pad_value",
