@@ -23,13 +23,13 @@ from cpshard.layouts.closed_form import (
     round_robin_local_indices,
 )
 from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.placement import Placement
 from cpshard.layouts.index import (
     check_rank_map,
     consecutive_runs,
     inverse_permutation,
     padded_length,
 )
+from cpshard.layouts.placement import Placement
 
 __all__ = [
     "ClosedFormLayout",

@@ -3,8 +3,10 @@ batch identity that local tensors carry.
 
 A ``shard_batch`` returns ``(ctx_factory, batch)``; a :class:`CPContext` is a context factory
 that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller coordinates,
-rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
-the mesh the batch was sharded on), once per shard: nothing is updated field by field.
+rank map, token meta), derived from the shard's one
+:class:`~cpshard.layouts.placement.Placement` (:meth:`ShardFacts.of`).
+:meth:`cpshard.CPSharder.shard` binds a sharder to them (with the mesh the batch was sharded
+on), once per shard: nothing is updated field by field.
 
 Import rule: may import :mod:`cpshard.layouts`, :mod:`cpshard.sharding.meta` and the content hash
 of :mod:`cpshard.guards.consistency`; never :mod:`cpshard.attention`, :mod:`cpshard.dispatch`,
