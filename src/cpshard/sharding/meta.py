@@ -50,7 +50,9 @@ class TokenMeta:
             ``.to()`` of the local tensors (see :func:`cpshard.sharding.facts.matches_record`);
             not part of equality.
         plan_cache: Per-batch cache of derived plans (the attention plan of
-            :func:`cpshard.attention.plan.attention_plan`); not part of equality.
+            :func:`cpshard.attention.plan.attention_plan`), filled by attention; a shard has one
+            meta per placement and rank (:meth:`of`), so it is keyed by the placement; not part
+            of equality.
         placement: The placement this meta was derived from (:meth:`of`), or ``None`` for a
             meta built by hand; not part of equality.
 
