@@ -28,6 +28,13 @@ from cpshard.sharding.labels import shift_labels, shift_labels_packed
 from cpshard.sharding.meta import TokenMeta
 from cpshard.sharding.packed import packed_sharder
 from cpshard.sharding.sharder import CPContext, CPSharder, ShardFacts
+from cpshard.sharding.toolkit import (
+    Placement,
+    facts_from_placement,
+    normalize_batch,
+    pad_tokens,
+    pad_value,
+)
 
 __all__ = [
     "CPContext",
@@ -35,6 +42,7 @@ __all__ = [
     "ContiguousLayout",
     "NoneLayout",
     "PackSpec",
+    "Placement",
     "RoundRobinLayout",
     "ShardFacts",
     "TokenKey",
@@ -44,9 +52,13 @@ __all__ = [
     "closed_form_sharder",
     "consistency",
     "contiguous_local_indices",
+    "facts_from_placement",
     "loss",
     "make_cp_batch_and_ctx",
+    "normalize_batch",
     "packed_sharder",
+    "pad_tokens",
+    "pad_value",
     "prepare_cp_forward",
     "round_robin_local_indices",
     "shift_labels",

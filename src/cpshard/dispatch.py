@@ -333,7 +333,7 @@ def _dispatch(
     if cp_sharder is None:
         cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys)
     pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
-    ctx, out = cp_sharder.shard(
+    ctx, out, bound = cp_sharder.shard(  # bound: the sharder of this batch, never stale
         cp_mesh,
         batch,
         tp_mesh=tp_mesh,
@@ -344,7 +344,7 @@ def _dispatch(
     return (
         _with_cp_attention(ctx, cp_mesh, attention, state, attention_cost),
         out,
-        cp_sharder,
+        bound,
     )
 
 

@@ -138,6 +138,54 @@ def sharder_built_with_facts(cp_mesh: DeviceMesh) -> None:
     sharder.shard_batch = facts_free
     ids = torch.arange(1, padded).reshape(1, -1)
     _, local, bound = cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids}, cp_sharder=sharder)
-    assert bound is sharder and sharder.cp_mesh is cp_mesh
+    # the dispatcher returns a sharder bound to the batch; the one the caller built (the seed's
+    # holder) answers for its latest batch too, with the same facts
+    assert bound.is_bound and bound.facts is sharder.facts and sharder.cp_mesh is cp_mesh
+    for s in (sharder, bound):
+        assert (s.original_seq_len, s.padded_seq_len) == (padded - 1, padded)
+        assert_close(s.gather_token_tensor(local["input_ids"], trim=True), ids)
+
+
+def bound_sharder_outlives_later_shards(cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """A sharder returned for one batch keeps answering for that batch after the same model
+    hook (record_on=sharder) shards later batches: no stale sharder, nothing to detect."""
+    rank, world = _rank_world(cp_mesh)
+    model = SeedOwned()
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(1, VOCAB, (2, seq_len), generator=g)
+    _, local1, sharder1 = cpshard.prepare_cp_forward(
+        model, cp_mesh, {"input_ids": first, "labels": first}
+    )
+    later = torch.randint(1, VOCAB, (1, seq_len + 5), generator=g)
+    _, local2, sharder2 = cpshard.prepare_cp_forward(
+        model, cp_mesh, {"input_ids": later, "labels": later}
+    )
+    assert sharder1 is not sharder2 and sharder1.original_seq_len == seq_len
+    assert sharder2.original_seq_len == seq_len + 5
+    assert_close(sharder1.gather_token_tensor(local1["input_ids"], trim=True), first)
+    assert_close(sharder2.gather_token_tensor(local2["input_ids"], trim=True), later)
+    adv = torch.randn(2, seq_len, generator=g)
+    back = sharder1.gather_token_tensor(sharder1.shard_token_tensor(adv, fill=0.0), trim=True)
+    assert_close(back, adv)
+
+
+def record_on_assignment_replaces_facts(cp_mesh: DeviceMesh) -> None:
+    """The seed's ``record_on`` assignments on a bare sharder (no shard yet) and on a sharder
+    built with fact fields: each replaces the frozen facts, and the verbs use them."""
+    rank, world = _rank_world(cp_mesh)
+    padded = 2 * world
+    sharder = cpshard.CPSharder(None, contiguous_indices, layout="contiguous")
+    before = sharder.facts
+    sharder.original_seq_len = padded - 1
+    sharder.padded_seq_len = padded
+    assert sharder.facts is not before and before.padded_seq_len is None
     assert (sharder.original_seq_len, sharder.padded_seq_len) == (padded - 1, padded)
-    assert_close(sharder.gather_token_tensor(local["input_ids"], trim=True), ids)
+    x = torch.arange(padded - 1.0).reshape(1, -1)
+    want = torch.cat([x, x.new_full((1, 1), -1.0)], 1)
+    assert_close(sharder.shard_token_tensor(x, fill=-1.0), want)  # no mesh yet: cp=1 verbs
+    built = cpshard.CPSharder(
+        None, contiguous_indices, original_seq_len=3, padded_seq_len=4, input_row_shape=(2, 2)
+    )
+    assert (built.original_seq_len, built.padded_seq_len, built.input_row_shape) == (3, 4, (2, 2))
+    built.input_row_shape = None
+    assert built.input_row_shape is None and built.padded_seq_len == 4

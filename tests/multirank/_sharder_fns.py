@@ -288,7 +288,9 @@ def third_party_sharders(cp_mesh: DeviceMesh) -> None:
             ctx, local, again = cpshard.make_cp_batch_and_ctx(
                 cp_mesh, {"input_ids": ids}, cp_sharder=sharder
             )
-            assert again is sharder and ctx.facts is sharder.facts and sharder.cp_mesh is cp_mesh
+            # the sharder bound to this batch, and the template answering for its latest batch
+            assert again.is_bound and again.facts is sharder.facts is ctx.facts
+            assert sharder.cp_mesh is cp_mesh
             with ctx(), ctx:  # the user's context, both spellings
                 pass
             lengths = (None, None) if kind == "plain" else (seq, padded)
@@ -305,8 +307,9 @@ def third_party_sharders(cp_mesh: DeviceMesh) -> None:
 
 
 def facts_replaced_per_shard(cp_mesh: DeviceMesh, layout: str) -> None:
-    """A sharder given again holds exactly the facts a fresh one gets for the new batch, and the
-    first ctx keeps the first batch's facts."""
+    """A sharder given again shards with its template: the sharder it returns holds exactly the
+    facts a fresh one gets for the new batch, while the first sharder and ctx keep the first
+    batch's facts (a bound sharder never goes stale)."""
     if layout in ("packed", "balanced"):
         first: dict[str, Any] = {
             "input_ids": torch.arange(1, 13).reshape(2, 6),
@@ -324,14 +327,15 @@ def facts_replaced_per_shard(cp_mesh: DeviceMesh, layout: str) -> None:
     facts1 = sharder.facts
     _, _, fresh = cpshard.make_cp_batch_and_ctx(cp_mesh, second, **kw)
     ctx2, _, again = cpshard.make_cp_batch_and_ctx(cp_mesh, second, cp_sharder=sharder)
-    assert again is sharder and ctx1.facts is facts1 and ctx2.facts is sharder.facts
+    assert again is not sharder and ctx1.facts is facts1 and ctx2.facts is again.facts
+    assert sharder.facts is facts1  # the first batch's sharder still answers for it
     for name in ("original_seq_len", "padded_seq_len", "input_row_shape"):
-        assert getattr(sharder, name) == getattr(fresh, name), name
+        assert getattr(again, name) == getattr(fresh, name), name
     for name in ("input_token_stream_positions", "rank_map"):
-        a, b = getattr(sharder, name), getattr(fresh, name)
+        a, b = getattr(again, name), getattr(fresh, name)
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-    m, f = sharder.token_meta, fresh.token_meta
+    m, f = again.token_meta, fresh.token_meta
     assert m is not None and f is not None and (m.rank, m.world_size) == (f.rank, f.world_size)
     assert torch.equal(m.positions, f.positions) and torch.equal(m.document_ids, f.document_ids)
-    assert sharder.facts is not facts1 and facts1.token_meta is not m
+    assert again.facts is not facts1 and facts1.token_meta is not m
     assert facts1.original_seq_len == (None if layout in ("packed", "balanced") else 7)

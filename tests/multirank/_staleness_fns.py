@@ -25,16 +25,24 @@ def _batch(pad_last: int, seed: int = 1) -> dict[str, Any]:
 
 
 def stale_sharder_in_cp_attention(cp_mesh: DeviceMesh) -> str:
-    """cp_attention inside batch 1's ctx() with a sharder that has since sharded batch 2 (same
-    local length, other padding) raises on every rank; the batch's own sharder works."""
-    ctx1, local1, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, _batch(0))
+    """cp_attention inside batch 1's ctx() after the same sharder sharded batch 2 (same local
+    length, other padding): the sharder returned with batch 1 is bound to it and still works
+    (it cannot go stale); the template that sharded both (the seed's latest-batch holder) and
+    batch 2's sharder raise on every rank."""
+    layout = cpshard.RoundRobinLayout() if cp_mesh.size() > 1 else cpshard.NoneLayout()
+    template = cpshard.closed_form_sharder(layout)
+    ctx1, local1, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, _batch(0), cp_sharder=template)
     n = local1["input_ids"].shape[1]
     q, k, v = (torch.randn(B, H, n, D) for _ in range(3))
     with ctx1():
-        cp_attention(q, k, v, sharder=sharder)  # its own batch: fine
-    cpshard.make_cp_batch_and_ctx(cp_mesh, _batch(5), cp_sharder=sharder)  # re-sharded
+        want = cp_attention(q, k, v, sharder=sharder)  # its own batch: fine
+    _, _, second = cpshard.make_cp_batch_and_ctx(cp_mesh, _batch(5), cp_sharder=sharder)
+    with ctx1():  # re-sharded through it, but bound to batch 1 for good
+        torch.testing.assert_close(cp_attention(q, k, v, sharder=sharder), want)
+    with ctx1(), pytest.raises(ValueError, match="has sharded another batch since"):
+        cp_attention(q, k, v, sharder=second)
     with ctx1(), pytest.raises(ValueError, match="has sharded another batch since") as info:
-        cp_attention(q, k, v, sharder=sharder)
+        cp_attention(q, k, v, sharder=template)
     return str(info.value)
 
 

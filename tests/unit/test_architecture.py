@@ -62,7 +62,11 @@ LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("cpshard.mixers.segments", ("cpshard.sharding.meta",), "the token meta only"),
     ("cpshard.models.decoder", (), "torch only"),
     ("cpshard.sharding.gather", ("cpshard._comm",), "the token gather's one collective"),
-    ("cpshard.sharding.meta", (), "the per-token facts attention reads, torch only"),
+    (
+        "cpshard.sharding.meta",
+        ("cpshard.layouts.placement",),
+        "the per-token facts attention reads: torch and the placement they derive from",
+    ),
     ("cpshard.tools.corpus", (), "the shipped text corpus"),
 )
 # Modules that plan or cost on the host: they never import the collectives.

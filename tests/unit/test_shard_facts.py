@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 import cpshard
 
@@ -33,19 +34,53 @@ def test_facts_are_frozen_and_read_only() -> None:
 
 
 def test_facts_are_replaced_per_shard() -> None:
-    ctx1, local1, sharder = cpshard.make_cp_batch_and_ctx(None, _batch(7))
-    first = sharder.facts
-    sharder.shard_token_tensor(torch.zeros(2, 7))  # fills the first facts' index cache
-    assert list(first.index_cache) == [(7, "cpu")]
-    ctx2, local2, again = cpshard.make_cp_batch_and_ctx(None, _batch(5), cp_sharder=sharder)
-    assert again is sharder and sharder.facts is not first and ctx2.facts is sharder.facts
-    assert sharder.padded_seq_len == 5 and sharder.token_meta is not None
+    template = cpshard.closed_form_sharder(cpshard.NoneLayout())
+    ctx1, local1, first_bound = cpshard.make_cp_batch_and_ctx(None, _batch(7), cp_sharder=template)
+    first = first_bound.facts
+    assert first_bound.is_bound and not template.is_bound and template.facts is first
+    first_bound.shard_token_tensor(torch.zeros(2, 7))  # fills the bound sharder's index cache
+    index = first_bound._token_index(7, torch.device("cpu"))
+    ctx2, local2, again = cpshard.make_cp_batch_and_ctx(None, _batch(5), cp_sharder=template)
+    assert again is not first_bound and template.facts is again.facts and ctx2.facts is again.facts
+    assert again.padded_seq_len == 5 and again.token_meta is not None
     assert first.padded_seq_len == 7 and ctx1.facts is first  # the old shard's facts unchanged
-    assert sharder.facts.index_cache == {}  # derived indices belong to their facts
-    assert sharder.shard_token_tensor(torch.ones(2, 5)).shape == (2, 5)
+    assert again.shard_token_tensor(torch.ones(2, 5)).shape == (2, 5)
+    # the template answers for its latest batch (the seed's holder) and detects an older one
     with pytest.raises(ValueError, match="another batch than the one this sharder last sharded"):
-        sharder.gather_token_tensor(local1["input_ids"])
-    assert torch.equal(sharder.gather_token_tensor(local2["input_ids"]), _batch(5)["input_ids"])
+        template.gather_token_tensor(local1["input_ids"])
+    assert torch.equal(template.gather_token_tensor(local2["input_ids"]), _batch(5)["input_ids"])
+    # the bound sharder of the first batch cannot go stale: it still answers for its own batch
+    assert first_bound.facts is first and first_bound.padded_seq_len == 7
+    assert first_bound._token_index(7, torch.device("cpu")) is index  # cached per placement
+    assert torch.equal(first_bound.gather_token_tensor(local1["input_ids"]), _batch(7)["input_ids"])
+    assert_close(first_bound.shard_token_tensor(torch.ones(2, 7)), torch.ones(2, 7))
+    with pytest.raises(ValueError, match="another batch than the one this sharder last sharded"):
+        first_bound.gather_token_tensor(local2["input_ids"])
+    # sharding through a bound sharder shards with its template, and binds a new one
+    _, local3, third = cpshard.make_cp_batch_and_ctx(None, _batch(3), cp_sharder=first_bound)
+    assert third is not first_bound and template.facts is third.facts
+    assert first_bound.padded_seq_len == 7 and third.padded_seq_len == 3
+
+
+def test_placement_is_the_one_copy_of_the_layout() -> None:
+    """rank_map, token meta positions and caller coordinates all come from one placement."""
+    _, _, sharder = cpshard.make_cp_batch_and_ctx(
+        None, {"input_ids": torch.arange(6).reshape(2, 3), "seq_lens": [[2, 1], [3]]}
+    )
+    facts = sharder.facts
+    place = facts.placement
+    assert isinstance(place, cpshard.Placement) and facts.token_meta is not None
+    assert facts.rank_map is place.rank_map and facts.token_meta.placement is place
+    assert_close(facts.token_meta.positions, place.rank_map.reshape(1, -1))
+    assert facts.input_token_stream_positions is place.coordinates.input_token_stream_positions
+    assert facts.padded_seq_len == place.padded_len == place.coordinates.padded_seq_len
+    assert_close(facts.token_meta.document_ids, place.stream_document_ids())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        place.rank_map = place.rank_map  # type: ignore[misc]
+    with pytest.raises(ValueError, match="covers P=4 positions"):
+        cpshard.Placement(
+            torch.arange(4).view(2, 2), torch.zeros(1, 3, dtype=torch.long), place.coordinates
+        )
 
 
 def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None:
@@ -59,7 +94,7 @@ def test_builtin_shard_brings_no_context_the_dispatcher_adds_attention() -> None
         with pytest.raises(ValueError, match="added by the dispatcher"), enter():
             raise AssertionError("unreachable")
     assert not cp_context_active()
-    direct, _ = sharder.shard(None, _batch(4))  # CPSharder.shard alone composes no attention
+    direct, _, _ = sharder.shard(None, _batch(4))  # CPSharder.shard alone composes no attention
     with pytest.raises(ValueError, match="added by the dispatcher"):
         direct()
     ctx, _, _ = cpshard.make_cp_batch_and_ctx(None, _batch(4), cp_sharder=sharder)

@@ -4,8 +4,9 @@ Owns the closed-form layouts (``none``, ``contiguous``, ``round_robin``; :mod:`.
 the document structure of packed batches (:class:`~cpshard.layouts.documents.PackSpec`), the
 layouts of packed streams (``packed``; :mod:`.packed`) and our ``balanced`` solver
 (:mod:`.balanced`), plus the index helpers they share (:mod:`.index`: padded lengths, rank-map
-checks, inverse permutations, runs) and the one map between the caller's coordinates and the
-padded stream (:mod:`.coordinates`).
+checks, inverse permutations, runs), the one map between the caller's coordinates and the
+padded stream (:mod:`.coordinates`) and the :class:`~cpshard.layouts.placement.Placement` every
+layout ends in (:mod:`.placement`).
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
@@ -25,12 +26,14 @@ from cpshard.layouts.index import (
     inverse_permutation,
     padded_length,
 )
+from cpshard.layouts.placement import Placement
 
 __all__ = [
     "ClosedFormLayout",
     "ContiguousLayout",
     "NoneLayout",
     "PackSpec",
+    "Placement",
     "RoundRobinLayout",
     "check_rank_map",
     "consecutive_runs",

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cpshard.layouts.coordinates import CallerCoordinates
 from cpshard.layouts.index import padded_length
+from cpshard.layouts.placement import Placement, pad_document_ids
 
 __all__ = [
     "ClosedFormLayout",
@@ -146,6 +148,34 @@ class ClosedFormLayout(ABC):
         return torch.stack(
             [self.local_indices(r, world_size, padded_seq_len, device) for r in range(world_size)]
         )
+
+    def placement(
+        self,
+        world_size: int,
+        rows: int,
+        seq_len: int,
+        padding_mask: torch.Tensor | None,
+        device: torch.device,
+    ) -> Placement:
+        """The :class:`~cpshard.layouts.placement.Placement` of ``[B, S]`` rows (CP pads at the
+        row end, each its own document; the real tokens of a row are one document).
+
+        Args:
+            world_size: ``C``.
+            rows: ``B``.
+            seq_len: ``S``, the caller's length.
+            padding_mask: BoolTensor ``[B or 1, S]`` (``True`` = pad) or ``None``.
+            device: Device of the maps.
+        """
+        padded = self.padded_length(seq_len, world_size)
+        rank_map = self.rank_map(world_size, padded, device)
+        if padding_mask is None and padded == seq_len:
+            docs = torch.zeros(1, padded, dtype=torch.long, device=device)
+        else:
+            pad = torch.ones(rows, padded, dtype=torch.bool, device=device)
+            pad[:, :seq_len] = False if padding_mask is None else padding_mask.bool()
+            docs = pad_document_ids(torch.zeros_like(pad, dtype=torch.long), pad)
+        return Placement(rank_map, docs, CallerCoordinates(seq_len, padded))
 
 
 @dataclass(frozen=True)

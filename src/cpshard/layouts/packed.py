@@ -33,9 +33,14 @@ import numpy.typing as npt
 import torch
 
 from cpshard.layouts.closed_form import ClosedFormLayout
-from cpshard.layouts.coordinates import positions_to_stream, stream_to_positions
+from cpshard.layouts.coordinates import (
+    CallerCoordinates,
+    positions_to_stream,
+    stream_to_positions,
+)
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.index import check_rank_map
+from cpshard.layouts.placement import Placement, pad_document_ids
 
 __all__ = [
     "PackedPlan",
@@ -110,6 +115,27 @@ class PackedPlan:
                 f"got shape {tuple(stream.shape)}"
             )
         return stream_to_positions(stream, self.input_token_stream_positions, fill)
+
+    def placement(
+        self, device: torch.device, stream_padding: torch.Tensor | None = None
+    ) -> Placement:
+        """This plan as a :class:`~cpshard.layouts.placement.Placement` on ``device``.
+
+        Args:
+            device: Device of the maps.
+            stream_padding: BoolTensor ``[P]`` on ``device`` (global order), ``True`` = pad:
+                the plan's pads plus the caller's own pads inside documents; default the
+                plan's pads (:attr:`stream_padding_mask`).
+        """
+        pad = self.stream_padding_mask.to(device) if stream_padding is None else stream_padding
+        docs = pad_document_ids(self.stream_document_ids.to(device)[None], pad[None])
+        coordinates = CallerCoordinates(
+            None,
+            self.padded_len,
+            self.input_row_shape,
+            self.input_token_stream_positions.to(device),
+        )
+        return Placement(self.rank_map.to(device), docs, coordinates)
 
 
 def _check_world(spec: PackSpec, world_size: int) -> None:

@@ -21,6 +21,9 @@ Its attention is explicit masked math (never routed to CP attention); its ``shar
 no context of its own, so the dispatcher's ``ctx()`` is the cpshard attention context over the
 token meta, as for every built-in layout: "this shard runs under CP" holds for it too.
 
+Written with the public toolkit of a custom sharder only (:mod:`cpshard.sharding.toolkit`:
+``normalize_batch``, ``pad_tokens`` / ``pad_value``, a ``Placement``, ``facts_from_placement``).
+
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
@@ -34,12 +37,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard import _comm
 from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
-from cpshard.sharding.batch import normalize_batch
-from cpshard.sharding.facts import CPContext, ShardFacts
-from cpshard.sharding.meta import TokenMeta, pad_document_ids
-from cpshard.sharding.sharder import CPSharder
+from cpshard.sharding import (
+    CallerCoordinates,
+    CPContext,
+    CPSharder,
+    Placement,
+    cp_rank_and_size,
+    facts_from_placement,
+    normalize_batch,
+    pad_document_ids,
+    pad_tokens,
+    pad_value,
+)
 
 __all__ = [
     "GlobalPrefixConfig",
@@ -48,7 +58,8 @@ __all__ = [
     "global_prefix_sharder",
 ]
 
-_PAD = {"labels": -100, "loss_mask": 0, "padding_mask": True}
+# Keys whose prefix copies on ranks > 0 are pads (each real token counts once).
+_COUNTED = ("labels", "loss_mask", "padding_mask")
 
 
 @dataclass(frozen=True)
@@ -91,16 +102,6 @@ def global_prefix_mask(position_ids: torch.Tensor, num_global: int, block: int) 
     causal = pos[..., None, :] <= pos[..., :, None]
     visible = (pos[..., None, :] < num_global) | (blk[..., None, :] == blk[..., :, None])
     return (same & causal & visible).unsqueeze(1)
-
-
-def _pad_end(t: torch.Tensor, n: int, value: float | int | bool | None) -> torch.Tensor:
-    """Append ``n`` slots on dim 1 (``value=None``: continue positions)."""
-    if n == 0:
-        return t
-    if value is None:
-        steps = torch.arange(1, n + 1, device=t.device, dtype=t.dtype)
-        return torch.cat([t, t[:, -1:] + steps], dim=1)
-    return torch.cat([t, t.new_full((t.shape[0], n, *t.shape[2:]), value)], dim=1)
 
 
 def _shard_global_prefix(
@@ -148,7 +149,7 @@ def _shard_global_prefix(
             "by the token index in the row), but the padding mask has a pad before a real token; "
             "pad rows at the end"
         )
-    rank, world = _comm.cp_rank_and_size(cp_mesh)
+    rank, world = cp_rank_and_size(cp_mesh)
     body = seq_len - num_global
     chunk = -(-body // (world * block)) * block  # Lb: whole blocks per rank
     n_pad = world * chunk - body
@@ -161,11 +162,11 @@ def _shard_global_prefix(
     for key in dims:
         t = out[key]
         t = t.expand(bsz, *t.shape[1:]) if t.shape[0] != bsz else t
-        fill = padding_token_id if key == "input_ids" else _PAD.get(key)
-        t = _pad_end(t, n_pad, fill)
+        fill = pad_value(key, padding_token_id)
+        t = pad_tokens(t, 1, n_pad, fill)
         prefix = t[:, :num_global]
-        if rank > 0 and key in ("labels", "loss_mask", "padding_mask"):
-            prefix = torch.full_like(prefix, _PAD[key])  # duplicates count nowhere
+        if rank > 0 and key in _COUNTED and fill is not None:
+            prefix = torch.full_like(prefix, fill)  # duplicates count nowhere
         local = torch.cat([prefix, t[:, start : start + chunk]], dim=1)
         out[key] = local.reshape(1, local_len, *local.shape[2:]).contiguous()
     col = torch.arange(seq_len, device=ids.device)
@@ -173,33 +174,33 @@ def _shard_global_prefix(
     slot = torch.where(col < num_global, col, (k // chunk) * local_len + num_global + k % chunk)
     rows = torch.arange(bsz, device=ids.device)[:, None] * seg
     stream = torch.arange(padded, device=ids.device)
-    meta = _stream_meta(_pad_end(padding, n_pad, True), num_global, chunk, world, rank)
-    facts = ShardFacts(
-        original_seq_len=None,
-        padded_seq_len=padded,
-        input_token_stream_positions=rows + slot[None],
-        rank_map=stream.view(world, local_len),
-        token_meta=meta,
+    placement = Placement(
+        rank_map=stream.view(world, local_len),  # the stream is the local rows, rank-major
+        document_ids=_stream_document_ids(pad_tokens(padding, 1, n_pad, True), num_global, chunk),
+        coordinates=CallerCoordinates(
+            original_seq_len=None, padded_seq_len=padded, input_token_stream_positions=rows + slot
+        ),
     )
     # The model's attention needs no communication (explicit masked math, never routed to CP
     # attention), but its forward still runs inside the dispatcher's cpshard context, the region
     # that says "this shard, under CP": a plain SDPA elsewhere in the model sees the global stream.
-    return CPContext(None, facts), out
+    return CPContext(None, facts_from_placement(placement, cp_mesh)), out
 
 
-def _stream_meta(
-    padding: torch.Tensor, num_global: int, chunk: int, world: int, rank: int
-) -> TokenMeta:
-    """Token meta of the whole stream (every rank's slots, no collective).
+def _stream_document_ids(padding: torch.Tensor, num_global: int, chunk: int) -> torch.Tensor:
+    """Document ids of the whole stream (every rank's slots, no collective).
 
     Args:
         padding: Bool ``[B, G + C * Lb]``: the caller's rows with the body padded, ``True`` = pad.
+        num_global: ``G``.
+        chunk: ``Lb``, body tokens per rank.
 
     Returns:
-        Positions = stream slots ``0..P-1``; document id = row, except pads and prefix copies
-        (ranks ``> 0``), which get their own negative ids.
+        LongTensor ``[1, P]``: document id = row, except pads and prefix copies (ranks ``> 0``),
+        which get their own negative ids.
     """
     bsz = padding.shape[0]
+    world = (padding.shape[1] - num_global) // chunk
     rows = torch.arange(bsz, device=padding.device)[:, None]
     pads, docs = [], []
     for r in range(world):
@@ -207,9 +208,7 @@ def _stream_meta(
         body = padding[:, num_global + r * chunk : num_global + (r + 1) * chunk]
         pads.append(torch.cat([prefix, body], dim=1).reshape(-1))
         docs.append(rows.expand(bsz, num_global + chunk).reshape(-1))
-    stream_pad = torch.cat(pads)[None]
-    positions = torch.arange(stream_pad.shape[1], device=padding.device)[None]
-    return TokenMeta(rank, world, positions, pad_document_ids(torch.cat(docs)[None], stream_pad))
+    return pad_document_ids(torch.cat(docs)[None], torch.cat(pads)[None])
 
 
 def global_prefix_sharder(num_global: int, block: int, *, num_chunks: int = 1) -> CPSharder:

@@ -38,7 +38,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard import _comm
 from cpshard.layouts.closed_form import ClosedFormLayout
 from cpshard.sharding.facts import CPContext, ShardFacts
-from cpshard.sharding.meta import TokenMeta, pad_document_ids
 
 __all__ = [
     "KNOWN_TOKEN_KEYS",
@@ -46,6 +45,8 @@ __all__ = [
     "attention_mask_to_padding_mask",
     "check_batch_mapping",
     "normalize_batch",
+    "pad_tokens",
+    "pad_value",
     "shard_batch_dense",
 ]
 
@@ -371,9 +372,22 @@ def normalize_batch(
     return out, dims, primary
 
 
-def _pad_value(
-    key: str, padding_token_id: int, extra: Mapping[str, TokenKey]
+def pad_value(
+    key: str, padding_token_id: int, extra_token_keys: Mapping[str, TokenKey] | None = None
 ) -> float | int | bool | None:
+    """The pad table's value of a per-token key (see the module docstring).
+
+    Args:
+        key: A batch key: a built-in one or one of ``extra_token_keys``.
+        padding_token_id: Pad id of ``input_ids``.
+        extra_token_keys: Caller-declared per-token keys and their pad values.
+
+    Returns:
+        The pad value; ``None`` for ``position_ids`` (continued, see :func:`pad_tokens`).
+
+    Raises:
+        KeyError: ``key`` is neither built-in nor declared.
+    """
     table: dict[str, float | int | bool | None] = {
         "input_ids": padding_token_id,
         "inputs_embeds": 0,
@@ -382,10 +396,22 @@ def _pad_value(
         "padding_mask": True,
         "position_ids": None,  # continued
     }
-    return table[key] if key in table else extra[key].pad
+    return table[key] if key in table else (extra_token_keys or {})[key].pad
 
 
-def _pad(t: torch.Tensor, dim: int, n: int, value: float | int | bool | None) -> torch.Tensor:
+def pad_tokens(t: torch.Tensor, dim: int, n: int, value: float | int | bool | None) -> torch.Tensor:
+    """Append ``n`` CP pad slots to ``t`` on its sequence dim (``t`` itself when ``n == 0``).
+
+    Args:
+        t: A per-token tensor, e.g. ``[B, S]`` or ``[B, S, H]``.
+        dim: Its sequence dim.
+        n: Pad slots to append.
+        value: Their value (:func:`pad_value`); ``None`` continues positions monotonically
+            (``last + 1, last + 2, ...``).
+
+    Returns:
+        ``t`` with ``S + n`` tokens on ``dim`` (a new tensor when ``n > 0``).
+    """
     if n == 0:
         return t
     if value is None:  # continue positions monotonically
@@ -397,6 +423,9 @@ def _pad(t: torch.Tensor, dim: int, n: int, value: float | int | bool | None) ->
     shape = list(t.shape)
     shape[dim] = n
     return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+_pad_value = pad_value  # the name sharding/packed.py imports
 
 
 def shard_batch_dense(
@@ -441,27 +470,17 @@ def shard_batch_dense(
     out, dims, primary = normalize_batch(batch, loss_mask=loss_mask, extra_token_keys=extra)
     x = out[primary]
     bsz, seq_len = x.shape[0], x.shape[1]
-    padded = layout.padded_length(seq_len, world)
-    rank_map = layout.rank_map(world, padded, x.device)
-    stream = rank_map.reshape(1, -1)
     pad_mask = out.get("padding_mask")
-    if pad_mask is None and padded == seq_len:
-        docs = torch.zeros(1, padded, dtype=torch.long, device=x.device)
-    else:
-        full_pad = torch.zeros(bsz, seq_len, dtype=torch.bool, device=x.device)
-        if pad_mask is not None:
-            full_pad = full_pad | pad_mask.bool()
-        full_pad = _pad(full_pad, 1, padded - seq_len, True)
-        docs = pad_document_ids(torch.zeros_like(full_pad, dtype=torch.long), full_pad)
-    meta = TokenMeta(rank, world, stream.expand(docs.shape[0], -1), docs.index_select(1, stream[0]))
-    facts = ShardFacts(seq_len, padded, rank_map=rank_map, token_meta=meta)
+    placement = layout.placement(world, bsz, seq_len, pad_mask, x.device)
+    padded = placement.padded_len
+    facts = ShardFacts.of(placement, rank)
     # cp=1 runs the same path (same keys, same attention semantics); only copies are skipped.
     identity = world == 1 and padded == seq_len
-    local = rank_map[rank]
+    local = placement.rank_map[rank]
     for key, dim in dims.items():
         if identity:  # still a copy: the sharded batch never shares memory with the caller's
             out[key] = out[key].clone(memory_format=torch.contiguous_format)
             continue
-        t = _pad(out[key], dim, padded - seq_len, _pad_value(key, padding_token_id, extra))
+        t = pad_tokens(out[key], dim, padded - seq_len, pad_value(key, padding_token_id, extra))
         out[key] = t.index_select(dim, local).contiguous()
     return CPContext(None, facts), out

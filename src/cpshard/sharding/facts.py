@@ -3,8 +3,10 @@ batch identity that local tensors carry.
 
 A ``shard_batch`` returns ``(ctx_factory, batch)``; a :class:`CPContext` is a context factory
 that also carries the frozen :class:`ShardFacts` of that shard (lengths, caller coordinates,
-rank map, token meta). :meth:`cpshard.CPSharder.shard` replaces its facts with them (bound to
-the mesh the batch was sharded on), once per shard: nothing is updated field by field.
+rank map, token meta), derived from the shard's one
+:class:`~cpshard.layouts.placement.Placement` (:meth:`ShardFacts.of`).
+:meth:`cpshard.CPSharder.shard` binds a sharder to them (with the mesh the batch was sharded
+on), once per shard: nothing is updated field by field.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
@@ -21,9 +23,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.layouts.coordinates import CallerCoordinates
+from cpshard.layouts.placement import Placement
 from cpshard.sharding.consistency import content_hash
 from cpshard.sharding.meta import TokenMeta
-from cpshard.sharding.token_index import TokenIndex
 
 __all__ = [
     "CPContext",
@@ -72,16 +74,31 @@ class ShardFacts(CallerCoordinates):
         cp_mesh: The CP mesh the batch was sharded on (set by :meth:`cpshard.CPSharder.shard`).
         check_consistency: Whether ``gather_token_tensor`` first compares dtype and shape across
             the CP ranks (set by :meth:`cpshard.CPSharder.shard`).
+        placement: The :class:`~cpshard.layouts.placement.Placement` these facts were derived
+            from (:meth:`of`): then ``rank_map`` is its rank map and ``token_meta`` is derived
+            from it, one copy of the layout; ``None`` for facts built field by field.
     """
 
     rank_map: torch.Tensor | None = None
     token_meta: TokenMeta | None = None
     cp_mesh: DeviceMesh | None = field(default=None, compare=False)
     check_consistency: bool = True
-    # Derived gather/scatter indices per (padded length, device); a fresh cache per facts object.
-    index_cache: dict[tuple[int, str], TokenIndex] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    placement: Placement | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, placement: Placement, rank: int) -> ShardFacts:
+        """The facts of rank ``rank`` of a placement: its caller coordinates, its rank map and
+        the token meta derived from it (no field copied by hand)."""
+        coords = placement.coordinates
+        return cls(
+            coords.original_seq_len,
+            coords.padded_seq_len,
+            coords.input_row_shape,
+            coords.input_token_stream_positions,
+            rank_map=placement.rank_map,
+            token_meta=TokenMeta.of(placement, rank),
+            placement=placement,
+        )
 
     @property
     def attention_method(self) -> str | None:

@@ -9,6 +9,10 @@ Masking rule (layout-agnostic): query ``q`` sees key ``k`` iff
 Padding gets a unique negative document id (``-1 - position``), so a pad token sees only itself:
 no real token ever sees a pad, and no row is fully masked.
 
+A shard's token meta is derived from its :class:`~cpshard.layouts.placement.Placement`
+(:meth:`TokenMeta.of`): ``positions`` are the placement's ``rank_map`` flattened and
+``document_ids`` its document ids in stream order, never a second copy of the layout.
+
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
@@ -19,21 +23,9 @@ from typing import Any
 
 import torch
 
+from cpshard.layouts.placement import Placement, pad_document_ids
+
 __all__ = ["TokenMeta", "pad_document_ids"]
-
-
-def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Give each pad token its own negative document id.
-
-    Args:
-        document_ids: LongTensor ``[B, P]`` of global document ids (``>= 0``), global order.
-        padding_mask: BoolTensor ``[B, P]``, ``True`` = pad, global order.
-
-    Returns:
-        LongTensor ``[B, P]``: ``document_ids`` where real, ``-1 - position`` where pad.
-    """
-    pos = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    return torch.where(padding_mask, -1 - pos, document_ids)
 
 
 @dataclass(frozen=True)
@@ -56,7 +48,14 @@ class TokenMeta:
             ``.to()`` of the local tensors (see :func:`cpshard.sharding.facts.matches_record`);
             not part of equality.
         plan_cache: Per-batch cache of derived plans (the attention plan of
-            :func:`cpshard.attention.plan.attention_plan`); not part of equality.
+            :func:`cpshard.attention.plan.attention_plan`), filled by attention; a shard has one
+            meta per placement and rank (:meth:`of`), so it is keyed by the placement; not part
+            of equality.
+        placement: The placement this meta was derived from (:meth:`of`), or ``None`` for a
+            meta built by hand; not part of equality.
+
+    Invariant: a meta derived from a placement has ``positions == placement.rank_map``
+    flattened (a view of it) and ``document_ids == placement.stream_document_ids()``.
     """
 
     rank: int
@@ -67,6 +66,18 @@ class TokenMeta:
     local_record: dict[str, tuple[tuple[int, ...], int]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    placement: Placement | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, placement: Placement, rank: int) -> TokenMeta:
+        """Rank ``rank``'s token meta of ``placement`` (positions: its rank map, flattened)."""
+        return cls(
+            rank,
+            placement.world_size,
+            placement.stream_positions(),
+            placement.stream_document_ids(),
+            placement=placement,
+        )
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 2 or self.document_ids.dim() != 2:

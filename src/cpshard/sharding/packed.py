@@ -46,7 +46,6 @@ from cpshard.sharding.batch import (
     normalize_batch,
 )
 from cpshard.sharding.facts import CPContext, ShardFacts
-from cpshard.sharding.meta import TokenMeta, pad_document_ids
 from cpshard.sharding.sharder import CPSharder
 
 __all__ = ["pack_spec_of_batch", "packed_sharder", "shard_batch_packed"]
@@ -173,17 +172,15 @@ def shard_batch_packed(
     spec = pack_spec_of_batch(batch, (x.shape[0], x.shape[1]))
     plan = plan_balanced(spec, world) if layout == "balanced" else plan_packed(spec, world)
     device = x.device
-    rank_map = plan.rank_map.to(device)
-    local = rank_map[rank]
     caller = _stream_sources(plan).to(device)
-    src = caller.index_select(0, local)  # caller index of every local slot, -1 = layout pad
     stream_pad = plan.stream_padding_mask.to(device)
     if "padding_mask" in out:  # caller pads inside documents see only themselves too
         caller_pad = out["padding_mask"].bool().reshape(-1).index_select(0, caller.clamp(min=0))
         stream_pad = stream_pad | (caller_pad & (caller >= 0))
-    docs = pad_document_ids(plan.stream_document_ids.to(device)[None], stream_pad[None])
-    order = rank_map.reshape(1, -1)
-    meta = TokenMeta(rank, world, order, docs.index_select(1, order[0]))
+    placement = plan.placement(device, stream_pad)
+    rank_map = placement.rank_map
+    local = rank_map[rank]
+    src = caller.index_select(0, local)  # caller index of every local slot, -1 = layout pad
     rows = plan.input_row_shape[0]
     if not given_positions:  # per document, straight from the plan: no caller round trip
         out["position_ids"] = plan.stream_position_ids.to(device).index_select(0, local)[None]
@@ -208,14 +205,7 @@ def shard_batch_packed(
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
     # losses and token counts can leave them out without knowing the layout.
     out["padding_mask"] = stream_pad.index_select(0, local).unsqueeze(0)
-    facts = ShardFacts(
-        original_seq_len=None,
-        padded_seq_len=plan.padded_len,
-        input_row_shape=plan.input_row_shape,
-        input_token_stream_positions=plan.input_token_stream_positions.to(device),
-        rank_map=rank_map,
-        token_meta=meta,
-    )
+    facts = ShardFacts.of(placement, rank)
     return CPContext(None, facts), out
 
 

@@ -2,11 +2,14 @@
 
 A sharder is a closed set of verbs with open implementations: ``shard_batch`` and
 ``local_token_global_indices`` are plain callables that a layout (or a model that owns its CP)
-fills in. Its only captured state is one frozen :class:`~cpshard.sharding.facts.ShardFacts`,
-replaced by :meth:`CPSharder.shard` once per batch (the mesh the batch was sharded on included);
-the fact names of the contract (``original_seq_len``, ``padded_seq_len``, ...) read it. The
-token verbs then move any per-token tensor between the caller's coordinates
-(:mod:`cpshard.layouts.coordinates`) and the local shard, exactly as the batch was moved.
+fills in. :meth:`CPSharder.shard` returns, with the local batch, a sharder *bound* to that batch:
+its frozen :class:`~cpshard.sharding.facts.ShardFacts` (the mesh the batch was sharded on
+included) are never replaced by a later shard, so it cannot go stale; the dispatcher hands it to
+the caller. The sharder that shards (the template) also answers for its latest batch, the seed's
+contract. The fact names of the contract (``original_seq_len``, ``padded_seq_len``, ...) read the
+facts. The token verbs then move any per-token tensor between the caller's coordinates
+(:mod:`cpshard.layouts.coordinates`) and the local shard, exactly as the batch was moved; the
+gather/scatter index they copy with is this sharder's cache, keyed by the shard's placement.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
@@ -40,6 +43,17 @@ __all__ = ["CPContext", "CPSharder", "ShardBatchFn", "ShardFacts", "gather_rank_
 
 IndicesFn = Callable[[DeviceMesh | None, int, torch.device], torch.Tensor]
 RankMapFn = Callable[[int, int, torch.device], torch.Tensor]
+
+
+class _GatherSlot:
+    """Payload bytes of the checked gather's one collective, shared by a sharder and the
+    sharders bound to its batches: agreed by every rank without a collective (the last gather's
+    size, seeded at shard time), see :mod:`cpshard.sharding.gather`."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self) -> None:
+        self.nbytes = 0
 
 
 def _check_tensor(t: object, verb: str) -> torch.Tensor:
@@ -119,10 +133,13 @@ class CPSharder:
             need no extra collective to learn the other ranks' maps (the built-in layouts
             capture theirs).
 
-    The facts of the last shard (:attr:`facts`, one frozen
-    :class:`~cpshard.sharding.facts.ShardFacts`): ``original_seq_len``, ``padded_seq_len``,
-    ``input_row_shape``, ``input_token_stream_positions`` (the seed's captured fields), and
-    read-only ``rank_map``, ``token_meta``, ``cp_mesh`` and ``check_consistency``.
+    The facts (:attr:`facts`, one frozen :class:`~cpshard.sharding.facts.ShardFacts`):
+    ``original_seq_len``, ``padded_seq_len``, ``input_row_shape``,
+    ``input_token_stream_positions`` (the seed's captured fields), and read-only ``rank_map``,
+    ``token_meta``, ``cp_mesh`` and ``check_consistency``. :meth:`shard` returns a sharder
+    bound to the batch it sharded (:attr:`is_bound`): its facts are that batch's for good, so
+    its verbs keep answering for that batch after later shards. The sharder that shards answers
+    for its latest batch (the seed's mutable holder, kept for the seed's contract).
 
     The seed's contract works unchanged:
 
@@ -143,9 +160,12 @@ class CPSharder:
     rank_map_fn: RankMapFn | None = None
     _facts: ShardFacts = field(init=False, repr=False, compare=False)
     _base: ShardFacts = field(init=False, repr=False, compare=False)
-    # Payload bytes of the checked gather's one collective: agreed by every rank without a
-    # collective (the last gather's size, seeded at shard time), see cpshard.sharding.gather.
-    _gather_slot: int = field(default=0, init=False, repr=False, compare=False)
+    _slot: _GatherSlot = field(init=False, repr=False, compare=False)
+    # The sharder this one is bound from (None: not bound to a batch).
+    _origin: CPSharder | None = field(default=None, init=False, repr=False, compare=False)
+    # Gather/scatter indices per (padded length, device) of one placement (or facts).
+    _index_owner: object = field(default=None, init=False, repr=False, compare=False)
+    _indices: dict[tuple[int, str], TokenIndex] = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -169,7 +189,25 @@ class CPSharder:
             original_seq_len, padded_seq_len, shape, input_token_stream_positions
         )
         self._facts = self._base
-        self._gather_slot = 0
+        self._slot = _GatherSlot()
+        self._origin = None
+        self._index_owner = None
+        self._indices = {}
+
+    def _bound_to(self, facts: ShardFacts) -> CPSharder:
+        """A sharder with this one's callables, bound to ``facts`` (one batch) for good."""
+        bound = CPSharder(
+            self.shard_batch, self.local_token_global_indices, self.layout, self.rank_map_fn
+        )
+        bound._base = bound._facts = facts
+        bound._slot = self._slot
+        bound._origin = self
+        return bound
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether this sharder is bound to one batch (returned by :meth:`shard`)."""
+        return self._origin is not None
 
     # ------------------------------------------------------------------ sharding a batch
     def shard(
@@ -181,8 +219,8 @@ class CPSharder:
         loss_mask: torch.Tensor | None = None,
         padding_token_id: int = 0,
         check_consistency: bool = True,
-    ) -> tuple[CPContext, dict[str, Any]]:
-        """Run ``shard_batch`` and replace this sharder's facts with the ones it learned.
+    ) -> tuple[CPContext, dict[str, Any], CPSharder]:
+        """Run ``shard_batch``; bind a sharder to the batch it returns.
 
         Args:
             cp_mesh: 1-D CP mesh (validated by the caller) or ``None``.
@@ -194,8 +232,19 @@ class CPSharder:
                 the CP ranks first.
 
         Returns:
-            ``(ctx, sharded_batch)``; ``ctx.facts`` are the new facts of this sharder.
+            ``(ctx, sharded_batch, bound)``: ``bound`` is a sharder bound to this batch (its
+            facts are ``ctx.facts`` for good); this sharder's facts become them too (its latest
+            batch). Sharding with a bound sharder shards with the one it was bound from.
         """
+        if self._origin is not None:
+            return self._origin.shard(
+                cp_mesh,
+                batch,
+                tp_mesh=tp_mesh,
+                loss_mask=loss_mask,
+                padding_token_id=padding_token_id,
+                check_consistency=check_consistency,
+            )
         if self.shard_batch is None:
             raise TypeError(
                 f"this sharder (layout={self.layout!r}) has shard_batch=None; assign its "
@@ -225,6 +274,7 @@ class CPSharder:
             facts = carried if isinstance(carried, ShardFacts) else recorded
         facts = dataclasses.replace(facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
+        bound = self._bound_to(facts)
         self._seed_gather_slot(out)
         # A fresh identity per shard: the local tensors carry it, so CP attention, the prepared
         # model and the verbs can tell this batch from an older or newer one by its token meta.
@@ -236,7 +286,7 @@ class CPSharder:
                     tag_tensor(value, facts.token_meta)
             # ... and a content record that survives .clone() / .to() of the local tensors
             facts.token_meta.local_record.update(local_record(out))
-        return CPContext(factory, facts), out
+        return CPContext(factory, facts), out, bound
 
     def _seed_gather_slot(self, out: dict[str, Any]) -> None:
         """Seed the checked gather's slot with one fp32 value per local token of the sharded
@@ -245,13 +295,14 @@ class CPSharder:
         primary = out.get("input_ids")
         if not isinstance(primary, torch.Tensor):
             primary = out.get("inputs_embeds")
-        if self._gather_slot == 0 and isinstance(primary, torch.Tensor) and primary.dim() >= 2:
-            self._gather_slot = slot_bytes(int(primary.shape[0]) * int(primary.shape[1]) * 4)
+        if self._slot.nbytes == 0 and isinstance(primary, torch.Tensor) and primary.dim() >= 2:
+            self._slot.nbytes = slot_bytes(int(primary.shape[0]) * int(primary.shape[1]) * 4)
 
     # ------------------------------------------------------------------ captured facts
     @property
     def facts(self) -> ShardFacts:
-        """The frozen facts of the last shard (``ShardFacts(None, None)`` before any)."""
+        """The frozen facts of this sharder's batch: the bound one's, else the latest shard's
+        (the construction facts before any)."""
         return self._facts
 
     def _record(self, **fact: Any) -> None:
@@ -361,14 +412,22 @@ class CPSharder:
         return gather_rank_map(local, self.cp_mesh, padded_seq_len).reshape(-1)
 
     def _token_index(self, padded_seq_len: int, device: torch.device) -> TokenIndex:
-        """The gather/scatter index of ``padded_seq_len``, cached with the current facts."""
-        cache = self._facts.index_cache
+        """The gather/scatter index of ``padded_seq_len``, cached per placement.
+
+        The cache is keyed by the facts' placement (its rank map), or by the facts themselves
+        when they carry none (a custom sharder's); a new key drops the older entries.
+        """
+        facts = self._facts
+        place = facts.placement
+        owner = place if place is not None and place.rank_map is facts.rank_map else facts
+        if owner is not self._index_owner:
+            self._index_owner, self._indices = owner, {}
         key = (padded_seq_len, str(device))
-        index = cache.get(key)
+        index = self._indices.get(key)
         if index is None:
             local = self._local_indices(padded_seq_len, device)
             index = TokenIndex.build(local, self._stream_order(local, padded_seq_len))
-            cache[key] = index
+            self._indices[key] = index
         return index
 
     # ------------------------------------------------------------------ token verbs
@@ -490,7 +549,7 @@ class CPSharder:
             mode: _comm.GradMode = "sum" if grad == "sum" else "replicated"
             stacked = _comm.all_gather_dim0(stacked, group, mode)
         if checked:  # the next gather's slot: this payload's size (the same on every rank)
-            self._gather_slot = slot_bytes(t.numel() * t.element_size())
+            self._slot.nbytes = slot_bytes(t.numel() * t.element_size())
         full = index.reorder_gathered(stacked, seq_dim)
         if group is None and full.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             full = full.clone(memory_format=torch.contiguous_format)  # cp=1: never a view of t
@@ -511,7 +570,7 @@ class CPSharder:
             device = t.device
         else:  # the header alone, on the mesh's device (NCCL needs CUDA)
             device = torch.device("cpu" if self.cp_mesh is None else self.cp_mesh.device_type)
-        stacked, rows = gather_with_header(t, desc, group, self._gather_slot, mode, device)
+        stacked, rows = gather_with_header(t, desc, group, self._slot.nbytes, mode, device)
         message = verb_mismatch_message("gather_token_tensor", rows)
         if message is not None:
             raise ValueError(message)

@@ -29,7 +29,7 @@ from cpshard.attention.cost import CostModel, PlanFacts, method_costs, plan_fact
 from cpshard.attention.methods import METHODS, method_named
 from cpshard.attention.plan import AttentionPlan
 from cpshard.layouts.packed import PackedPlan
-from cpshard.sharding.meta import TokenMeta, pad_document_ids
+from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["PLAN_COLUMNS", "MethodRow", "method_rows", "plan_meta"]
 
@@ -80,10 +80,9 @@ class MethodRow:
 
 
 def plan_meta(plan: PackedPlan, rank: int = 0) -> TokenMeta:
-    """The token meta rank ``rank`` holds for ``plan`` (as the packed sharder builds it)."""
-    docs = pad_document_ids(plan.stream_document_ids[None], plan.stream_padding_mask[None])
-    order = plan.rank_map.reshape(1, -1)
-    return TokenMeta(rank, plan.world_size, order, docs.index_select(1, order[0]))
+    """The token meta rank ``rank`` holds for ``plan`` (as the packed sharder builds it: from
+    the plan's placement)."""
+    return TokenMeta.of(plan.placement(plan.rank_map.device), rank)
 
 
 def _moved_slots(method: str, facts: PlanFacts, model: CostModel) -> np.ndarray:

@@ -1,0 +1,96 @@
+"""The placement of one batch: the one frozen record of where every token lives.
+
+Every layout ends in a :class:`Placement`: the closed-form ones
+(``ClosedFormLayout.placement``), the packed ones (``PackedPlan.placement`` wraps the plan of
+``packed`` and ``balanced``) and a model's own (built directly, e.g.
+``cpshard.models.global_prefix``). Everything else is
+derived from it and cached by its consumer, keyed by the placement object (identity): the
+sharder's facts and token index (:mod:`cpshard.sharding`) and the per-token facts attention
+reads (``TokenMeta``, whose ``positions`` are ``rank_map`` flattened, by construction).
+
+Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.layouts.coordinates import CallerCoordinates
+
+__all__ = ["Placement", "pad_document_ids"]
+
+
+def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """Give each pad token its own negative document id.
+
+    Args:
+        document_ids: LongTensor ``[B, P]`` of global document ids (``>= 0``), global order.
+        padding_mask: BoolTensor ``[B, P]``, ``True`` = pad, global order.
+
+    Returns:
+        LongTensor ``[B, P]``: ``document_ids`` where real, ``-1 - position`` where pad.
+    """
+    pos = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    return torch.where(padding_mask, -1 - pos, document_ids)
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where every token of one batch lives over ``C`` CP ranks (frozen; one per shard).
+
+    Equality and hashing are by identity: a placement is the key of the caches derived from it.
+
+    Attributes:
+        rank_map: LongTensor ``[C, L]``: global (padded-stream) positions of rank ``r``'s local
+            tokens in local order; a bijection onto ``arange(P)``, ``P = C * L``.
+        document_ids: LongTensor ``[B or 1, P]`` in *global* order: the document of each
+            position; pads are negative and unique (:func:`pad_document_ids`), so a pad sees
+            only itself.
+        coordinates: How the caller addresses the tokens (original length, row shape, input
+            positions; :class:`~cpshard.layouts.coordinates.CallerCoordinates`), with
+            ``coordinates.padded_seq_len == P``.
+    """
+
+    rank_map: torch.Tensor
+    document_ids: torch.Tensor
+    coordinates: CallerCoordinates
+
+    def __post_init__(self) -> None:
+        if self.rank_map.dim() != 2 or self.document_ids.dim() != 2:
+            raise ValueError(
+                f"a Placement needs rank_map [C, L] and document_ids [B or 1, P]; got shapes "
+                f"{tuple(self.rank_map.shape)} and {tuple(self.document_ids.shape)}"
+            )
+        padded = self.rank_map.numel()
+        if self.document_ids.shape[-1] != padded or self.coordinates.padded_seq_len != padded:
+            raise ValueError(
+                f"a Placement's rank_map covers P={padded} positions, but document_ids has "
+                f"{self.document_ids.shape[-1]} and coordinates.padded_seq_len is "
+                f"{self.coordinates.padded_seq_len}; they must all be P"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """CP size ``C``."""
+        return int(self.rank_map.shape[0])
+
+    @property
+    def padded_len(self) -> int:
+        """``P``, length of the padded global stream."""
+        return int(self.rank_map.numel())
+
+    @property
+    def local_len(self) -> int:
+        """``L = P / C`` local tokens per rank."""
+        return int(self.rank_map.shape[1])
+
+    def stream_positions(self) -> torch.Tensor:
+        """LongTensor ``[B or 1, P]``: global position of each slot of the rank-major stream
+        (``rank_map`` flattened, with ``document_ids``' batch dim; a view, no copy)."""
+        return self.rank_map.reshape(1, -1).expand(self.document_ids.shape[0], -1)
+
+    def stream_document_ids(self) -> torch.Tensor:
+        """LongTensor ``[B or 1, P]``: ``document_ids`` in rank-major stream order."""
+        return self.document_ids.index_select(1, self.rank_map.reshape(-1))
