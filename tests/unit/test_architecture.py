@@ -147,6 +147,11 @@ RULES: tuple[Rule, ...] = (
         allow=("cpshard.mixers.detect",),
     ),
     Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
+    Rule(
+        "cpshard.options",
+        ("cpshard.dispatch", "cpshard.guards", "cpshard.mixers", "cpshard._comm"),
+        "the prepare options are plain checked values below the dispatcher that builds them",
+    ),
 )
 
 
