@@ -175,7 +175,7 @@ def _resolve(
 def _with_cp_attention(
     ctx: CPContext,
     cp_mesh: DeviceMesh | None,
-    method: str,
+    attention: AttentionChoice,
     state: StepState | None = None,
     cost: CostModel | None = None,
 ) -> CPContext:
@@ -198,8 +198,7 @@ def _with_cp_attention(
             "over (attention under ctx() would be silently shard-local). Put the token meta in "
             "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
         )
-    if method == "auto":
-        method = choose_for_batch(meta, cp_mesh, cost)
+    method = choose_for_batch(meta, cp_mesh, cost) if attention == "auto" else attention
     meta.plan_cache[CHOICE_KEY] = method  # ctx.facts.attention_method
     method_named(method).plans(attention_plan(meta), True, None, meta.positions.device)
     tracker = None if state is None or cp_mesh is None else ForwardTracker(state, cp_mesh)
