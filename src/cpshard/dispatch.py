@@ -10,6 +10,14 @@ cpshard's CP attention context over its token meta, with the caller's ``attentio
 model-owned or custom ``shard_batch`` that returns its own context keeps it. An HF model's
 attention switch wraps the result (:func:`cpshard.attention.hf.cp_attention_scope`).
 
+Both public entry points keep their own signatures and share one pipeline
+(:func:`run_prepare`): their keywords become one frozen, validated
+:class:`cpshard.options.PrepareOptions`, then the steps run in a fixed order: validate (the mesh,
+the model guard, the mixer verdict: before any collective) -> fingerprint (the step header with
+the batch fingerprint, the one collective; then the batch and pad-id checks, alike on every
+rank) -> model hook -> resolve -> shard -> compose. Every check runs once per call
+(:class:`PrepareChecks`).
+
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
@@ -18,7 +26,8 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,7 +58,8 @@ from cpshard.layouts.closed_form import (
 )
 from cpshard.layouts.index import check_rank_map
 from cpshard.mixers import MixerPlan, check_token_mixers, with_token_mixers
-from cpshard.names import ATTENTION_CHOICES, LAYOUT_NAMES, PACKED_LAYOUTS, LayoutName
+from cpshard.names import PACKED_LAYOUTS, AttentionChoice, LayoutName
+from cpshard.options import PrepareOptions
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
 from cpshard.sharding.consistency import dispatch_fingerprint, raise_on_mismatch
 from cpshard.sharding.facts import CPContext, ShardBatchFn
@@ -58,12 +68,15 @@ from cpshard.sharding.pad_id import check_padding_token_id, model_vocab_size
 from cpshard.sharding.sharder import CPSharder, gather_rank_map
 
 __all__ = [
+    "CHECKS",
     "LayoutName",
+    "PrepareChecks",
     "apply_model_hook",
     "check_model_sharder",
     "closed_form_sharder",
     "make_cp_batch_and_ctx",
     "prepare_cp_forward",
+    "run_prepare",
     "unwrap_model",
 ]
 
@@ -129,8 +142,6 @@ def _resolve(
     pad_multiple: int,
     extra_token_keys: Mapping[str, TokenKey] | None,
 ) -> CPSharder:
-    if layout not in LAYOUT_NAMES:
-        raise ValueError(f"layout must be one of {LAYOUT_NAMES}, got layout={layout!r}")
     packed = _is_packed(batch)
     if layout == "auto":
         layout = "balanced" if packed else ("round_robin" if cp_size > 1 else "none")
@@ -160,198 +171,10 @@ def _resolve(
     return closed_form_sharder(closed, extra_token_keys=extra_token_keys)
 
 
-def make_cp_batch_and_ctx(
-    cp_mesh: DeviceMesh | None,
-    batch: dict[str, Any],
-    *,
-    layout: LayoutName = "auto",
-    padding_token_id: int | None = 0,
-    pad_multiple: int = 1,
-    cp_sharder: CPSharder | None = None,
-    loss_mask: torch.Tensor | None = None,
-    extra_token_keys: Mapping[str, TokenKey] | None = None,
-    attention: str = "auto",
-    tp_mesh: DeviceMesh | None = None,
-    check_consistency: bool = True,
-    model: nn.Module | None = None,
-    strict: bool = False,
-    attention_cost: CostModel | None = None,
-) -> tuple[CPContext, dict[str, Any], CPSharder]:
-    """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model hook).
-
-    Args:
-        cp_mesh: 1-D CP ``DeviceMesh`` or ``None``.
-        batch: Caller's batch (never mutated). Dense: ``input_ids``/``inputs_embeds``, ...;
-            packed: also ``seq_lens`` or ``cu_seqlens``.
-        layout: ``"auto"`` (packed batch: balanced; dense: round_robin at cp > 1, none at
-            cp = 1), or a layout name.
-        padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
-            vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See
-            :func:`check_padding_token_id`.
-        pad_multiple: Per-rank length multiple of the ``contiguous`` layout.
-        cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
-        loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
-        extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
-        attention: ``"auto"`` (per batch, the method with the lowest modelled cost:
-            :mod:`cpshard.attention.auto`; recorded in ``ctx.facts.attention_method``),
-            ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"selective"``: the CP attention of
-            ``ctx`` for a shard that brings no context of its own (every built-in layout, a
-            given ``cp_sharder``'s too); a shard with its own context keeps it.
-        tp_mesh: Optional TP mesh handed to ``shard_batch``.
-        check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
-            (one all-gather of a few int64 values; what it covers:
-            :mod:`cpshard.sharding.consistency`) and raise on every rank if they differ; also
-            makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
-            the hashing of the values (not the all-gather: names, shapes, arguments and the flag
-            itself are still compared); pass it only if the loop guarantees identical batches
-            on every CP rank.
-        model: The model the batch is for (optional): its token mixers outside attention
-            (Mamba / Mamba2 mixers, Gated DeltaNet, short convolutions, ...) are then checked
-            and run exactly under ``ctx`` (:mod:`cpshard.mixers`); without it they are not seen.
-        attention_cost: Link bandwidth, compute rate and assumed layer shape of the cost model
-            behind ``attention="auto"`` (:class:`cpshard.attention.cost.CostModel`); ``None`` ->
-            its GPU defaults. Must be equal on every rank (part of the fingerprint).
-        strict: With ``model``: refuse a model whose token mixers need the generic exact path
-            (each mixer over the whole sequence on every rank, ``C`` times its compute) instead
-            of warning once.
-
-    Returns:
-        ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
-        per-token tensors between caller coordinates and this rank's shard.
-
-    Raises:
-        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
-            id that is not a non-negative int, ranks given different batches, a model whose
-            token mixers cannot run exactly (or need the generic path under ``strict``).
-    """
-    cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
-    mixers = _token_mixers(model, cp_mesh, batch, strict, layout)  # before any collective
-    # The step header: always (whatever check_consistency says), before any other collective.
-    # The batch fingerprint rides in it: one collective; check_consistency=False only skips the
-    # hashing (ranks that disagree on the flag then raise alike instead of mismatching
-    # collectives).
-    fingerprint = dispatch_fingerprint(
-        cp_mesh, batch, layout, attention, padding_token_id,
-        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "cp_sharder": cp_sharder,
-         "extra_token_keys": extra_token_keys, "strict": strict,
-         "attention_cost": attention_cost}, check_consistency is not False,
-    )  # fmt: skip
-    state = step_state(cp_mesh)
-    raise_on_mismatch(
-        begin_prepare(
-            state, cp_mesh, check_consistency=check_consistency, model=None, payload=fingerprint
-        )
-    )
-    _check_method(attention, attention_cost)
-    ctx, out, sharder = _dispatch(
-        cp_mesh,
-        batch,
-        layout=mixers.layout,  # type: ignore[arg-type]
-        padding_token_id=padding_token_id,
-        pad_multiple=pad_multiple,
-        cp_sharder=cp_sharder,
-        loss_mask=loss_mask,
-        extra_token_keys=extra_token_keys,
-        attention=attention,
-        tp_mesh=tp_mesh,
-        check_consistency=check_consistency,
-        state=state,
-        attention_cost=attention_cost,
-    )
-    ctx = with_token_mixers(ctx, mixers, cp_mesh)
-    return _tracked(ctx, state, cp_mesh), out, sharder
-
-
-def _check_member(cp_mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """``cp_mesh``, unless it does not contain this rank (checked before any collective)."""
-    if cp_mesh is not None and not _comm.mesh_contains_this_rank(cp_mesh):
-        raise ValueError(
-            f"cp_mesh is the mesh of ranks {cp_mesh.mesh.tolist()} (dims "
-            f"{cp_mesh.mesh_dim_names}), which does not contain this rank: pass the CP sub-mesh "
-            "this rank belongs to (e.g. mesh['cp'] of its own 2-D mesh)"
-        )
-    return cp_mesh
-
-
-def _tracked(ctx: CPContext, state: StepState | None, cp_mesh: DeviceMesh | None) -> CPContext:
-    """``ctx`` recording how this rank leaves it (:func:`cpshard.guards.step.tracked_forward`)."""
-    if state is None:
-        return ctx
-    return CPContext(functools.partial(tracked_forward, state, cp_mesh, ctx), ctx.facts)
-
-
-def _token_mixers(
-    model: nn.Module | None, cp_mesh: DeviceMesh | None, batch: object, strict: bool, layout: str
-) -> MixerPlan:
-    """The model's token mixers that ``ctx`` must run exactly (:mod:`cpshard.mixers`).
-
-    A model that owns its CP (``prepare_model_inputs_for_cp``) owns its mixers too.
-    """
-    if model is None:
-        return MixerPlan(layout=layout)
-    model = unwrap_model(model)
-    if hasattr(model, "prepare_model_inputs_for_cp"):
-        return MixerPlan(layout=layout)
-    packed = isinstance(batch, Mapping) and _is_packed(batch)
-    cp_size = _comm.cp_rank_and_size(cp_mesh)[1]
-    return check_token_mixers(model, cp_size, strict=strict, packed=packed, layout=layout)
-
-
-def _check_method(attention: str, attention_cost: object) -> None:
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(
-            f"attention must be one of {ATTENTION_CHOICES}, got attention={attention!r}"
-        )
-    if attention_cost is not None and not isinstance(attention_cost, CostModel):
-        raise TypeError(
-            "attention_cost must be a cpshard.attention.cost.CostModel or None, got "
-            f"{type(attention_cost).__name__}"
-        )
-
-
-def _dispatch(
-    cp_mesh: DeviceMesh | None,
-    batch: dict[str, Any],
-    *,
-    layout: LayoutName,
-    padding_token_id: int | None,
-    pad_multiple: int,
-    cp_sharder: CPSharder | None,
-    loss_mask: torch.Tensor | None,
-    extra_token_keys: Mapping[str, TokenKey] | None,
-    attention: str,
-    tp_mesh: DeviceMesh | None,
-    check_consistency: bool,
-    state: StepState | None,
-    attention_cost: CostModel | None = None,
-) -> tuple[CPContext, dict[str, Any], CPSharder]:
-    """:func:`make_cp_batch_and_ctx` after its cross-rank fingerprint (validated ``cp_mesh``,
-    checked ``attention``); ``state``: the step record whose tracker CP attention calls."""
-    check_batch_mapping(batch)
-    check_padding_token_id(padding_token_id, batch)
-    _, cp_size = _comm.cp_rank_and_size(cp_mesh)
-    if cp_sharder is None:
-        cp_sharder = _resolve(cp_size, batch, layout, pad_multiple, extra_token_keys)
-    pad_id = 0 if padding_token_id is None else padding_token_id  # None: no input_ids to pad
-    ctx, out, bound = cp_sharder.shard(  # bound: the sharder of this batch, never stale
-        cp_mesh,
-        batch,
-        tp_mesh=tp_mesh,
-        loss_mask=loss_mask,
-        padding_token_id=pad_id,
-        check_consistency=check_consistency,
-    )
-    return (
-        _with_cp_attention(ctx, cp_mesh, attention, state, attention_cost),
-        out,
-        bound,
-    )
-
-
 def _with_cp_attention(
     ctx: CPContext,
     cp_mesh: DeviceMesh | None,
-    method: str,
+    attention: AttentionChoice,
     state: StepState | None = None,
     cost: CostModel | None = None,
 ) -> CPContext:
@@ -374,8 +197,7 @@ def _with_cp_attention(
             "over (attention under ctx() would be silently shard-local). Put the token meta in "
             "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
         )
-    if method == "auto":
-        method = choose_for_batch(meta, cp_mesh, cost)
+    method = choose_for_batch(meta, cp_mesh, cost) if attention == "auto" else attention
     meta.plan_cache[CHOICE_KEY] = method  # ctx.facts.attention_method
     method_named(method).plans(attention_plan(meta), True, None, meta.positions.device)
     tracker = None if state is None or cp_mesh is None else ForwardTracker(state, cp_mesh)
@@ -516,6 +338,328 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+# --- the prepare pipeline ----------------------------------------------------------------------
+def _valid_cp_mesh(cp_mesh: object) -> DeviceMesh | None:
+    """``cp_mesh`` if it is ``None`` or a 1-D mesh that contains this rank (else raise)."""
+    mesh = _comm.validate_cp_mesh(cp_mesh)
+    if mesh is not None and not _comm.mesh_contains_this_rank(mesh):
+        raise ValueError(
+            f"cp_mesh is the mesh of ranks {mesh.mesh.tolist()} (dims "
+            f"{mesh.mesh_dim_names}), which does not contain this rank: pass the CP sub-mesh "
+            "this rank belongs to (e.g. mesh['cp'] of its own 2-D mesh)"
+        )
+    return mesh
+
+
+@dataclass(frozen=True)
+class PrepareChecks:
+    """The checks the prepare pipeline runs, each at most once per call.
+
+    The pipeline calls them only through this object (the tests hand it counting wrappers of
+    the same functions to prove each runs once); :data:`CHECKS` holds the real ones.
+
+    Attributes:
+        cp_mesh: ``cp_mesh`` is ``None`` or a 1-D mesh holding this rank (before any collective).
+        token_mixers: The verdict on the model's token mixers outside attention (before any
+            collective; only with a model that does not own its CP).
+        batch_mapping: The batch is a dict cpshard can read (after the fingerprint, so a batch
+            that is bad on one rank only is reported on every rank by the fingerprint instead).
+        padding_token_id: The pad id against the batch and the model's vocabulary (after the
+            fingerprint, for the same reason).
+        model_sharder: The index map a model-owned sharder installed (after the shard).
+    """
+
+    cp_mesh: Callable[[object], DeviceMesh | None] = _valid_cp_mesh
+    token_mixers: Callable[..., MixerPlan] = check_token_mixers
+    batch_mapping: Callable[[object], None] = check_batch_mapping
+    padding_token_id: Callable[..., None] = check_padding_token_id
+    model_sharder: Callable[[CPSharder], None] = check_model_sharder
+
+
+CHECKS = PrepareChecks()
+"""The checks every public prepare runs."""
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """One call after its validate step: what the later steps read.
+
+    Attributes:
+        options: The call's validated keywords.
+        cp_mesh: The validated CP mesh (``None``: no CP).
+        batch: The caller's batch (never mutated).
+        model: ``prepare_cp_forward``'s model, unwrapped from DDP / DataParallel; ``None`` for
+            ``make_cp_batch_and_ctx`` (whose ``model`` only feeds the mixer verdict).
+        synced_by_ddp: The model's DDP wrapper sums its gradients over the CP group.
+        mixers: How ``ctx`` runs the model's token mixers; its ``layout`` is the one to resolve.
+    """
+
+    options: PrepareOptions
+    cp_mesh: DeviceMesh | None
+    batch: dict[str, Any]
+    model: nn.Module | None
+    synced_by_ddp: bool
+    mixers: MixerPlan
+
+
+def _validate(
+    model: nn.Module | None,
+    cp_mesh: object,
+    batch: dict[str, Any],
+    options: PrepareOptions,
+    checks: PrepareChecks,
+) -> _Validated:
+    """Step 1, on this rank alone, before any collective: the mesh, the model's guard, the mixer
+    verdict (the options were validated when they were built)."""
+    if options.runs_model_hook and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"prepare_cp_forward needs the model (a torch nn.Module), got "
+            f"{type(model).__name__}; pass the model, or call make_cp_batch_and_ctx for a batch "
+            "without one"
+        )
+    mesh = checks.cp_mesh(cp_mesh)
+    cp_size = _comm.cp_rank_and_size(mesh)[1]
+    synced_by_ddp, prepared = False, None
+    if options.runs_model_hook and model is not None:
+        # DDP / DataParallel: the hook, the HF attention switch and the guard act on the model
+        # inside (the wrapper forwards the call to it, so the guard still sees every forward).
+        synced_by_ddp = _ddp_spans_cp(model, mesh)
+        prepared = unwrap_model(model)
+        install_model_guard(prepared, cp_size)  # sharded batches run inside ctx(), no labels
+    mixers = MixerPlan(layout=options.layout)
+    inner = None if model is None else unwrap_model(model)
+    if inner is not None and not hasattr(inner, "prepare_model_inputs_for_cp"):
+        # A model that owns its CP owns its mixers too. Else the verdict (or the error) on every
+        # rank, before any collective; ctx then runs them exactly (cpshard.mixers).
+        packed = isinstance(batch, Mapping) and _is_packed(batch)
+        mixers = checks.token_mixers(
+            inner, cp_size, strict=options.strict, packed=packed, layout=options.layout
+        )
+    return _Validated(options, mesh, batch, prepared, synced_by_ddp, mixers)
+
+
+def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
+    """Step 2: the step header, always, with the batch fingerprint riding in it (the one
+    collective of a prepare); then the batch checks, which raise alike on every rank.
+
+    ``check_consistency=False`` only skips the hashing: ranks that disagree on the flag raise
+    alike instead of mismatching collectives. A rank that left its last step midway stops here,
+    before the collective; ranks in different phases, or with different parameters, raise
+    together (:mod:`cpshard.guards.step`).
+    """
+    o, mesh = call.options, call.cp_mesh
+    state = step_state(mesh)
+    if call.model is not None:
+        watch_model(call.model, state, mesh)
+    fingerprint = dispatch_fingerprint(
+        mesh, call.batch, o.layout, o.attention, o.padding_token_id, o.fingerprinted(),
+        o.check_consistency is not False,
+    )  # fmt: skip
+    raise_on_mismatch(
+        begin_prepare(
+            state,
+            mesh,
+            check_consistency=o.check_consistency,
+            model=call.model,
+            payload=fingerprint,
+            synced_elsewhere=call.synced_by_ddp,
+        )
+    )
+    checks.batch_mapping(call.batch)
+    vocab = None if call.model is None else model_vocab_size(call.model)
+    checks.padding_token_id(o.padding_token_id, call.batch, vocab)
+    return state
+
+
+def _model_hook(call: _Validated) -> tuple[CPSharder | None, dict[str, Any]]:
+    """Step 3: the model's ``prepare_model_inputs_for_cp`` (``prepare_cp_forward`` only; at
+    every CP size, cp=1 included, so the cp=1 reference runs the same model path).
+
+    Returns:
+        ``(sharder, batch)``: the model-owned sharder (else ``None``) and the batch to shard.
+    """
+    model = call.model
+    if not call.options.runs_model_hook:
+        return None, call.batch
+    work = dict(call.batch)
+    if model is None or not hasattr(model, "prepare_model_inputs_for_cp"):
+        return None, work
+    assert call.options.num_chunks is not None
+    return apply_model_hook(model, work, call.options.num_chunks)
+
+
+def _resolve_sharder(call: _Validated, owned: CPSharder | None, work: dict[str, Any]) -> CPSharder:
+    """Step 4: model-owned > a given ``cp_sharder`` > the layout (balanced > packed >
+    round_robin > none, or the one named)."""
+    if owned is not None:
+        return owned
+    if call.options.cp_sharder is not None:
+        return call.options.cp_sharder
+    cp_size = _comm.cp_rank_and_size(call.cp_mesh)[1]
+    o = call.options
+    return _resolve(cp_size, work, call.mixers.layout, o.pad_multiple, o.extra_token_keys)
+
+
+def _shard(
+    call: _Validated, sharder: CPSharder, work: dict[str, Any]
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
+    """Step 5: shard ``work`` on the CP mesh: the context, the local batch, and the sharder
+    bound to this batch (never stale)."""
+    o = call.options
+    pad_id = 0 if o.padding_token_id is None else o.padding_token_id  # None: no input_ids
+    return sharder.shard(
+        call.cp_mesh,
+        work,
+        tp_mesh=o.tp_mesh,
+        loss_mask=o.loss_mask,
+        padding_token_id=pad_id,
+        check_consistency=o.check_consistency,
+    )
+
+
+def _compose(
+    call: _Validated,
+    ctx: CPContext,
+    sharder: CPSharder,
+    owned: bool,
+    state: StepState | None,
+    checks: PrepareChecks,
+) -> CPContext:
+    """Step 6: CP attention (unless the shard brings its own context), the model guard's record
+    of this shard, the model-owned map's check, the HF attention switch, the token mixers and
+    the step tracking, in that order."""
+    mesh, model = call.cp_mesh, call.model
+    ctx = _with_cp_attention(ctx, mesh, call.options.attention, state, call.options.attention_cost)
+    if model is not None:
+        remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
+        if owned:
+            checks.model_sharder(sharder)
+        elif hasattr(model, "set_attn_implementation"):
+            # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics)
+            # an HF model uses cpshard's attention; outside it keeps its own attn_implementation.
+            ctx = CPContext(functools.partial(cp_attention_scope, model, ctx), ctx.facts)
+    ctx = with_token_mixers(ctx, call.mixers, mesh)
+    if state is None:
+        return ctx
+    # ctx records how this rank leaves it (cpshard.guards.step.tracked_forward).
+    return CPContext(functools.partial(tracked_forward, state, mesh, ctx), ctx.facts)
+
+
+def run_prepare(
+    model: nn.Module | None,
+    cp_mesh: object,
+    batch: dict[str, Any],
+    options: PrepareOptions,
+    checks: PrepareChecks = CHECKS,
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
+    """The one prepare pipeline behind both public entry points, in a fixed order:
+    validate -> fingerprint -> model hook -> resolve -> shard -> compose; every check once.
+
+    Args:
+        model: ``prepare_cp_forward``'s model (with ``options.num_chunks`` set), or
+            ``make_cp_batch_and_ctx``'s optional model (only its token mixers are read).
+        cp_mesh: The caller's CP mesh (validated in the first step).
+        batch: The caller's batch (never mutated).
+        options: The call's keywords, validated when built.
+        checks: The checks to run (:data:`CHECKS`; tests pass counting wrappers).
+
+    Returns:
+        ``(ctx, batch, sharder)`` as the public entry points return them.
+    """
+    call = _validate(model, cp_mesh, batch, options, checks)
+    state = _fingerprint(call, checks)
+    owned, work = _model_hook(call)
+    sharder = _resolve_sharder(call, owned, work)
+    ctx, out, bound = _shard(call, sharder, work)
+    return _compose(call, ctx, sharder, owned is not None, state, checks), out, bound
+
+
+# --- the public entry points ------------------------------------------------------------------
+
+
+def make_cp_batch_and_ctx(
+    cp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    *,
+    layout: LayoutName = "auto",
+    padding_token_id: int | None = 0,
+    pad_multiple: int = 1,
+    cp_sharder: CPSharder | None = None,
+    loss_mask: torch.Tensor | None = None,
+    extra_token_keys: Mapping[str, TokenKey] | None = None,
+    attention: str = "auto",
+    tp_mesh: DeviceMesh | None = None,
+    check_consistency: bool = True,
+    model: nn.Module | None = None,
+    strict: bool = False,
+    attention_cost: CostModel | None = None,
+) -> tuple[CPContext, dict[str, Any], CPSharder]:
+    """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model hook).
+
+    Args:
+        cp_mesh: 1-D CP ``DeviceMesh`` or ``None``.
+        batch: Caller's batch (never mutated). Dense: ``input_ids``/``inputs_embeds``, ...;
+            packed: also ``seq_lens`` or ``cu_seqlens``.
+        layout: ``"auto"`` (packed batch: balanced; dense: round_robin at cp > 1, none at
+            cp = 1), or a layout name.
+        padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
+            vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See
+            :func:`check_padding_token_id`.
+        pad_multiple: Per-rank length multiple of the ``contiguous`` layout.
+        cp_sharder: A sharder to use as is (model-owned CP); wins over ``layout``.
+        loss_mask: Optional ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]``.
+        extra_token_keys: Caller-declared per-token keys (:class:`cpshard.TokenKey`).
+        attention: ``"auto"`` (per batch, the method with the lowest modelled cost:
+            :mod:`cpshard.attention.auto`; recorded in ``ctx.facts.attention_method``),
+            ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"selective"``: the CP attention of
+            ``ctx`` for a shard that brings no context of its own (every built-in layout, a
+            given ``cp_sharder``'s too); a shard with its own context keeps it.
+        tp_mesh: Optional TP mesh handed to ``shard_batch``.
+        check_consistency: Compare a fingerprint of the batch and arguments across the CP ranks
+            (one all-gather of a few int64 values; what it covers:
+            :mod:`cpshard.sharding.consistency`) and raise on every rank if they differ; also
+            makes ``gather_token_tensor`` check dtype and shape across ranks. ``False`` skips
+            the hashing of the values (not the all-gather: names, shapes, arguments and the flag
+            itself are still compared); pass it only if the loop guarantees identical batches
+            on every CP rank.
+        model: The model the batch is for (optional): its token mixers outside attention
+            (Mamba / Mamba2 mixers, Gated DeltaNet, short convolutions, ...) are then checked
+            and run exactly under ``ctx`` (:mod:`cpshard.mixers`); without it they are not seen.
+        attention_cost: Link bandwidth, compute rate and assumed layer shape of the cost model
+            behind ``attention="auto"`` (:class:`cpshard.attention.cost.CostModel`); ``None`` ->
+            its GPU defaults. Must be equal on every rank (part of the fingerprint).
+        strict: With ``model``: refuse a model whose token mixers need the generic exact path
+            (each mixer over the whole sequence on every rank, ``C`` times its compute) instead
+            of warning once.
+
+    Returns:
+        ``(ctx, batch, sharder)``: ``with ctx(): model(**batch)``; the sharder's token verbs move
+        per-token tensors between caller coordinates and this rank's shard.
+
+    Raises:
+        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
+            id that is not a non-negative int, ranks given different batches, a model whose
+            token mixers cannot run exactly (or need the generic path under ``strict``). The
+            keywords (:class:`cpshard.options.PrepareOptions`), the mesh and the mixers are
+            checked on each rank before any collective; the batch and the pad id after the
+            cross-rank fingerprint, so a batch bad on one rank only raises on every rank.
+    """
+    options = PrepareOptions(
+        layout=layout,
+        attention=cast("AttentionChoice", attention),  # the options check the name
+        padding_token_id=padding_token_id,
+        pad_multiple=pad_multiple,
+        loss_mask=loss_mask,
+        extra_token_keys=extra_token_keys,
+        tp_mesh=tp_mesh,
+        check_consistency=check_consistency,
+        strict=strict,
+        attention_cost=attention_cost,
+        cp_sharder=cp_sharder,
+    )
+    return run_prepare(model, cp_mesh, batch, options)
+
+
 def prepare_cp_forward(
     model: nn.Module,
     cp_mesh: DeviceMesh | None,
@@ -577,69 +721,17 @@ def prepare_cp_forward(
             the CP ranks are in different phases of their step (on every rank; see
             :mod:`cpshard.guards.step`).
     """
-    cp_mesh = _check_member(_comm.validate_cp_mesh(cp_mesh))
-    # DDP / DataParallel: the hook, the HF attention switch and the guard act on the model inside
-    # (the wrapper forwards the call to it, so the guard still sees every forward).
-    synced_by_ddp = _ddp_spans_cp(model, cp_mesh)
-    model = unwrap_model(model)
-    # Sharded batches run inside their own ctx(), without labels.
-    install_model_guard(model, _comm.cp_rank_and_size(cp_mesh)[1])
-    # Token mixers outside attention: the verdict (or the error) on every rank, before any
-    # collective; the ctx then runs them exactly (cpshard.mixers).
-    mixers = _token_mixers(model, cp_mesh, batch, strict, layout)
-    # The step header: a rank that left its last step midway stops here, before any collective;
-    # ranks in different phases, or with different parameters, raise together.
-    state = step_state(cp_mesh)
-    watch_model(model, state, cp_mesh)
-    fingerprint = dispatch_fingerprint(  # rides in the header; False skips only the hashing
-        cp_mesh, batch, layout, attention, padding_token_id,
-        {"pad_multiple": pad_multiple, "loss_mask": loss_mask, "num_chunks": num_chunks,
-         "extra_token_keys": extra_token_keys, "strict": strict,
-         "attention_cost": attention_cost}, check_consistency is not False,
-    )  # fmt: skip
-    raise_on_mismatch(
-        begin_prepare(
-            state,
-            cp_mesh,
-            check_consistency=check_consistency,
-            model=model,
-            payload=fingerprint,
-            synced_elsewhere=synced_by_ddp,
-        )
-    )
-    check_batch_mapping(batch)
-    check_padding_token_id(padding_token_id, batch, model_vocab_size(model))
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got num_chunks={num_chunks}")
-    _check_method(
-        attention, attention_cost
-    )  # before the model hook runs (FSDP2 may unshard for it)
-    sharder: CPSharder | None = None
-    work = dict(batch)
-    if hasattr(model, "prepare_model_inputs_for_cp"):
-        # At every CP size (the seed skips cp=1): the cp=1 reference runs the same model path.
-        sharder, work = apply_model_hook(model, work, num_chunks)
-    ctx, out, bound = _dispatch(  # the fingerprint above covers the caller's batch
-        cp_mesh,
-        work,
-        layout=mixers.layout,  # type: ignore[arg-type]
+    options = PrepareOptions(
+        layout=layout,
+        attention=cast("AttentionChoice", attention),  # the options check the name
         padding_token_id=padding_token_id,
         pad_multiple=pad_multiple,
-        cp_sharder=sharder,
         loss_mask=loss_mask,
         extra_token_keys=extra_token_keys,
-        attention=attention,
         tp_mesh=tp_mesh,
         check_consistency=check_consistency,
-        state=state,
+        strict=strict,
         attention_cost=attention_cost,
+        num_chunks=num_chunks,
     )
-    remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
-    if sharder is not None:
-        check_model_sharder(bound)
-    elif hasattr(model, "set_attn_implementation"):
-        # Inside ctx() (at every CP size, so cp=1 and cp=N run the same attention semantics) an
-        # HF model uses cpshard's attention; outside it keeps its own attn_implementation.
-        ctx = CPContext(functools.partial(cp_attention_scope, model, ctx), ctx.facts)
-    ctx = with_token_mixers(ctx, mixers, cp_mesh)
-    return _tracked(ctx, state, cp_mesh), out, bound
+    return run_prepare(model, cp_mesh, batch, options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -11,7 +12,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import cpshard
+from _counting import counting_checks
+from cpshard._comm import CommRecorder
+from cpshard.dispatch import run_prepare
 from cpshard.layouts.closed_form import ContiguousLayout
+from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
+from cpshard.options import PrepareOptions
 from cpshard.sharding.batch import shard_batch_dense
 from cpshard.sharding.sharder import CPContext, CPSharder
 
@@ -178,3 +184,56 @@ def model_owned_map_errors(cp_mesh: DeviceMesh) -> None:
         ),
     )
     cpshard.prepare_cp_forward(_OwnsSharder(good), cp_mesh, batch)
+
+
+def checks_once_one_collective(cp_mesh: DeviceMesh, packed: bool) -> None:
+    """Each check of a prepare runs once, in pipeline order, and the whole prepare issues one
+    collective (the step header carrying the batch fingerprint), for both entry points."""
+    cfg = TinyDecoderConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=32)  # fmt: skip
+    batch: dict[str, Any] = {"input_ids": torch.arange(20).reshape(2, 10)}
+    if packed:
+        batch = {"input_ids": torch.arange(10).reshape(1, 10), "seq_lens": [[4, 6]]}
+    cases = [
+        (None, PrepareOptions(), ["cp_mesh", "batch_mapping", "padding_token_id"]),
+        (HookModel(), PrepareOptions(num_chunks=2),
+         ["cp_mesh", "batch_mapping", "padding_token_id", "model_sharder"]),
+        (TinyDecoder(cfg), PrepareOptions(num_chunks=1),
+         ["cp_mesh", "token_mixers", "batch_mapping", "padding_token_id"]),
+    ]  # fmt: skip
+    for model, options, expected in cases:
+        work = _batch() if isinstance(model, HookModel) else batch  # the hook's own layout
+        checks, calls = counting_checks()
+        with CommRecorder() as rec:
+            _, local, sharder = run_prepare(model, cp_mesh, work, options, checks)
+        assert calls == expected, (type(model).__name__, calls)
+        assert rec.count() == rec.count("all_gather") == 1, rec.events
+        assert sharder.cp_size == cp_mesh.size() and sharder.padded_seq_len is not None
+
+
+def options_raise_before_any_collective(cp_mesh: DeviceMesh) -> None:
+    """An invalid option raises on every rank before the step header: no collective ran, and
+    the CP group's step is left as it was (the next prepare works)."""
+    model = HookModel()
+    calls: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
+        (None, {"layout": "zigzag"}, ValueError, "layout must be one of"),
+        (None, {"attention": "flash"}, ValueError, "attention must be one of"),
+        (None, {"attention_cost": 1e9}, TypeError, "attention_cost must be a"),
+        (None, {"cp_sharder": "contiguous"}, TypeError, "cp_sharder must be a cpshard.CPSharder"),
+        (model, {"num_chunks": 0}, ValueError, "num_chunks must be >= 1, got num_chunks=0"),
+        (model, {"layout": "zigzag"}, ValueError, "layout must be one of"),
+        (model, {"attention": "flash"}, ValueError, "attention must be one of"),
+    ]
+    for owner, kwargs, error, match in calls:
+        call = (
+            functools.partial(cpshard.make_cp_batch_and_ctx, cp_mesh, _batch(), **kwargs)
+            if owner is None
+            else functools.partial(cpshard.prepare_cp_forward, owner, cp_mesh, _batch(), **kwargs)
+        )
+        with CommRecorder() as rec, pytest.raises(error, match=match):
+            call()
+        assert rec.events == [], (kwargs, rec.events)
+    assert model.calls == 0  # the hook never ran
+    with CommRecorder() as rec:
+        cpshard.prepare_cp_forward(model, cp_mesh, _batch())
+    assert rec.count() == 1 and model.calls == 1

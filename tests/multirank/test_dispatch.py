@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from _dispatch_fns import hook_errors, model_owned_hook, model_owned_map_errors
+from _dispatch_fns import (
+    checks_once_one_collective,
+    hook_errors,
+    model_owned_hook,
+    model_owned_map_errors,
+    options_raise_before_any_collective,
+)
 
 from _ranks import Ranks
 
@@ -23,3 +29,15 @@ def test_hook_errors(ranks: Ranks) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_model_owned_map_must_be_a_bijection(ranks: Ranks, world: int) -> None:
     ranks(world, model_owned_map_errors)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("packed", [False, True])
+def test_each_check_once_and_one_collective_per_prepare(
+    ranks: Ranks, world: int, packed: bool
+) -> None:
+    ranks(world, checks_once_one_collective, packed)
+
+
+def test_invalid_options_raise_before_any_collective(ranks: Ranks) -> None:
+    ranks(2, options_raise_before_any_collective)

@@ -215,6 +215,11 @@ RULES: tuple[Rule, ...] = (
         Rule(m, ("cpshard._comm",), "host-side planning and cost: never a collective")
         for m in HOST_ONLY
     ),
+    Rule(
+        "cpshard.options",
+        ("cpshard.dispatch", "cpshard.guards", "cpshard.mixers", "cpshard._comm"),
+        "the prepare options are plain checked values below the dispatcher that builds them",
+    ),
 )
 
 
