@@ -188,7 +188,8 @@ def _dump_result(out: Out, cp_mesh: DeviceMesh, batch: dict[str, Any], result: A
         out("token_meta.document_ids", meta.document_ids)
         out("token_meta.local()", meta.local())
         out("token_meta.local_record", meta.local_record)
-        out("token_meta.plan_cache keys", sorted(meta.plan_cache))
+        # the attention method auto chose (the plan cache's other entries are internal caches)
+        out("token_meta attention_method", meta.plan_cache.get("attention_method"))
     # Token verbs, in the caller's coordinates.
     plain = _caller_tensor(batch)
     shard = _try(
