@@ -1,12 +1,13 @@
 """The only module of cpshard that calls ``torch.distributed``.
 
 Owns every collective, the group/rank lookups of a mesh and process-group creation; imports
-nothing of cpshard (a leaf). Precise rule, enforced by ``tests/unit/test_architecture.py``: outside
-this module, cpshard imports from ``torch.distributed`` only the type names ``DeviceMesh``,
+nothing of cpshard but :mod:`cpshard._compat` (``TorchDispatchMode``, which torch keeps in a
+private module). Precise rule, enforced by ``tests/unit/test_architecture.py``: outside this
+module, cpshard imports from ``torch.distributed`` only the type names ``DeviceMesh``,
 ``ProcessGroup`` and ``DTensor`` (annotations and ``isinstance`` checks, which communicate
-nothing), plus, in :mod:`cpshard.tools`, torch's private CP load balancers (index generators that
-:mod:`cpshard.tools.balance` measures). Every function of ``torch.distributed`` is called from
-here.
+nothing), plus, in :mod:`cpshard._compat`, torch's private CP load balancers (index generators
+that :mod:`cpshard.tools.balance` measures). Every function of ``torch.distributed`` is called
+from here; it uses no private ``torch.distributed`` name.
 
 Every collective here takes its process group explicitly and makes its tensors contiguous at the
 boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contiguous tensor handed to
@@ -42,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from cpshard._compat import TorchDispatchMode
 
 __all__ = [
     "CommRecorder",

@@ -45,8 +45,11 @@ TYPE_NAMES = (
     "torch.distributed.device_mesh.DeviceMesh",
     "torch.distributed.tensor.DTensor",
 )
-# torch's private CP load balancers: index generators that tools/balance.py measures.
+# torch's private CP load balancers: index generators (no communication) that tools/balance.py
+# measures through cpshard._compat, the one module that names them.
 TORCH_BALANCERS = ("torch.distributed.tensor.experimental._context_parallel._load_balancer",)
+# The one module that names private torch / transformers APIs.
+COMPAT = "cpshard._compat"
 
 RULES: tuple[Rule, ...] = (
     Rule("cpshard.names", ("cpshard", "torch", "numpy"), "names.py is a leaf (typing only)"),
@@ -56,19 +59,26 @@ RULES: tuple[Rule, ...] = (
         "layouts are pure index math: they import only layouts and names",
         allow=("cpshard.layouts", "cpshard.names"),
     ),
-    Rule("cpshard._comm", ("cpshard",), "_comm is a leaf", allow=("cpshard._comm",)),
+    Rule(
+        "cpshard._comm",
+        ("cpshard",),
+        "_comm is a leaf but for the private-API seam",
+        allow=("cpshard._comm", COMPAT),
+    ),
     Rule(
         "cpshard",
         ("torch.distributed",),
         "only cpshard._comm uses torch.distributed; other modules import only its type names",
         allow=TYPE_NAMES,
-        exempt=("cpshard._comm", "cpshard.tools"),
+        exempt=("cpshard._comm", COMPAT),
     ),
     Rule(
-        "cpshard.tools",
-        ("torch.distributed",),
-        "tools use torch.distributed through _comm, plus torch's private load balancers",
-        allow=TYPE_NAMES + TORCH_BALANCERS,
+        COMPAT,
+        ("cpshard", "torch.distributed", "transformers"),
+        "the private-API seam sits at the bottom: nothing of cpshard, of torch.distributed only "
+        "the private load balancers (index generators), and transformers never (its entries "
+        "read the objects they are given, so `import cpshard` needs no transformers)",
+        allow=(COMPAT, *TORCH_BALANCERS),
     ),
     Rule(
         "cpshard",
@@ -111,7 +121,7 @@ RULES: tuple[Rule, ...] = (
         "cpshard.guards.step",
         ("cpshard",),
         "the step record sits below attention, sharding and loss: it imports only _comm",
-        allow=("cpshard._comm", "cpshard.guards.step"),
+        allow=("cpshard._comm", COMPAT, "cpshard.guards.step"),
     ),
     Rule(
         "cpshard.loss",
@@ -129,8 +139,9 @@ RULES: tuple[Rule, ...] = (
         Rule(
             f"cpshard.attention.{m}",
             ("cpshard",),
-            "the kernels and their merge are attention math: nothing of cpshard outside attention",
-            allow=("cpshard.attention",),
+            "the kernels and their merge are attention math: nothing of cpshard outside attention "
+            "but the private-API seam",
+            allow=("cpshard.attention", COMPAT),
         )
         for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
     ),
@@ -260,8 +271,12 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard.sharding.x", "import torch\ntorch.distributed.barrier()\n", None),
         ("cpshard.dispatch", "from torch.distributed import all_reduce\n", None),
         ("cpshard._comm", "import torch.distributed as dist\n", []),
-        ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
-        ("cpshard.attention.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
+        ("cpshard._compat", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
+        ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
+        ("cpshard._compat", "import torch.distributed as dist\n", ["torch.distributed"]),
+        ("cpshard._compat", "import transformers\n", ["transformers"]),
+        ("cpshard._compat", "from cpshard.names import LAYOUT_NAMES\n", None),
+        ("cpshard._comm", "from cpshard._compat import TorchDispatchMode\n", []),
         # core never imports tools / cli / models, even lazily
         ("cpshard.dispatch", "def f():\n    from cpshard.tools.parity import MODELS\n", None),
         ("cpshard", "from cpshard import models\n", ["cpshard.models"]),
