@@ -8,13 +8,17 @@ a module (``torch._C``, ``torch.utils._python_dispatch``), a function or op
 attribute of a torch / transformers object (``module._forward_pre_hooks``,
 ``config._attn_implementation``), read directly, through ``getattr`` or as a name searched in
 source text. Dunder names (``__self__``) and the documented namedtuple API (``_replace``) are
-public. ``tests/unit/test_architecture.py`` fences this: outside this module no module of
-:mod:`cpshard` names a private torch or transformers API (the ``private_apis`` rule row).
+public. ``tests/unit/test_architecture.py`` fences this with one row of ``RULES`` (its
+``private=("torch", "transformers")``): outside this module no module of :mod:`cpshard` names a
+private torch or transformers API. Overriding a private hook of a trainer subclass
+(:mod:`cpshard.integrations`) defines the name in cpshard and is not a call through this seam.
 
 "checked against" names the versions whose behaviour the entry was run or read against: the
-two supported stacks, torch 2.11 with transformers 5.17 and torch 2.13 with transformers 5.25.
-The fused CUDA ops are checked against their schemas and meta kernels on CPU
-(``tests/unit/test_compat.py`` reads every op's schema); ``tests/gpu`` runs them on a GPU.
+two supported stacks, torch 2.11 with transformers 5.17 and torch 2.13 with transformers 5.25;
+``tests/unit/test_compat.py`` runs every entry but the CUDA ops on the installed stack. The fused
+CUDA ops are checked against their schemas and meta kernels on CPU
+(``tests/unit/test_cuda_kernel_calls.py`` binds every call to the op's schema); ``tests/gpu``
+runs them on a GPU.
 
 Owns only these seams, no policy. Imports torch (transformers is never imported here: the
 transformers entries take the object they read), and of ``torch.distributed`` only torch's
