@@ -28,14 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from cpshard import _compat
 from cpshard.attention import cuda_kernels as ck
-from cpshard.attention.cuda_kernels import (
-    _groups,
-    _lse_rows,
-    _pad_head,
-    _rng_placeholders,
-    padded_head_dim,
-)
+from cpshard.attention.cuda_kernels import _groups, _lse_rows, _pad_head, padded_head_dim
 from cpshard.attention.kernels import (
     KernelBackend,
     _warn_fallback,
@@ -131,7 +126,7 @@ def flash_varlen_forward(
     _groups(q, k, 1)
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    res = torch.ops.aten._flash_attention_forward(
+    res = _compat.flash_varlen_attention(
         _pad_head(q, dp),
         _pad_head(k, dp),
         _pad_head(v, dp),
@@ -139,9 +134,7 @@ def flash_varlen_forward(
         cu_k,
         varlen_max_q_bound(max_q),
         max_k,
-        0.0,
-        causal,
-        False,
+        causal=causal,
         scale=scale,
     )
     # The run offsets index an unpadded [H, Tq] LSE: any other length is another layout.
@@ -184,8 +177,7 @@ def flash_varlen_backward(
     dp = padded_head_dim(d)
     lse = lse.float()
     lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).contiguous()
-    seed, offset = _rng_placeholders(q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    dq, dk, dv = _compat.flash_varlen_attention_backward(
         _pad_head(grad_out.to(q.dtype), dp),
         _pad_head(q, dp),
         _pad_head(k, dp),
@@ -196,10 +188,7 @@ def flash_varlen_backward(
         cu_k,
         max_q,
         max_k,
-        0.0,
-        causal,
-        seed,
-        offset,
+        causal=causal,
         scale=scale,
     )
     # Queries that see no key, and keys of runs without queries, get exact zeros (flash may

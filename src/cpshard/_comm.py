@@ -1,7 +1,9 @@
 """The only module of cpshard that calls ``torch.distributed``.
 
 Owns every collective, the group/rank lookups of a mesh and process-group creation: every
-function of ``torch.distributed`` that cpshard calls is called from here.
+function of ``torch.distributed`` that cpshard calls is called from here, and none of them is
+private (``TorchDispatchMode``, which torch keeps in a private module, comes through
+:mod:`cpshard._compat`).
 
 Every collective here takes its process group explicitly and makes its tensors contiguous at the
 boundary, in the forward and in the backward: on gloo (torch 2.13) a non-contiguous tensor handed to
@@ -39,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from cpshard._compat import TorchDispatchMode
 
 __all__ = [
     "CommRecorder",

@@ -6,6 +6,14 @@ the modules it exempts and why. A new rule is one more row. Every import counts:
 lazy (inside a function), relative, and attribute chains through an imported name
 (``import torch`` then ``torch.distributed.barrier()``).
 
+A row may also fence the *private* names of packages (``private``): a dotted name under one of
+them with a ``_``-prefixed component (``torch._C``, ``torch.ops.aten._flash_attention_forward``,
+``from torch.overrides import _get_current_function_mode_stack``), and any ``_``-prefixed
+attribute the package itself does not define, read on any object (``config._attn_implementation``,
+``getattr(m, "_forward_pre_hooks")``, the name as a string): such a name can only come from a
+third party. Dunders, the namedtuple API (``_replace``) and cpshard's own tags (``_cpshard*``) are
+not private. Only :mod:`cpshard._compat` may use them (one named, version-checked entry each).
+
 More checks of the package's shape: every module says what it is (a module docstring) and points
 at this table for its import rules (one line, :data:`POINTER`; the rules are written only here
 and in ARCHITECTURE.md's diagram), and the layout and method names are spelled as a collection
@@ -15,6 +23,8 @@ only in :mod:`cpshard.names`.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +39,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 class Rule:
     """Modules under ``scope`` (minus ``exempt``) never import anything under ``forbid``.
 
-    An import under one of ``allow`` is fine even though a ``forbid`` prefix matches it.
+    An import under one of ``allow`` is fine even though a ``forbid`` prefix matches it. Nor do
+    they use a private name of a package in ``private`` (see the module docstring).
     """
 
     scope: str
@@ -37,6 +48,7 @@ class Rule:
     why: str
     allow: tuple[str, ...] = ()
     exempt: tuple[str, ...] = ()
+    private: tuple[str, ...] = ()
 
 
 # torch.distributed names that only name a type (annotations, isinstance checks): importing them
@@ -47,8 +59,11 @@ TYPE_NAMES = (
     "torch.distributed.device_mesh.DeviceMesh",
     "torch.distributed.tensor.DTensor",
 )
-# torch's private CP load balancers: index generators that tools/balance.py measures.
+# torch's private CP load balancers: index generators (no communication) that tools/balance.py
+# measures through cpshard._compat, the one module that names them.
 TORCH_BALANCERS = ("torch.distributed.tensor.experimental._context_parallel._load_balancer",)
+# The one module that names private torch / transformers APIs.
+COMPAT = "cpshard._compat"
 
 # Modules that import (almost) nothing of cpshard: (module, what it may import besides itself and
 # names, why).
@@ -87,19 +102,34 @@ RULES: tuple[Rule, ...] = (
         "layouts are pure index math: they import only layouts and names",
         allow=("cpshard.layouts", "cpshard.names"),
     ),
-    Rule("cpshard._comm", ("cpshard",), "_comm is a leaf", allow=("cpshard._comm",)),
+    Rule(
+        "cpshard._comm",
+        ("cpshard",),
+        "_comm is a leaf but for the private-API seam",
+        allow=("cpshard._comm", COMPAT),
+    ),
     Rule(
         "cpshard",
         ("torch.distributed",),
         "only cpshard._comm uses torch.distributed; other modules import only its type names",
         allow=TYPE_NAMES,
-        exempt=("cpshard._comm", "cpshard.tools"),
+        exempt=("cpshard._comm", COMPAT),
     ),
     Rule(
-        "cpshard.tools",
-        ("torch.distributed",),
-        "tools use torch.distributed through _comm, plus torch's private load balancers",
-        allow=TYPE_NAMES + TORCH_BALANCERS,
+        COMPAT,
+        ("cpshard", "torch.distributed", "transformers"),
+        "the private-API seam sits at the bottom: nothing of cpshard, of torch.distributed only "
+        "the private load balancers (index generators), and transformers never (its entries "
+        "read the objects they are given, so `import cpshard` needs no transformers)",
+        allow=(COMPAT, *TORCH_BALANCERS),
+    ),
+    Rule(
+        "cpshard",
+        (),
+        "private torch / transformers APIs are named only in cpshard._compat (one entry each, "
+        "saying which versions it was checked against): an upgrade breaks one known place",
+        exempt=(COMPAT,),
+        private=("torch", "transformers"),
     ),
     Rule(
         "cpshard",
@@ -170,8 +200,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpshard.guards.step",
         ("cpshard",),
-        "the step record the losses read imports only _comm",
-        allow=("cpshard._comm", "cpshard.guards.step"),
+        "the step record the losses read imports only _comm (and the private-API seam)",
+        allow=("cpshard._comm", COMPAT, "cpshard.guards.step"),
     ),
     Rule(
         "cpshard.loss",
@@ -189,8 +219,9 @@ RULES: tuple[Rule, ...] = (
         Rule(
             f"cpshard.attention.{m}",
             ("cpshard",),
-            "the kernels and their merge are attention math: nothing of cpshard outside attention",
-            allow=("cpshard.attention",),
+            "the kernels and their merge are attention math: nothing of cpshard outside attention "
+            "but the private-API seam",
+            allow=("cpshard.attention", COMPAT),
         )
         for m in ("blockwise", "cuda_kernels", "kernels", "merge", "pieces", "softcap")
     ),
@@ -272,20 +303,102 @@ def imports_of(source: str, module: str, is_package: bool = False) -> list[tuple
     return found
 
 
+def _private(part: str) -> bool:
+    """A ``_``-prefixed name that is not a dunder."""
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+# ``_``-prefixed names that are public API: namedtuple's documented methods.
+PUBLIC_UNDERSCORE = frozenset({"_replace", "_asdict", "_fields", "_make"})
+_IDENTIFIER = re.compile(r"_[A-Za-z_]\w*")
+
+
+def defined_names(source: str) -> set[str]:
+    """Every name ``source`` defines: functions, classes, variables, arguments, attributes of
+    ``self`` / ``cls``."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in ("self", "cls"):
+                out.add(node.attr)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+    return out
+
+
+def foreign_private_names(source: str, own: frozenset[str]) -> list[tuple[int, str]]:
+    """``(line, "._name")`` for every private attribute ``source`` reads that ``own`` lacks.
+
+    Read as ``x._name``, through ``getattr`` / ``hasattr`` / ``setattr`` / ``delattr``, or spelled
+    as a string (an attribute name in waiting, or a name searched in source text); parts of
+    f-strings do not count.
+    """
+    tree = ast.parse(source)
+    in_fstring = {id(c) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for c in n.values}
+    found = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute):
+            self_attr = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            name = None if self_attr else node.attr
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in in_fstring
+            and _IDENTIFIER.fullmatch(node.value)
+        ):
+            name = node.value
+        if (
+            name is not None
+            and _private(name)
+            and name not in own
+            and name not in PUBLIC_UNDERSCORE
+            and not name.startswith("_cpshard")
+        ):
+            found.append((node.lineno, "." + name))
+    return found
+
+
+@functools.cache
+def own_names() -> frozenset[str]:
+    """The names the package defines, the private-API seam left out (its names are not ours)."""
+    return frozenset(
+        n for m, p, _ in _modules() if m != COMPAT for n in defined_names(p.read_text())
+    )
+
+
 def violations(
-    source: str, module: str, is_package: bool = False, rules: tuple[Rule, ...] = RULES
+    source: str,
+    module: str,
+    is_package: bool = False,
+    rules: tuple[Rule, ...] = RULES,
+    own: frozenset[str] | None = None,
 ) -> list[tuple[str, int, str, str]]:
-    """``(module, line, import, why)`` for every import of ``module`` that a rule forbids."""
+    """``(module, line, import, why)`` for every import of ``module`` that a rule forbids.
+
+    ``own``: the names the package defines (default: read from the source tree), which the
+    ``private`` rows take for cpshard's own rather than a third party's.
+    """
     out = []
-    for line, name in imports_of(source, module, is_package):
-        for rule in rules:
-            if (
-                _under(module, rule.scope)
-                and not any(_under(module, e) for e in rule.exempt)
-                and any(_under(name, f) for f in rule.forbid)
-                and not any(_under(name, a) for a in rule.allow)
+    names = imports_of(source, module, is_package)
+    for rule in rules:
+        if not _under(module, rule.scope) or any(_under(module, e) for e in rule.exempt):
+            continue
+        for line, name in names:
+            if any(_under(name, f) for f in rule.forbid) and not any(
+                _under(name, a) for a in rule.allow
             ):
                 out.append((module, line, name, rule.why))
+            parts = name.split(".")
+            if parts[0] in rule.private and any(_private(p) for p in parts):
+                out.append((module, line, name, rule.why))
+        if rule.private:
+            mine = own_names() if own is None else own
+            out += [(module, ln, n, rule.why) for ln, n in foreign_private_names(source, mine)]
     return sorted(set(out))
 
 
@@ -338,8 +451,35 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard.sharding.x", "import torch\ntorch.distributed.barrier()\n", None),
         ("cpshard.dispatch", "from torch.distributed import all_reduce\n", None),
         ("cpshard._comm", "import torch.distributed as dist\n", []),
-        ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
-        ("cpshard.attention.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
+        ("cpshard._compat", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", []),
+        ("cpshard.tools.x", "from " + TORCH_BALANCERS[0] + " import _PTRRLoadBalancer\n", None),
+        ("cpshard._compat", "import torch.distributed as dist\n", ["torch.distributed"]),
+        # private torch / transformers names: only in the seam, which imports nothing above it
+        ("cpshard.attention.x", "import torch\ntorch._C._nn.scaled_dot_product_attention\n", None),
+        ("cpshard.attention.x", "import torch\ntorch.ops.aten._flash_attention_forward(q)\n", None),
+        (
+            "cpshard.guards.x",
+            "from torch.overrides import _get_current_function_mode_stack\n",
+            None,
+        ),
+        ("cpshard.loss", "from torch.utils._python_dispatch import TorchDispatchMode\n", None),
+        ("cpshard.x", "import transformers.utils._private as p\n", None),
+        ("cpshard.guards.x", "def f(config):\n    return config._attn_implementation\n", None),
+        ("cpshard.guards.x", "def f(m):\n    return getattr(m, '_forward_pre_hooks')\n", None),
+        ("cpshard.guards.x", "def f(p):\n    return p.grad._version\n", ["._version"]),
+        ("cpshard.attention.x", "def f(src):\n    return '_attn_implementation' in src\n", None),
+        ("cpshard._compat", "import torch\ntorch._C._nn.scaled_dot_product_attention\n", []),
+        ("cpshard._compat", "def f(m):\n    return m._forward_pre_hooks\n", []),
+        ("cpshard._compat", "import transformers\n", ["transformers"]),
+        ("cpshard._compat", "from cpshard.names import LAYOUT_NAMES\n", None),
+        ("cpshard._comm", "from cpshard._compat import TorchDispatchMode\n", []),
+        # not private: cpshard's own names and tags, dunders, the namedtuple API
+        (
+            "cpshard.attention.x",
+            "from cpshard.attention import cuda_kernels as ck\nck._groups\n",
+            [],
+        ),
+        ("cpshard.attention.x", "p._replace(qi=1)\nt._cpshard_batch\nf.__self__\nself._x\n", []),
         # core never imports tools / cli / models, even lazily
         ("cpshard.dispatch", "def f():\n    from cpshard.parity.runs import MODELS\n", None),
         ("cpshard", "from cpshard import models\n", ["cpshard.models"]),

@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from cpshard import _compat
 from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
 from cpshard.sharding.facts import same_shard
@@ -67,9 +68,7 @@ _SDPA_DEFAULTS: Mapping[str, Any] = MappingProxyType(
 
 
 def _is_sdpa(func: Callable[..., Any]) -> bool:
-    return (
-        func is F.scaled_dot_product_attention or func is torch._C._nn.scaled_dot_product_attention
-    )
+    return func is F.scaled_dot_product_attention or func is _compat.SDPA_BUILTIN
 
 
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -235,21 +234,15 @@ _CHECKPOINT_FIX = (
 def _inside_torch_checkpoint() -> bool:
     """Whether the forward of a non-reentrant ``torch.utils.checkpoint`` is running here.
 
-    Its saved-tensors hook (``_checkpoint_hook``) is then the innermost default hook.
+    Read from autograd's saved-tensors hooks (:func:`cpshard._compat.in_checkpoint_forward`).
     """
     if torch.compiler.is_compiling():  # not traceable; compiled checkpoints are not checked
         return False
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None:
-        return False
-    return "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+    return _compat.in_checkpoint_forward()
 
 
 def _modes() -> list[_CPSDPAMode]:
-    from torch.overrides import _get_current_function_mode_stack
-
-    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-    return [m for m in stack if isinstance(m, _CPSDPAMode)]
+    return [m for m in _compat.function_mode_stack() if isinstance(m, _CPSDPAMode)]
 
 
 def active_mode() -> _CPSDPAMode | None:

@@ -2,8 +2,9 @@
 
 :mod:`cpshard.attention.kernels` calls these behind its ``block_attention`` (and
 ``benchmarks/_varlen_kernels.py`` its helpers); nothing else should. Every function here only
-calls ``torch.ops.aten`` ops, so it also runs on ``meta`` tensors (torch registers meta kernels
-for the CUDA ops), which is how the CPU test suite checks argument order and result shapes.
+calls ``torch.ops.aten`` ops (through :mod:`cpshard._compat`, the ops' one seam), so it also runs
+on ``meta`` tensors (torch registers meta kernels for the CUDA ops), which is how the CPU test
+suite checks argument order and result shapes.
 
 Ops (schemas of torch 2.11-2.13; only positional arguments and ``scale=`` are used):
 
@@ -59,6 +60,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from cpshard import _compat
 
 __all__ = [
     "BIAS_ALIGN",
@@ -253,13 +256,6 @@ def _groups(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> int:
     return hq // hkv
 
 
-def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Philox seed/offset arguments of the flash backward; read only when dropout > 0."""
-    seed = torch.empty(2, dtype=torch.uint64, device=device)
-    offset = torch.empty((), dtype=torch.uint64, device=device)
-    return seed, offset
-
-
 def _lse_rows(
     lse: torch.Tensor, lead: tuple[int, ...], rows: int, op: str, *, exact: bool = False
 ) -> torch.Tensor:
@@ -326,10 +322,10 @@ def flash_forward(
     _groups(q, k, 1)
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp), 0.0, is_causal, False, scale=scale
+    res = _compat.flash_attention(
+        _pad_head(q, dp), _pad_head(k, dp), _pad_head(v, dp), is_causal=is_causal, scale=scale
     )
-    lse = _lse_rows(res[1], tuple(q.shape[:2]), q.shape[2], "_scaled_dot_product_flash_attention")
+    lse = _lse_rows(res[1], tuple(q.shape[:2]), q.shape[2], "flash attention")
     return res[0][..., :d], lse.float()
 
 
@@ -352,22 +348,14 @@ def flash_backward(
     _groups(q, k, 1)
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    seed, offset = _rng_placeholders(q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    dq, dk, dv = _compat.flash_attention_backward(
         _pad_head(grad_out.to(q.dtype), dp),
         _pad_head(q, dp),
         _pad_head(k, dp),
         _pad_head(v, dp),
         _pad_head(out.to(q.dtype), dp),
         lse.float().contiguous(),
-        None,
-        None,
-        q.shape[2],
-        k.shape[2],
-        0.0,
-        is_causal,
-        seed,
-        offset,
+        is_causal=is_causal,
         scale=scale,
     )
     return dq[..., :d], dk[..., :d], dv[..., :d]
@@ -408,11 +396,11 @@ def efficient_forward(
     q5 = torch.unflatten(qp, 1, (hkv, g))
     outs, lses = [], []
     for i in range(g):
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q5[:, :, i], kp, vp, bias, True, 0.0, is_causal, scale=scale
+        res = _compat.efficient_attention(
+            q5[:, :, i], kp, vp, bias, is_causal=is_causal, scale=scale
         )
         outs.append(res[0][..., :d])
-        lses.append(_lse_rows(res[1], (b, hkv), lq, "_scaled_dot_product_efficient_attention"))
+        lses.append(_lse_rows(res[1], (b, hkv), lq, "memory-efficient attention"))
     if g == 1:
         out, lse = outs[0], lses[0].float()
     else:
@@ -454,13 +442,11 @@ def efficient_backward(
     go5 = torch.unflatten(_pad_head(grad_out.to(q.dtype), dp), 1, (hkv, g))
     o5 = torch.unflatten(_pad_head(out.to(q.dtype), dp), 1, (hkv, g))
     l5 = torch.unflatten(lse_p, 1, (hkv, g))
-    seed = torch.empty((), dtype=torch.int64, device=q.device)
-    offset = torch.empty((), dtype=torch.int64, device=q.device)
     dqs = []
     dk_sum: torch.Tensor | None = None
     dv_sum: torch.Tensor | None = None
     for i in range(g):
-        dq_i, dk_i, dv_i, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dq_i, dk_i, dv_i = _compat.efficient_attention_backward(
             _bmhk(go5[:, :, i]),
             q5[:, :, i],
             kp,
@@ -468,11 +454,7 @@ def efficient_backward(
             bias,
             _bmhk(o5[:, :, i]),
             l5[:, :, i].contiguous(),
-            seed,
-            offset,
-            0.0,
-            [True, True, True, False],
-            is_causal,
+            is_causal=is_causal,
             scale=scale,
         )
         dqs.append(dq_i[..., :d])
@@ -503,8 +485,8 @@ def cudnn_forward(
     q5 = torch.unflatten(_pad_head(q, dp), 1, (hkv, g))
     outs, lses = [], []
     for i in range(g):
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q5[:, :, i].contiguous(), kp, vp, None, True, 0.0, is_causal, False, scale=scale
+        res = _compat.cudnn_attention(
+            q5[:, :, i].contiguous(), kp, vp, is_causal=is_causal, scale=scale
         )
         outs.append(res[0][..., :d])
         lses.append(res[1].reshape(b, hkv, lq))  # [B, H, Lq, 1] in torch 2.13
@@ -530,7 +512,7 @@ def cudnn_backward(
         ``(dq [B, Hq, Lq, D] in q's dtype, dk, dv [B, Hkv, Lk, D] fp32, summed over groups)``.
     """
     g = _groups(q, k, 1)
-    lq, lk, d = q.shape[2], k.shape[2], q.shape[-1]
+    d = q.shape[-1]
     hkv = k.shape[1]
     dp = padded_head_dim(d)
     kp, vp = _pad_head(k, dp).contiguous(), _pad_head(v, dp).contiguous()
@@ -538,28 +520,18 @@ def cudnn_backward(
     go5 = torch.unflatten(_pad_head(grad_out.to(q.dtype), dp), 1, (hkv, g))
     o5 = torch.unflatten(_pad_head(out.to(q.dtype), dp), 1, (hkv, g))
     l5 = torch.unflatten(lse.float(), 1, (hkv, g))
-    seed = torch.empty((), dtype=torch.int64, device=q.device)
-    offset = torch.empty((), dtype=torch.int64, device=q.device)
     dqs = []
     dk_sum: torch.Tensor | None = None
     dv_sum: torch.Tensor | None = None
     for i in range(g):
-        dq_i, dk_i, dv_i = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dq_i, dk_i, dv_i = _compat.cudnn_attention_backward(
             go5[:, :, i].contiguous(),
             q5[:, :, i].contiguous(),
             kp,
             vp,
             o5[:, :, i].contiguous(),
             l5[:, :, i].unsqueeze(-1).contiguous(),
-            seed,
-            offset,
-            None,
-            None,
-            None,
-            lq,
-            lk,
-            0.0,
-            is_causal,
+            is_causal=is_causal,
             scale=scale,
         )
         dqs.append(dq_i[..., :d])

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from cpshard import _compat
 from cpshard.attention.context import active_mode, cp_context_active
 from cpshard.attention.hf_options import run_cp_hf_attention
 from cpshard.attention.softcap import softcap_masked_attention
@@ -218,7 +219,7 @@ def use_cp_attention(model: torch.nn.Module) -> None:
             f"use_cp_attention needs a transformers model (set_attn_implementation or config), "
             f"got {type(model).__name__}"
         )
-    config._attn_implementation = ATTENTION_NAME
+    _compat.set_config_attn_implementation(config, ATTENTION_NAME)
 
 
 def attention_implementations(config: Any) -> str | dict[str, Any]:
@@ -231,11 +232,11 @@ def attention_implementations(config: Any) -> str | dict[str, Any]:
         The name (e.g. ``"flash_attention_2"``) when every sub-config uses the same one, else the
         nested dict that ``model.set_attn_implementation`` accepts (``""`` = the config itself).
     """
-    own: str = config._attn_implementation
+    own: str = _compat.attn_implementation(config)
     subs: dict[str, Any] = {}
     for key in getattr(config, "sub_configs", None) or {}:
         sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "_attn_implementation"):
+        if sub is not None and _compat.has_attn_implementation(sub):
             subs[key] = attention_implementations(sub)
     if all(v == own for v in subs.values()):
         return own
@@ -287,8 +288,8 @@ def cp_attention_scope(
 def uses_attention_interface(cls: type) -> bool:
     """Whether ``cls.forward`` dispatches through transformers' attention registry.
 
-    Read from the forward's source (``ALL_ATTENTION_FUNCTIONS`` / ``_attn_implementation``), the
-    structural fact transformers' own ``_can_set_attn_implementation`` checks per file.
+    Read from the forward's source (:func:`cpshard._compat.source_uses_attention_registry`), the
+    structural fact transformers' own verdict checks per file.
     """
     forward = getattr(cls, "forward", None)
     if forward is None:
@@ -297,7 +298,7 @@ def uses_attention_interface(cls: type) -> bool:
         src = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
-    return "ALL_ATTENTION_FUNCTIONS" in src or "_attn_implementation" in src
+    return _compat.source_uses_attention_registry(src)
 
 
 _READS_MASK = re.compile(r"attention_mask\s*\[|attention_mask\.(?!shape\b|dim\b)\w+\(")
@@ -350,11 +351,11 @@ def check_cp_attention_support(model: torch.nn.Module) -> None:
 
     subs = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     for sub in subs:
-        can = getattr(type(sub), "_can_set_attn_implementation", None)
+        can = _compat.can_set_attn_implementation(type(sub))
         # HF's verdict is per file: a file whose vision tower uses the interface may still hold
         # a text attention that does not (GIT), so the module structure is checked too.
         off = _off_interface(sub)
-        if off or (callable(can) and not can()):
+        if off or can is False:
             off = off or [type(sub).__name__]
             raise ValueError(
                 f"{type(model).__name__}: {', '.join(off)} computes attention itself instead of "
@@ -389,9 +390,9 @@ def check_cp_attention_support(model: torch.nn.Module) -> None:
         )
     with _selected(model):
         wrong = [
-            f"{type(sub).__name__} ({sub.config._attn_implementation!r})"
+            f"{type(sub).__name__} ({_compat.attn_implementation(sub.config)!r})"
             for sub in subs
-            if getattr(sub.config, "_attn_implementation", ATTENTION_NAME) != ATTENTION_NAME
+            if _compat.attn_implementation(sub.config, ATTENTION_NAME) != ATTENTION_NAME
         ]
     if wrong:
         raise ValueError(

@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from cpshard import _compat
 from cpshard.attention import cuda_kernels as ck
 from cpshard.attention.cuda_kernels import ConcreteBackend
 from cpshard.attention.merge import accumulation_dtype, empty_partial
@@ -122,8 +123,7 @@ def pick_backend(
         )
     if backend != "auto":
         return backend  # type: ignore[return-value]
-    has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-    if q.device.type == "cpu" and has_op:
+    if q.device.type == "cpu" and _compat.CPU_FLASH_AVAILABLE:
         if q.dtype == torch.float64 and COMPILE_BEFORE_2_13 and torch.compiler.is_compiling():
             return "math"  # same result; the compiled CPU flash op fails in fp64 there
         return "cpu_flash"
@@ -208,8 +208,8 @@ def block_attention(
     q5 = torch.unflatten(q, 1, (k.shape[1], g))
     outs, lses = [], []
     for i in range(g):
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q5[:, :, i], k, v, 0.0, is_causal, attn_mask=add, scale=scale
+        o, lse = _compat.cpu_flash_attention(
+            q5[:, :, i], k, v, is_causal=is_causal, attn_mask=add, scale=scale
         )
         outs.append(o)
         lses.append(lse)
@@ -290,15 +290,14 @@ def block_attention_backward(
     dk_sum: torch.Tensor | None = None
     dv_sum: torch.Tensor | None = None
     for i in range(g):
-        dq_i, dk_i, dv_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq_i, dk_i, dv_i = _compat.cpu_flash_attention_backward(
             go5[:, :, i].contiguous(),
             q5[:, :, i],
             k,
             v,
             o5[:, :, i].contiguous(),
             l5[:, :, i].contiguous(),
-            0.0,
-            is_causal,
+            is_causal=is_causal,
             attn_mask=add,
             scale=scale,
         )

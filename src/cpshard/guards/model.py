@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cpshard import _comm
+from cpshard import _comm, _compat
 from cpshard.attention.context import active_mode, checkpoint_context_fn
 from cpshard.attention.hf import (
     ATTENTION_NAME,
@@ -99,7 +99,7 @@ class _ModelGuard:
         if mode is None or before < 0 or mode.attention_calls > before:
             return
         config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        if _compat.attn_implementation(config) != ATTENTION_NAME:
             return
         self.in_flight = False  # every rank stops here: nothing is left in flight
         raise ValueError(
@@ -233,7 +233,7 @@ def _check_switched(model: nn.Module) -> None:
     if mode is None:
         return
     config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", ATTENTION_NAME)
+    impl = _compat.attn_implementation(config, ATTENTION_NAME)
     if impl != ATTENTION_NAME:
         raise ValueError(
             f"{type(model).__name__} runs inside ctx() with attn_implementation={impl!r}, not "
@@ -275,7 +275,7 @@ def _check_copies(
 
 def remember_shard(model: nn.Module, meta: TokenMeta | None) -> None:
     """Give the model's guard the token meta of the batch just prepared for it."""
-    for hook in model._forward_pre_hooks.values():
+    for hook in _compat.forward_pre_hooks(model):
         guard = getattr(hook, "__self__", None)
         if isinstance(guard, _ModelGuard):
             guard.last_meta = meta
@@ -303,7 +303,7 @@ def check_gradient_checkpointing(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is not True or not module.training:
             continue  # HF checkpoints only in training mode (eval / log-prob passes are fine)
-        func = getattr(module, "_gradient_checkpointing_func", None)
+        func = _compat.gradient_checkpointing_func(module)
         if func is None:
             continue
         kwargs = func.keywords if isinstance(func, functools.partial) else {}
@@ -332,7 +332,7 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
             (:func:`cpshard.attention.hf.check_cp_attention_support`).
     """
     check_gradient_checkpointing(model)
-    for hook in model._forward_pre_hooks.values():
+    for hook in _compat.forward_pre_hooks(model):
         guard = getattr(hook, "__self__", None)
         if isinstance(guard, _ModelGuard):
             return

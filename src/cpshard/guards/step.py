@@ -70,7 +70,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from cpshard import _comm
+from cpshard import _comm, _compat
 
 __all__ = [
     "HEADER_SIZE",
@@ -477,7 +477,7 @@ class ForwardTracker:
         state = self.state
         # autograd's graph task id alone can repeat across backward passes (seen under DDP and
         # the HF Trainer); with the prepare it belongs to, a new pass is told apart
-        task = (self.serial, torch._C._current_graph_task_id())
+        task = (self.serial, _compat.current_graph_task_id())
         if watch is not None and watch.bwd_task != task:
             watch.bwd_task = task
             watch.backwards += 1
@@ -489,9 +489,7 @@ class ForwardTracker:
         state.bwd_task, state.bwd_finished = task, False
         state.backwards_since_sync += 1
         # Autograd runs a queued callback only when the whole pass succeeded.
-        torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-            functools.partial(_finished, state, task)
-        )
+        _compat.queue_backward_callback(functools.partial(_finished, state, task))
 
 
 def _finished(state: StepState, task: tuple[int, int]) -> None:
@@ -581,7 +579,7 @@ class _ModelWatch:
 
 
 def _watch_of(model: nn.Module) -> _ModelWatch | None:
-    for hook in model._forward_pre_hooks.values():
+    for hook in _compat.forward_pre_hooks(model):
         watch = getattr(hook, "__self__", None)
         if isinstance(watch, _ModelWatch):
             return watch
@@ -704,7 +702,7 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> str:
         param_ref, grad_ref, version = record
         if param_ref() is not param or grad_ref() is not param.grad:
             continue
-        delta = param.grad._version - version
+        delta = _compat.tensor_version(param.grad) - version
         if delta == 0:
             untouched += 1
         elif delta == expected and alone:
@@ -735,4 +733,8 @@ def end_sync(state: StepState | None, params: Iterable[torch.Tensor] = ()) -> No
     }
     for p in params:
         if p.grad is not None:
-            state.synced[id(p)] = (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
+            state.synced[id(p)] = (
+                weakref.ref(p),
+                weakref.ref(p.grad),
+                _compat.tensor_version(p.grad),
+            )

@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainingArguments
 
-from cpshard import _comm
+from cpshard import _comm, _compat
 from cpshard.attention import checkpoint_context_fn
 from cpshard.dispatch import prepare_cp_forward
 from cpshard.layouts.documents import PackSpec
@@ -496,11 +496,8 @@ def trainer_count_divides_by_cp_size() -> bool:
     accelerate's ``parallelism_config`` sizes, never calling ``get_cp_size``: the CP loss then
     divides by ``C`` itself. Read from the Trainer's own counting methods' source.
     """
-    methods = (Trainer.get_batch_samples, getattr(Trainer, "_get_num_items_in_batch", None))
     sources = []
-    for method in methods:
-        if method is None:
-            continue
+    for method in _compat.trainer_token_count_methods(Trainer):
         try:
             sources.append(inspect.getsource(method))
         except (OSError, TypeError) as e:

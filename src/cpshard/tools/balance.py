@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from cpshard import _compat
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
 from cpshard.layouts.documents import PackSpec
@@ -169,27 +170,20 @@ def torch_balancer_plans(spec: PackSpec, world_size: int) -> list[PackedPlan]:
         (documents padded to ``2C`` as torch requires; doc-major indices cut contiguously) and
         ``torch_ptrr`` (stream padded to ``128 * C``; 128-token blocks).
     """
-    try:
-        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
-            _HeadTailLoadBalancer,
-            _PerDocumentHeadTailLoadBalancer,
-            _PTRRLoadBalancer,
-        )
-    except ImportError:  # pragma: no cover - depends on the torch build
+    if not _compat.torch_load_balancers_available():  # pragma: no cover - the torch build
         return []
     c = world_size
     plans = []
 
     t0 = time.perf_counter()
     padded = padded_length(spec.real_tokens, 2 * c)
-    idx = _HeadTailLoadBalancer(padded, c, "cpu")._generate_indices()[0]
+    idx = _compat.torch_head_tail_indices(padded, c)
     plan = plan_from_stream(spec, "torch_head_tail", idx.reshape(c, -1).long())
     plans.append(replace(plan, solver_seconds=time.perf_counter() - t0))
 
     t0 = time.perf_counter()
     doc_padded = (spec.lengths() + 2 * c - 1) // (2 * c) * (2 * c)
-    lb = _PerDocumentHeadTailLoadBalancer([doc_padded.tolist()], c, "cpu")
-    idx = lb._generate_indices()[0]
+    idx = _compat.torch_per_document_indices(doc_padded.tolist(), c)
     plan = plan_from_stream(spec, "torch_per_document", idx.reshape(c, -1).long(), doc_padded)
     plans.append(replace(plan, solver_seconds=time.perf_counter() - t0))
 
@@ -197,7 +191,7 @@ def torch_balancer_plans(spec: PackSpec, world_size: int) -> list[PackedPlan]:
     padded = padded_length(spec.real_tokens, PTRR_BLOCK * c)
     base = plan_from_stream(spec, "torch_ptrr", torch.arange(padded).reshape(c, -1))
     counts = _ptrr_block_counts(base, PTRR_BLOCK)
-    groups = _PTRRLoadBalancer.ptrr_scheduling(counts, c)  # [C, blocks / C]
+    groups = _compat.torch_ptrr_schedule(counts, c)  # [C, blocks / C]
     rank_map = (groups.unsqueeze(-1) * PTRR_BLOCK + torch.arange(PTRR_BLOCK)).reshape(c, -1)
     check_rank_map(rank_map, padded)
     plan = replace(base, rank_map=rank_map.long())
