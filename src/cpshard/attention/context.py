@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from cpshard import _compat
 from cpshard._comm import cp_group
 from cpshard.attention.core import check_method, cp_sdpa
-from cpshard.sharding.facts import same_shard
+from cpshard.sharding.facts import batch_tag, same_shard
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -137,7 +137,7 @@ class _CPSDPAMode(TorchFunctionMode):
         if self.suspended:
             return func(*args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):
-            tag = getattr(args[0], "_cpshard_batch", None)
+            tag = batch_tag(args[0])
             if tag is not None and tag is not self.meta and not same_shard(tag, self.meta):
                 raise _stale_error("an op inside ctx() got")
         if not _is_sdpa(func):

@@ -163,6 +163,9 @@ class CPContext:
 
 
 _TAG = "_cpshard_batch"
+"""The attribute a local batch tensor carries its shard identity in: written by
+:func:`tag_tensor` and read by :func:`batch_tag` only (the sharder's verbs, the CP attention
+context and the model guard all ask :func:`batch_tag`)."""
 
 
 def tag_tensor(t: torch.Tensor, tag: object) -> None:
