@@ -9,7 +9,8 @@ and each CP size and packed layout, from the global token meta every rank would 
   ranks named by ``--ranks``: a mask over the stream, another code path than the counts), plus
   the header bytes: none, the split sizes come from the plan;
 * **moved (all_gather / ring)**: ``(C - 1) * L`` slots per rank;
-* **plan s**: process CPU time (and wall time) of rank ``r``'s selective plan (fresh meta, fastest
+* **plan s**: process CPU time (and wall time) of rank ``r``'s selective plan (fresh meta built
+  outside the timer, fastest
   of ``--repeat``, slowest of the ranks named), of the global cost facts ``plan_facts`` that
   ``attention="auto"`` reads, and of ``auto`` as a whole: the facts, the choice, and the plan of the
   method it chose (the method is printed after the times).
@@ -36,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -151,12 +153,14 @@ def _cp_part(rounds: int) -> None:
                 print(f"| {layout} | {hq}/{hkv} | {m} | {t:.3f} | {t / ref:.2f} |", flush=True)
 
 
-def _cpu_wall(build: Any, repeat: int) -> tuple[float, float]:
-    """Fastest of ``repeat`` runs of ``build()`` (each on fresh inputs): process CPU s, wall s."""
+def _cpu_wall(make: Any, run: Any, repeat: int) -> tuple[float, float]:
+    """Fastest of ``repeat`` runs of ``run(make())``, each on a fresh input made outside the
+    timer: process CPU s, wall s."""
     cpu = wall = float("inf")
     for _ in range(repeat):
+        fresh = make()
         c0, w0 = time.process_time(), time.perf_counter()
-        build()
+        run(fresh)
         cpu = min(cpu, time.process_time() - c0)
         wall = min(wall, time.perf_counter() - w0)
     return cpu, wall
@@ -178,11 +182,7 @@ def _plan_row(plan: Any, tokens: int, ranks: list[int], repeat: int) -> str:
     t_sel = t_auto = (0.0, 0.0)
     chosen: set[str] = set()
 
-    def sel(r: int) -> None:
-        selective_plan(plan_meta(plan, r), True, None, cpu)
-
-    def auto(r: int) -> None:
-        meta = plan_meta(plan, r)
+    def auto(meta: Any) -> None:
         best = choose_for_batch(meta, None)
         chosen.add(best)
         method_named(best).plans(AttentionPlan(meta), True, None, cpu)
@@ -190,11 +190,12 @@ def _plan_row(plan: Any, tokens: int, ranks: list[int], repeat: int) -> str:
     for r in ranks:
         moved_sel += selective_plan(plan_meta(plan, r), True, None, cpu).received  # no header
         need_sel += int(needed[r])
-        got = _cpu_wall(lambda r=r: sel(r), repeat)
+        fresh = functools.partial(plan_meta, plan, r)
+        got = _cpu_wall(fresh, lambda m: selective_plan(m, True, None, cpu), repeat)
         t_sel = (max(t_sel[0], got[0]), max(t_sel[1], got[1]))
-        got = _cpu_wall(lambda r=r: auto(r), repeat)
+        got = _cpu_wall(fresh, auto, repeat)
         t_auto = (max(t_auto[0], got[0]), max(t_auto[1], got[1]))
-    t_facts = _cpu_wall(lambda: plan_facts(plan_meta(plan)), repeat)
+    t_facts = _cpu_wall(functools.partial(plan_meta, plan), plan_facts, repeat)
     ag = (c - 1) * plan.padded_len // c * c
     ratio = moved_sel / need_sel if need_sel else float("nan")
     return (

@@ -411,15 +411,19 @@ def flash_varlen_attention_backward(
 
 
 def torch_load_balancers_available() -> bool:
-    """Whether this torch build ships its CP load balancers (``_load_balancer``).
+    """Whether this torch build ships the three CP load balancers the entries below use.
 
     checked against: torch 2.11, 2.13.
     """
     try:
-        from torch.distributed.tensor.experimental._context_parallel import _load_balancer
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _HeadTailLoadBalancer,
+            _PerDocumentHeadTailLoadBalancer,
+            _PTRRLoadBalancer,
+        )
     except ImportError:  # pragma: no cover - depends on the torch build
         return False
-    return _load_balancer is not None
+    return all((_HeadTailLoadBalancer, _PerDocumentHeadTailLoadBalancer, _PTRRLoadBalancer))
 
 
 def torch_head_tail_indices(seq_len: int, world_size: int) -> Tensor:

@@ -11,12 +11,12 @@ model-owned or custom ``shard_batch`` that returns its own context keeps it. An 
 attention switch wraps the result (:func:`cpshard.attention.hf.cp_attention_scope`).
 
 Both public entry points keep their own signatures and share one pipeline
-(:func:`run_prepare`): their keywords become one frozen, validated
-:class:`cpshard.options.PrepareOptions`, then the steps run in a fixed order: validate (the mesh,
-the model guard, the mixer verdict: before any collective) -> fingerprint (the step header with
-the batch fingerprint, the one collective; then the batch and pad-id checks, alike on every
-rank) -> model hook -> resolve -> shard -> compose. Every check runs once per call
-(:class:`PrepareChecks`).
+(:func:`run_prepare`): their keywords become one frozen :class:`cpshard.options.PrepareOptions`,
+then the steps run in a fixed order: validate (the mesh, the model guard, the mixer verdict:
+before any collective) -> fingerprint (the step header with the batch fingerprint, the one
+collective, which carries the options too; then the options', the batch's and the pad id's
+checks, alike on every rank) -> model hook -> resolve -> shard -> compose. Every check runs once
+per call (:class:`PrepareChecks`).
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
@@ -410,7 +410,7 @@ def _validate(
     checks: PrepareChecks,
 ) -> _Validated:
     """Step 1, on this rank alone, before any collective: the mesh, the model's guard, the mixer
-    verdict (the options were validated when they were built)."""
+    verdict (the options' problems are raised after the fingerprint, which compares them)."""
     if options.runs_model_hook and not isinstance(model, nn.Module):
         raise TypeError(
             f"prepare_cp_forward needs the model (a torch nn.Module), got "
@@ -440,7 +440,8 @@ def _validate(
 
 def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
     """Step 2: the step header, always, with the batch fingerprint riding in it (the one
-    collective of a prepare); then the batch checks, which raise alike on every rank.
+    collective of a prepare); then the options' and the batch's checks, which raise alike on
+    every rank.
 
     ``check_consistency=False`` only skips the hashing: ranks that disagree on the flag raise
     alike instead of mismatching collectives. A rank that left its last step midway stops here,
@@ -465,6 +466,9 @@ def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
             synced_elsewhere=call.synced_by_ddp,
         )
     )
+    problem = o.problem()  # the same on every rank now: the fingerprint compared the options
+    if problem is not None:
+        raise problem
     checks.batch_mapping(call.batch)
     vocab = None if call.model is None else model_vocab_size(call.model)
     checks.padding_token_id(o.padding_token_id, call.batch, vocab)
@@ -491,10 +495,19 @@ def _model_hook(call: _Validated) -> tuple[CPSharder | None, dict[str, Any]]:
 def _resolve_sharder(call: _Validated, owned: CPSharder | None, work: dict[str, Any]) -> CPSharder:
     """Step 4: model-owned > a given ``cp_sharder`` > the layout (balanced > packed >
     round_robin > none, or the one named)."""
-    if owned is not None:
-        return owned
-    if call.options.cp_sharder is not None:
-        return call.options.cp_sharder
+    given = owned if owned is not None else call.options.cp_sharder
+    if given is not None:
+        if call.options.extra_token_keys:
+            whose = "the model's own sharder" if owned is not None else "the cp_sharder given"
+            raise ValueError(
+                f"extra_token_keys={sorted(call.options.extra_token_keys)} would be ignored: "
+                f"{whose} shards the batch with its own shard_batch, which decides which keys "
+                "are per-token (the keys would stay unsharded, misaligned with the local "
+                "tokens). Declare them where that sharder is built (e.g. cpshard."
+                "closed_form_sharder(layout, extra_token_keys=...)), or shard such tensors with "
+                "sharder.shard_token_tensor after the prepare"
+            )
+        return given
     cp_size = _comm.cp_rank_and_size(call.cp_mesh)[1]
     o = call.options
     return _resolve(cp_size, work, call.mixers.layout, o.pad_multiple, o.extra_token_keys)
@@ -571,7 +584,9 @@ def run_prepare(
     owned, work = _model_hook(call)
     sharder = _resolve_sharder(call, owned, work)
     ctx, out, bound = _shard(call, sharder, work)
-    return _compose(call, ctx, sharder, owned is not None, state, checks), out, bound
+    # the model-owned map is checked on the sharder bound to this batch: a hook may hand back a
+    # sharder bound to an earlier batch, whose own facts stay that batch's
+    return _compose(call, ctx, bound, owned is not None, state, checks), out, bound
 
 
 # --- the public entry points ------------------------------------------------------------------
@@ -640,9 +655,10 @@ def make_cp_batch_and_ctx(
         TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
             id that is not a non-negative int, ranks given different batches, a model whose
             token mixers cannot run exactly (or need the generic path under ``strict``). The
-            keywords (:class:`cpshard.options.PrepareOptions`), the mesh and the mixers are
-            checked on each rank before any collective; the batch and the pad id after the
-            cross-rank fingerprint, so a batch bad on one rank only raises on every rank.
+            mesh and the mixers are checked on each rank before any collective; the keywords
+            (:class:`cpshard.options.PrepareOptions`), the batch and the pad id right after the
+            cross-rank fingerprint (the one small collective, which carries them), so one bad
+            on one rank only raises on every rank too.
     """
     options = PrepareOptions(
         layout=layout,

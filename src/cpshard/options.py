@@ -2,9 +2,12 @@
 
 :func:`cpshard.prepare_cp_forward` and :func:`cpshard.make_cp_batch_and_ctx` keep their own
 signatures; each turns its keywords into one frozen :class:`PrepareOptions` and hands it to the
-one prepare pipeline of :mod:`cpshard.dispatch`. Building it is the pipeline's argument check:
-it runs once per call, on every rank, before any collective (an invalid option raises alike on
-every rank, since every rank runs the same call). What it does not check, and who does:
+one prepare pipeline of :mod:`cpshard.dispatch`. :meth:`PrepareOptions.problem` is the
+pipeline's argument check, once per call on every rank; the pipeline raises what it finds right
+after the one step header, whose batch fingerprint carries these options: an option given wrong
+on every rank raises on every rank, and one given wrong (or differently) on one rank only raises
+on every rank too ("given different ..."), where raising before the header would leave the other
+ranks waiting in its all-gather. What it does not check, and who does:
 
 * ``padding_token_id``: its rule depends on the batch (``None`` only without ``input_ids``) and
   on the model's vocabulary, so the pipeline checks it once, with the batch, after the ranks
@@ -65,33 +68,40 @@ class PrepareOptions:
     cp_sharder: CPSharder | None = None
     num_chunks: int | None = None
 
-    def __post_init__(self) -> None:
-        """Raise on the first invalid option (what, the rule, the value given, the fix).
+    def problem(self) -> Exception | None:
+        """The first invalid option as an exception to raise (what, the rule, the value given,
+        the fix), or ``None``.
 
-        Raises:
+        Not raised here: the pipeline raises it on every rank after the one step header, whose
+        batch fingerprint also carries these options, so an option given wrong on one rank only
+        raises on every rank ("given different ...") instead of leaving the others waiting in
+        the header's all-gather.
+
+        Returns:
             ValueError: an unknown layout or attention name, ``num_chunks < 1``.
             TypeError: an ``attention_cost`` that is not a :class:`CostModel`, a ``cp_sharder``
                 that is not a :class:`cpshard.CPSharder`.
         """
         if self.layout not in LAYOUT_NAMES:
-            raise ValueError(f"layout must be one of {LAYOUT_NAMES}, got layout={self.layout!r}")
+            return ValueError(f"layout must be one of {LAYOUT_NAMES}, got layout={self.layout!r}")
         if self.num_chunks is not None and self.num_chunks < 1:
-            raise ValueError(f"num_chunks must be >= 1, got num_chunks={self.num_chunks}")
+            return ValueError(f"num_chunks must be >= 1, got num_chunks={self.num_chunks}")
         if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(
+            return ValueError(
                 f"attention must be one of {ATTENTION_CHOICES}, got attention={self.attention!r}"
             )
         if self.attention_cost is not None and not isinstance(self.attention_cost, CostModel):
-            raise TypeError(
+            return TypeError(
                 "attention_cost must be a cpshard.attention.cost.CostModel or None, got "
                 f"{type(self.attention_cost).__name__}"
             )
         if self.cp_sharder is not None and not isinstance(self.cp_sharder, CPSharder):
-            raise TypeError(
+            return TypeError(
                 f"cp_sharder must be a cpshard.CPSharder or None, got "
                 f"{type(self.cp_sharder).__name__}; build one with cpshard.CPSharder("
                 "shard_batch=..., local_token_global_indices=...) or cpshard.closed_form_sharder"
             )
+        return None
 
     @property
     def runs_model_hook(self) -> bool:

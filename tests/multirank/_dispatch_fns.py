@@ -211,9 +211,11 @@ def checks_once_one_collective(cp_mesh: DeviceMesh, packed: bool) -> None:
         assert sharder.cp_size == cp_mesh.size() and sharder.padded_seq_len is not None
 
 
-def options_raise_before_any_collective(cp_mesh: DeviceMesh) -> None:
-    """An invalid option raises on every rank before the step header: no collective ran, and
-    the CP group's step is left as it was (the next prepare works)."""
+def options_raise_on_every_rank(cp_mesh: DeviceMesh) -> None:
+    """An invalid option raises on every rank right after the one step header (whose fingerprint
+    carries the options), before the model hook or any data collective, and the CP group's step
+    is left as it was (the next prepare works). Given wrong on one rank only, it raises on every
+    rank too: no rank is left waiting in the header's all-gather."""
     model = HookModel()
     calls: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
         (None, {"layout": "zigzag"}, ValueError, "layout must be one of"),
@@ -232,7 +234,12 @@ def options_raise_before_any_collective(cp_mesh: DeviceMesh) -> None:
         )
         with CommRecorder() as rec, pytest.raises(error, match=match):
             call()
-        assert rec.events == [], (kwargs, rec.events)
+        assert rec.count() == rec.count("all_gather") == 1, (kwargs, rec.events)  # the header
+    odd = cp_mesh.get_local_rank() == 1  # one rank only asks for a method that does not exist
+    with CommRecorder() as rec, pytest.raises(ValueError, match="attention") as info:
+        cpshard.make_cp_batch_and_ctx(cp_mesh, _batch(), attention="flash" if odd else "ring")
+    assert rec.count() == 1, rec.events
+    assert "different" in str(info.value), str(info.value)
     assert model.calls == 0  # the hook never ran
     with CommRecorder() as rec:
         cpshard.prepare_cp_forward(model, cp_mesh, _batch())

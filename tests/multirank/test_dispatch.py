@@ -8,7 +8,7 @@ from _dispatch_fns import (
     hook_errors,
     model_owned_hook,
     model_owned_map_errors,
-    options_raise_before_any_collective,
+    options_raise_on_every_rank,
 )
 
 from _ranks import Ranks
@@ -39,5 +39,5 @@ def test_each_check_once_and_one_collective_per_prepare(
     ranks(world, checks_once_one_collective, packed)
 
 
-def test_invalid_options_raise_before_any_collective(ranks: Ranks) -> None:
-    ranks(2, options_raise_before_any_collective)
+def test_invalid_options_raise_on_every_rank(ranks: Ranks) -> None:
+    ranks(2, options_raise_on_every_rank)

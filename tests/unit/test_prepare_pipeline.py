@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,11 +147,15 @@ def test_the_dispatcher_runs_its_checks_only_through_prepare_checks() -> None:
         ({"cp_sharder": "contiguous"}, TypeError, "cp_sharder must be a cpshard.CPSharder"),
     ],
 )
-def test_invalid_options_raise_when_built(
+def test_invalid_options_are_found_once_and_raised_by_the_pipeline(
     kwargs: dict[str, Any], error: type[Exception], match: str
 ) -> None:
+    options = PrepareOptions(**kwargs)  # built whatever the values: the pipeline raises
+    problem = options.problem()
+    assert isinstance(problem, error) and re.search(match, str(problem)), problem
+    assert PrepareOptions().problem() is None
     with pytest.raises(error, match=match):
-        PrepareOptions(**kwargs)
+        run_prepare(_model() if options.runs_model_hook else None, None, _dense(), options)
 
 
 def test_options_are_frozen_and_fingerprint_what_each_entry_point_takes() -> None:
@@ -186,3 +191,22 @@ def test_both_public_signatures_map_onto_the_options() -> None:
                 continue  # None in the options: make_cp_batch_and_ctx runs no model hook
             default = next(f.default for f in dataclasses.fields(PrepareOptions) if f.name == name)
             assert params[name].default == default, name
+
+
+def test_extra_token_keys_a_given_sharder_would_ignore_are_refused() -> None:
+    """A given or model-owned sharder runs its own shard_batch, which never sees the keys: they
+    would stay unsharded beside the local tokens (silently misaligned)."""
+    batch = {**_dense(), "adv": torch.ones(2, 11)}
+    keys = {"adv": cpshard.TokenKey()}
+    template = cpshard.closed_form_sharder(cpshard.NoneLayout())
+    with pytest.raises(ValueError, match=r"extra_token_keys=\['adv'\] would be ignored: the cp_"):
+        cpshard.make_cp_batch_and_ctx(None, batch, cp_sharder=template, extra_token_keys=keys)
+    owner = GlobalPrefixDecoder.from_config(
+        GlobalPrefixConfig(text=CFG, num_global_tokens=2, block_size=2), seed=0
+    )
+    with pytest.raises(ValueError, match=r"would be ignored: the model's own sharder"):
+        cpshard.prepare_cp_forward(owner, None, batch, extra_token_keys=keys)
+    # declared where the sharder is built, the key is sharded with the tokens
+    declared = cpshard.closed_form_sharder(cpshard.NoneLayout(), extra_token_keys=keys)
+    _, local, _ = cpshard.make_cp_batch_and_ctx(None, batch, cp_sharder=declared)
+    assert local["adv"].shape == local["input_ids"].shape

@@ -25,12 +25,36 @@ def test_facts_are_frozen_and_read_only() -> None:
     assert sharder.check_consistency is False and sharder.cp_mesh is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts.padded_seq_len = 9  # type: ignore[misc]
-    # the seed's record_on: an assignment on the sharder replaces its facts, never edits them
-    sharder.padded_seq_len = 9
-    assert facts.padded_seq_len == 7 and sharder.facts is not facts
-    assert (sharder.padded_seq_len, sharder.original_seq_len) == (9, 7)
+    # the returned sharder is bound to its batch: its facts are that batch's for good
+    with pytest.raises(AttributeError, match="bound to its batch"):
+        sharder.padded_seq_len = 9
+    assert sharder.facts is facts
+    # the seed's record_on: an assignment on the sharder that shards replaces its facts, never
+    # edits them
+    template = cpshard.closed_form_sharder(cpshard.NoneLayout())
+    cpshard.make_cp_batch_and_ctx(None, _batch(7), cp_sharder=template)
+    latest = template.facts
+    template.padded_seq_len = 9
+    assert latest.padded_seq_len == 7 and template.facts is not latest
+    assert (template.padded_seq_len, template.original_seq_len) == (9, 7)
     with pytest.raises(AttributeError):
         sharder.cp_mesh = None  # type: ignore[misc]
+
+
+def test_a_sharder_subclass_comes_back_as_itself_bound_to_its_batch() -> None:
+    class Tagged(cpshard.CPSharder):
+        note = "mine"
+
+        def hello(self) -> str:
+            return f"hello from {self.note}"
+
+    base = cpshard.closed_form_sharder(cpshard.NoneLayout())
+    mine = Tagged(base.shard_batch, base.local_token_global_indices, layout="none")
+    mine.note = "this one"
+    _, local, bound = cpshard.make_cp_batch_and_ctx(None, _batch(6), cp_sharder=mine)
+    assert isinstance(bound, Tagged) and bound is not mine and bound.is_bound
+    assert bound.hello() == "hello from this one" and bound.padded_seq_len == 6
+    assert torch.equal(bound.gather_token_tensor(local["input_ids"]), _batch(6)["input_ids"])
 
 
 def test_facts_are_replaced_per_shard() -> None:
@@ -46,7 +70,7 @@ def test_facts_are_replaced_per_shard() -> None:
     assert first.padded_seq_len == 7 and ctx1.facts is first  # the old shard's facts unchanged
     assert again.shard_token_tensor(torch.ones(2, 5)).shape == (2, 5)
     # the template answers for its latest batch (the seed's holder) and detects an older one
-    with pytest.raises(ValueError, match="another batch than the one this sharder last sharded"):
+    with pytest.raises(ValueError, match="another batch than this sharder"):
         template.gather_token_tensor(local1["input_ids"])
     assert torch.equal(template.gather_token_tensor(local2["input_ids"]), _batch(5)["input_ids"])
     # the bound sharder of the first batch cannot go stale: it still answers for its own batch
@@ -54,7 +78,7 @@ def test_facts_are_replaced_per_shard() -> None:
     assert first_bound._token_index(7, torch.device("cpu")) is index  # cached per placement
     assert torch.equal(first_bound.gather_token_tensor(local1["input_ids"]), _batch(7)["input_ids"])
     assert_close(first_bound.shard_token_tensor(torch.ones(2, 7)), torch.ones(2, 7))
-    with pytest.raises(ValueError, match="another batch than the one this sharder last sharded"):
+    with pytest.raises(ValueError, match="another batch than this sharder"):
         first_bound.gather_token_tensor(local2["input_ids"])
     # sharding through a bound sharder shards with its template, and binds a new one
     _, local3, third = cpshard.make_cp_batch_and_ctx(None, _batch(3), cp_sharder=first_bound)

@@ -52,6 +52,9 @@ def _stream(rng: np.random.Generator, kind: str) -> tuple[int, np.ndarray, np.nd
             doc[s - pads :] = -7
         elif kind == "repeats":  # every position twice
             pos = pos // 2
+        elif kind == "pad_repeats":  # pads by the convention at repeated positions see each other
+            pos = pos // 2
+            doc[s - pads :] = -1 - pos[s - pads :]
         elif kind == "sparse":  # ids anywhere in int64, e.g. hashes
             doc = doc * (1 << 55) - (1 << 61)
         pos_rows.append(pos[perm])
@@ -86,7 +89,7 @@ def _dense(
     return pairs, local, np.minimum(exchange, n)
 
 
-KINDS = ["plain", "pads", "negative", "repeats", "sparse"]
+KINDS = ["plain", "pads", "negative", "repeats", "pad_repeats", "sparse"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

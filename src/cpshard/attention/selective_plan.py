@@ -86,7 +86,7 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
-    raw = raw_runs(p, d, n, host.merge)
+    raw = raw_runs(p, d, n, host.merge and _pads_unique(p, d))
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
     lo_pos = int(p.min()) if p.size else 0
     frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)
@@ -101,6 +101,16 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
+
+
+def _pads_unique(pos: np.ndarray, doc: np.ndarray) -> bool:
+    """Whether no two pads of a row share a position (so a pad sees only itself: two pads at one
+    position have one id, ``-1 - position``, and see each other by the mask rule)."""
+    for p, d in zip(pos, doc, strict=True):
+        at = p[d < 0]
+        if at.size and int(np.bincount(at - at.min()).max()) > 1:
+            return False
+    return True
 
 
 def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:

@@ -425,9 +425,6 @@ def pad_tokens(t: torch.Tensor, dim: int, n: int, value: float | int | bool | No
     return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
-_pad_value = pad_value  # the name sharding/packed.py imports
-
-
 def shard_batch_dense(
     cp_mesh: DeviceMesh | None,
     tp_mesh: DeviceMesh | None,

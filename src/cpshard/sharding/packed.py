@@ -41,9 +41,9 @@ from cpshard.layouts.packed import PackedPlan, plan_packed
 from cpshard.names import PACKED_LAYOUTS
 from cpshard.sharding.batch import (
     TokenKey,
-    _pad_value,
     attention_mask_to_padding_mask,
     normalize_batch,
+    pad_value,
 )
 from cpshard.sharding.facts import CPContext, ShardFacts
 from cpshard.sharding.sharder import CPSharder
@@ -199,7 +199,7 @@ def shard_batch_packed(
             local_stream = plan.stream_position_ids.to(device).index_select(0, local)
             out[key] = torch.where(src[None] < 0, local_stream.to(got.dtype)[None], got)
         else:
-            fill = _pad_value(key, padding_token_id, extra)
+            fill = pad_value(key, padding_token_id, extra)
             assert fill is not None
             out[key] = _shard_key(t, dim, fill, src, rows)
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary

@@ -16,6 +16,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,12 +197,12 @@ class CPSharder:
 
     def _bound_to(self, facts: ShardFacts) -> CPSharder:
         """A sharder with this one's callables, bound to ``facts`` (one batch) for good."""
-        bound = CPSharder(
-            self.shard_batch, self.local_token_global_indices, self.layout, self.rank_map_fn
-        )
+        bound = copy.copy(self)  # a subclass stays itself, with its own attributes
         bound._base = bound._facts = facts
-        bound._slot = self._slot
+        bound._slot = self._slot  # the gather slot is shared: every rank gathers alike
         bound._origin = self
+        bound._index_owner = None
+        bound._indices = {}
         return bound
 
     @property
@@ -306,7 +307,19 @@ class CPSharder:
         return self._facts
 
     def _record(self, **fact: Any) -> None:
-        """The seed's ``record_on``: replace the frozen facts with one field changed."""
+        """The seed's ``record_on``: replace the frozen facts with one field changed.
+
+        Raises:
+            AttributeError: this sharder is bound to a batch (its facts are that batch's).
+        """
+        if self._origin is not None:
+            name = ", ".join(fact)
+            raise AttributeError(
+                f"cannot set {name} on a sharder bound to its batch (returned by "
+                "prepare_cp_forward / make_cp_batch_and_ctx / CPSharder.shard): its facts are "
+                "that batch's. Record facts on the sharder whose shard_batch runs (the seed's "
+                "record_on=sharder), or build a new CPSharder"
+            )
         self._facts = dataclasses.replace(self._facts, **fact)
 
     @property
@@ -320,7 +333,7 @@ class CPSharder:
 
     @property
     def padded_seq_len(self) -> int | None:
-        """Length of the padded global stream of the last shard."""
+        """Length of the padded global stream of this sharder's batch."""
         return self._facts.padded_seq_len
 
     @padded_seq_len.setter
@@ -372,7 +385,7 @@ class CPSharder:
 
     @property
     def _batch_tag(self) -> object:
-        """Identity of the last shard: its token meta, else the facts object itself."""
+        """Identity of this sharder's batch: its token meta, else the facts object itself."""
         facts = self._facts
         return facts.token_meta if facts.token_meta is not None else facts
 
@@ -506,7 +519,7 @@ class CPSharder:
             TypeError: ``t`` is not a tensor.
             ValueError: the ranks passed different dtypes / shapes / arguments, unknown ``grad``
                 mode, ``seq_dim`` out of range, a meta-device tensor, a local tensor of another
-                batch, or a gathered length that does not match the last shard.
+                batch, or a gathered length that does not match this sharder's batch.
         """
         facts = self._facts
         group = _comm.cp_group(facts.cp_mesh)
@@ -534,7 +547,7 @@ class CPSharder:
         if facts.padded_seq_len is not None and padded != facts.padded_seq_len:
             raise ValueError(
                 f"a local tensor of length {t.shape[seq_dim]} on dim {seq_dim} gathers to "
-                f"{padded} tokens over {world} ranks, but this sharder last sharded "
+                f"{padded} tokens over {world} ranks, but this sharder's batch has "
                 f"padded_seq_len={facts.padded_seq_len} (local length "
                 f"{facts.padded_seq_len // world}); pass the local shard of that batch"
             )
@@ -580,7 +593,8 @@ class CPSharder:
         tag = batch_tag(t)
         if tag is not None and not same_shard(tag, self._batch_tag):
             raise ValueError(
-                f"{verb} got a local tensor of another batch than the one this sharder last "
-                "sharded (a sharder's facts belong to its latest batch); use the sharder "
-                "returned together with that batch by prepare_cp_forward / make_cp_batch_and_ctx"
+                f"{verb} got a local tensor of another batch than this sharder's (a sharder "
+                "answers for the batch it was returned with, or, the one that shards, for its "
+                "latest); use the sharder returned together with that batch by "
+                "prepare_cp_forward / make_cp_batch_and_ctx"
             )
