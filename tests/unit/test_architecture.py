@@ -467,6 +467,7 @@ def _names(source: str, module: str, rules: tuple[Rule, ...] = RULES) -> list[st
         ("cpshard.guards.x", "def f(config):\n    return config._attn_implementation\n", None),
         ("cpshard.guards.x", "def f(m):\n    return getattr(m, '_forward_pre_hooks')\n", None),
         ("cpshard.guards.x", "def f(p):\n    return p.grad._version\n", ["._version"]),
+        ("cpshard.guards.x", "def f(t):\n    return t._base\n", ["._base"]),
         ("cpshard.attention.x", "def f(src):\n    return '_attn_implementation' in src\n", None),
         ("cpshard._compat", "import torch\ntorch._C._nn.scaled_dot_product_attention\n", []),
         ("cpshard._compat", "def f(m):\n    return m._forward_pre_hooks\n", []),
@@ -515,6 +516,35 @@ POINTER = (
 )
 # The sub-commands' docstrings are their --help text (cpshard.cli.main): no pointer there.
 HELP_TEXTS = {f"cpshard.cli.{m}" for m in ("balance", "layouts", "parity", "plan")}
+
+
+# cpshard's own definitions of a torch / transformers private name, on purpose: the trainer
+# integrations override these hooks of the trainers they subclass (cpshard.integrations).
+OVERRIDES = frozenset(
+    {"_get_train_sampler", "_generate_single_turn", "_get_per_token_logps_and_entropies"}
+)
+
+
+def test_no_own_private_name_shadows_a_torch_or_transformers_one() -> None:
+    """The private-name rule takes a ``_name`` cpshard defines for cpshard's own wherever it is
+    read. A cpshard name that is also a private name of a torch / transformers class would hide
+    reads of that class's private attribute (``t._base`` of a tensor) from the rule: no such
+    name, but for the trainer hooks cpshard overrides."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    classes: list[type] = [
+        torch.Tensor, torch.nn.Module, torch.nn.Parameter, torch.autograd.Function,
+        transformers.PreTrainedModel, transformers.PretrainedConfig, transformers.Trainer,
+        transformers.TrainingArguments,
+    ]  # fmt: skip
+    theirs = {n for c in classes for n in dir(c) if _private(n)}
+    assert "_base" in theirs and "_version" in theirs  # the check sees what it must
+    shadowing = (own_names() & theirs) - OVERRIDES
+    assert not shadowing, (
+        f"cpshard defines {sorted(shadowing)}, which torch / transformers classes also define as "
+        "private names: rename cpshard's, so that reading theirs stays visible to the rule"
+    )
 
 
 def test_every_module_docstring_points_at_the_rule_table() -> None:

@@ -160,13 +160,13 @@ class CPSharder:
     layout: str = "custom"
     rank_map_fn: RankMapFn | None = None
     _facts: ShardFacts = field(init=False, repr=False, compare=False)
-    _base: ShardFacts = field(init=False, repr=False, compare=False)
+    _built_facts: ShardFacts = field(init=False, repr=False, compare=False)
     _slot: _GatherSlot = field(init=False, repr=False, compare=False)
     # The sharder this one is bound from (None: not bound to a batch).
     _origin: CPSharder | None = field(default=None, init=False, repr=False, compare=False)
     # Gather/scatter indices per (padded length, device) of one placement (or facts).
     _index_owner: object = field(default=None, init=False, repr=False, compare=False)
-    _indices: dict[tuple[int, str], TokenIndex] = field(init=False, repr=False, compare=False)
+    _index_cache: dict[tuple[int, str], TokenIndex] = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -186,23 +186,23 @@ class CPSharder:
         self.layout = layout
         self.rank_map_fn = rank_map_fn
         shape = None if input_row_shape is None else tuple(int(d) for d in input_row_shape)
-        self._base = ShardFacts(
+        self._built_facts = ShardFacts(
             original_seq_len, padded_seq_len, shape, input_token_stream_positions
         )
-        self._facts = self._base
+        self._facts = self._built_facts
         self._slot = _GatherSlot()
         self._origin = None
         self._index_owner = None
-        self._indices = {}
+        self._index_cache = {}
 
     def _bound_to(self, facts: ShardFacts) -> CPSharder:
         """A sharder with this one's callables, bound to ``facts`` (one batch) for good."""
         bound = copy.copy(self)  # a subclass stays itself, with its own attributes
-        bound._base = bound._facts = facts
+        bound._built_facts = bound._facts = facts
         bound._slot = self._slot  # the gather slot is shared: every rank gathers alike
         bound._origin = self
         bound._index_owner = None
-        bound._indices = {}
+        bound._index_cache = {}
         return bound
 
     @property
@@ -254,7 +254,7 @@ class CPSharder:
             )
         # Facts recorded on the sharder during shard_batch (the seed's record_on) start from the
         # construction facts, never from an older shard's.
-        self._facts = self._base
+        self._facts = self._built_facts
         ctx, out = self.shard_batch(
             cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
         )
@@ -434,13 +434,13 @@ class CPSharder:
         place = facts.placement
         owner = place if place is not None and place.rank_map is facts.rank_map else facts
         if owner is not self._index_owner:
-            self._index_owner, self._indices = owner, {}
+            self._index_owner, self._index_cache = owner, {}
         key = (padded_seq_len, str(device))
-        index = self._indices.get(key)
+        index = self._index_cache.get(key)
         if index is None:
             local = self._local_indices(padded_seq_len, device)
             index = TokenIndex.build(local, self._stream_order(local, padded_seq_len))
-            self._indices[key] = index
+            self._index_cache[key] = index
         return index
 
     # ------------------------------------------------------------------ token verbs
