@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -18,6 +19,20 @@ LAYOUTS = (*DENSE_LAYOUTS, "random")
 # contiguous and more, random cuts them anywhere, so contiguous would only add run time.
 WINDOW_LAYOUTS = tuple(lay for lay in LAYOUTS if lay != "contiguous")
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def visible(
+    q_pos: Any, q_doc: Any, k_pos: Any, k_doc: Any, causal: bool, window: int | None
+) -> Any:
+    """The mask rule itself, ``[..., Nq, Nk]`` bool (numpy or torch, leading dims broadcast): query
+    sees key iff same document and, causal, ``0 <= q_pos - k_pos`` (``< window``)."""
+    vis = q_doc[..., :, None] == k_doc[..., None, :]
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    if causal:
+        vis &= diff >= 0
+    if window is not None:
+        vis &= diff < window
+    return vis
 
 
 def rank_map(layout: str, world: int, padded: int, seed: int = 0) -> torch.Tensor:

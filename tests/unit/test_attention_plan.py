@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _attention_common import reference_with_grads
+from _attention_common import reference_with_grads, visible
 from cpshard.attention import cp_sdpa
 from cpshard.attention.pieces import PAD_TILE
 from cpshard.attention.plan import TILE, AttentionPlan, attention_plan
@@ -38,12 +38,7 @@ def _lognormal_docs(n: int, seed: int, pad: int = 0) -> torch.Tensor:
 
 def _visible_pairs(pq: np.ndarray, dq: np.ndarray, pk: np.ndarray, dk: np.ndarray,
                    causal: bool, window: int | None) -> int:  # fmt: skip
-    vis = dq[:, None] == dk[None, :]
-    diff = pq[:, None] - pk[None, :]
-    if causal:
-        vis &= diff >= 0
-    if window is not None:
-        vis &= diff < window
+    vis = visible(pq, dq, pk, dk, causal, window)
     return int(vis.sum())
 
 

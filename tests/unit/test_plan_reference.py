@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from _attention_common import visible
 from cpshard.attention.pieces import PAD_TILE
 from cpshard.attention.plan import AttentionPlan, PairPlan
 from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
@@ -51,17 +52,6 @@ def _meta(rng: np.random.Generator, world: int, rank: int, kind: str, rows: int)
     return TokenMeta(rank, world, pos, docs[:, stream].contiguous())
 
 
-def _visible(pq: torch.Tensor, dq: torch.Tensor, pk: torch.Tensor, dk: torch.Tensor,
-             causal: bool, window: int | None) -> torch.Tensor:  # fmt: skip
-    vis = dq[:, None] == dk[None, :]
-    diff = pq[:, None] - pk[None, :]
-    if causal:
-        vis &= diff >= 0
-    if window is not None:
-        vis &= diff < window
-    return vis
-
-
 def _coverage(plan: PairPlan, row: int, nq: int, nk: int) -> torch.Tensor:
     """How often the plan's kernels compute each (query slot, key slot) pair of batch row
     ``row``, in the tensors' own slot order."""
@@ -92,7 +82,7 @@ def _check(meta: TokenMeta, causal: bool, window: int | None) -> None:
     for row in range(meta.positions.shape[0]):
         pos, doc = meta.positions[row], meta.document_ids[row]
         lq = slice(r * n, (r + 1) * n)
-        want_stream = _visible(pos[lq], doc[lq], pos, doc, causal, window).long()
+        want_stream = visible(pos[lq], doc[lq], pos, doc, causal, window).long()
         ring = plan.ring(causal, window, CPU)
         got = torch.cat([_coverage(p, row, n, n) for p in ring], dim=1)
         assert torch.equal(got, want_stream), ("ring", row)
@@ -103,13 +93,13 @@ def _check(meta: TokenMeta, causal: bool, window: int | None) -> None:
         assert torch.equal(split, want_stream), ("all_gather_split", row)
         whole = plan.all_gather(causal, window, CPU)
         assert torch.equal(_coverage(whole, row, n, c * n), want_stream), ("all_gather", row)
-        want_all = _visible(pos, doc, pos, doc, causal, window).long()
+        want_all = visible(pos, doc, pos, doc, causal, window).long()
         uly = plan.ulysses(causal, window, CPU)
         assert torch.equal(_coverage(uly, row, c * n, c * n), want_all), ("ulysses", row)
     rows = meta.positions.shape[0]
     pos, doc = meta.positions, meta.document_ids
     needed = sum(
-        int(_visible(pos[b, lq], doc[b, lq], pos[b], doc[b], causal, window).sum())
+        int(visible(pos[b, lq], doc[b, lq], pos[b], doc[b], causal, window).sum())
         for b in range(rows)
     )
     assert whole.needed == needed

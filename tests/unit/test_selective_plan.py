@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _attention_common import LAYOUTS, make_case, make_meta
+from _attention_common import LAYOUTS, make_case, make_meta, visible
 from cpshard.attention.selective_plan import exchange_counts, meta_arrays, selective_plan
 from cpshard.sharding.meta import TokenMeta
 
@@ -17,12 +17,7 @@ def _visible(meta: TokenMeta, causal: bool, window: int | None) -> np.ndarray:
     """Bool ``[B, S, S]`` (query slot, key slot) of the stream, from the rule itself."""
     pos = meta.positions.numpy()
     doc = meta.document_ids.numpy()
-    vis = doc[:, :, None] == doc[:, None, :]
-    diff = pos[:, :, None] - pos[:, None, :]
-    if causal:
-        vis &= diff >= 0
-    if window is not None:
-        vis &= diff < window
+    vis: np.ndarray = visible(pos, doc, pos, doc, causal, window)
     return vis
 
 

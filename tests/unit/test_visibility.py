@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from _attention_common import visible
 from cpshard.attention.cost import _pairs, plan_facts
 from cpshard.attention.selective_plan import (
     exchange_counts,
@@ -70,22 +71,17 @@ def _dense(
     pairs = np.zeros(world, dtype=np.int64)
     local = np.zeros(world, dtype=np.int64)
     exchange = np.zeros((world, world), dtype=np.int64)
-    groups = {(p.tobytes(), d.tobytes()): (p, d) for p, d in zip(pos, doc, strict=True)}
+    counted: set[bytes] = set()  # one exchange count per row structure
     for p, d in zip(pos, doc, strict=True):
-        vis = d[:, None] == d[None, :]
-        diff = p[:, None] - p[None, :]
-        if causal:
-            vis &= diff >= 0
-        if window is not None:
-            vis &= diff < window
+        vis = visible(p, d, p, d, causal, window)
+        structure = p.tobytes() + b"|" + d.tobytes()
         for t in range(world):
             rows = vis[t * n : (t + 1) * n]
             pairs[t] += rows.sum()
             local[t] += rows[:, t * n : (t + 1) * n].sum()
-            if (p.tobytes(), d.tobytes()) in groups:  # one count per structure
-                seen = rows.any(axis=0)
-                exchange[t] += seen.reshape(world, n).sum(axis=1)
-        groups.pop((p.tobytes(), d.tobytes()), None)
+            if structure not in counted:
+                exchange[t] += rows.any(axis=0).reshape(world, n).sum(axis=1)
+        counted.add(structure)
     return pairs, local, np.minimum(exchange, n)
 
 
@@ -115,12 +111,8 @@ def test_facts_and_plans_equal_the_rule_token_by_token(kind: str) -> None:
             np.testing.assert_array_equal(facts.send_slots, exchange.sum(axis=0) - diag)
             for r, meta in enumerate(metas):  # the slots themselves, any row
                 plan = selective_plan(meta, causal, window, CPU)
-                vis = doc[:, r * n : (r + 1) * n, None] == doc[:, None, :]
-                diff = pos[:, r * n : (r + 1) * n, None] - pos[:, None, :]
-                if causal:
-                    vis &= diff >= 0
-                if window is not None:
-                    vis &= diff < window
+                sl = slice(r * n, (r + 1) * n)
+                vis = visible(pos[:, sl], doc[:, sl], pos, doc, causal, window)
                 need = vis.any(axis=(0, 1))
                 need[r * n : (r + 1) * n] = False
                 np.testing.assert_array_equal(plan.recv_slots, np.flatnonzero(need))
