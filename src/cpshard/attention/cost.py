@@ -160,7 +160,7 @@ def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray,
         seen = visible_pairs(real, runs.keys(), a.frame, causal, window)
         pairs += w * per_rank(real.rank, seen, c)
         if runs.blocked:  # every rank's own keys at once, in its rank block
-            mine = visible_pairs(real, runs.keys(-1), a.frame, causal, window, runs.shift())
+            mine = visible_pairs(real, runs.block_keys(), a.frame, causal, window, runs.shift())
             local += w * per_rank(real.rank, mine, c)
             continue
         for r in range(c):

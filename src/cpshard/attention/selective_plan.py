@@ -132,7 +132,7 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
         peers = np.delete(np.arange(c), rank)
         reps = own.take(np.tile(np.arange(own.n.size), peers.size))
         to = np.repeat(peers, own.n.size)
-        slots, run = runs.seen(-1, causal, window).covered_slots(reps, runs.shift(to))
+        slots, run = runs.block_seen(causal, window).covered_slots(reps, runs.shift(to))
         dest = to[run]
         cuts = np.searchsorted(dest, np.arange(c + 1))
         return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
@@ -184,10 +184,10 @@ def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.n
     runs = a.runs[0]
     every = runs.keys()
     if runs.blocked:  # every rank at once, in its rank block
-        u = runs.seen(-1, causal, window)
+        u = runs.block_seen(causal, window)
         of = u.lo // runs.stride
         off = runs.shift(of)
-        mine = runs.keys(-1)
+        mine = runs.block_keys()
         own_seen = per_rank(of, mine.below(u.hi) - mine.below(u.lo), c)
         recv = per_rank(of, every.below(u.hi - off) - every.below(u.lo - off), c) - own_seen
         ends = [u.lo - off, u.hi - off]

@@ -368,21 +368,27 @@ class RankRuns:
         self.stride = max(frame.docs.size, 1) * frame.span
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
-        self._seen: dict[tuple[int, bool, int | None], Union] = {}
+        self._block_keys: KeyCounts | None = None
+        self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
 
     def of(self, rank: int) -> StreamRuns:
         """The real runs of ``rank``."""
         return self.real.take(slice(int(self._bounds[rank]), int(self._bounds[rank + 1])))
 
     def keys(self, rank: int | None = None) -> KeyCounts:
-        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's;
-        ``-1``: of every rank's in its rank block, see :meth:`shift`)."""
+        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's)."""
         hit = self._keys.get(rank)
         if hit is None:
-            r = self.real if rank is None or rank < 0 else self.of(rank)
-            lo = r.code + self.shift() if rank == -1 else r.code
-            hit = self._keys[rank] = KeyCounts(lo, lo + r.n)
+            r = self.real if rank is None else self.of(rank)
+            hit = self._keys[rank] = KeyCounts(r.code, r.code + r.n)
         return hit
+
+    def block_keys(self) -> KeyCounts:
+        """The :class:`KeyCounts` of every rank's real runs, each in its rank block."""
+        if self._block_keys is None:
+            lo = self.real.code + self.shift()
+            self._block_keys = KeyCounts(lo, lo + self.real.n)
+        return self._block_keys
 
     def shift(self, rank: _I64 | None = None) -> _I64:
         """The *rank blocks*: rank ``r``'s codes shifted by ``r * stride`` lie in
@@ -396,14 +402,20 @@ class RankRuns:
         return out
 
     def seen(self, rank: int, causal: bool, window: int | None) -> Union:
-        """The codes of the keys ``rank``'s real queries see (``-1``: every rank's, in its
-        rank block)."""
+        """The codes of the keys ``rank``'s real queries see."""
+        return self._union(rank, causal, window)
+
+    def block_seen(self, causal: bool, window: int | None) -> Union:
+        """The codes of the keys every rank's real queries see, each rank in its rank block."""
+        return self._union(None, causal, window)
+
+    def _union(self, rank: int | None, causal: bool, window: int | None) -> Union:
         key = (rank, causal, window)
         hit = self._seen.get(key)
         if hit is None:
-            q = self.real if rank == -1 else self.of(rank)
+            q = self.real if rank is None else self.of(rank)
             lo, hi = query_intervals(q, self.frame, causal, window)
-            if rank == -1:
+            if rank is None:
                 lo, hi = lo + self.shift(), hi + self.shift()
             hit = self._seen[key] = Union(lo, hi)
         return hit
