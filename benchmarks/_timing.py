@@ -14,6 +14,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def fastest_cpu_wall(
+    make: Callable[[], Any], run: Callable[[Any], Any], repeat: int
+) -> tuple[float, float, Any]:
+    """Fastest process-CPU and wall seconds of ``repeat`` runs of ``run(make())``, each on a fresh
+    input made outside the timer (nothing one run caches on its input helps the next); and the
+    last run's result."""
+    cpu = wall = float("inf")
+    out = None
+    for _ in range(repeat):
+        fresh = make()
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = run(fresh)
+        cpu = min(cpu, time.process_time() - c0)
+        wall = min(wall, time.perf_counter() - w0)
+    return cpu, wall, out
+
+
 def paired_median_times(
     fns: list[Callable[[], Any]],
     *,

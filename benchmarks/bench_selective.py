@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import fastest_cpu_wall
 from bench_packed_attention import _batch, _inputs
 
 
@@ -153,19 +154,6 @@ def _cp_part(rounds: int) -> None:
                 print(f"| {layout} | {hq}/{hkv} | {m} | {t:.3f} | {t / ref:.2f} |", flush=True)
 
 
-def _cpu_wall(make: Any, run: Any, repeat: int) -> tuple[float, float]:
-    """Fastest of ``repeat`` runs of ``run(make())``, each on a fresh input made outside the
-    timer: process CPU s, wall s."""
-    cpu = wall = float("inf")
-    for _ in range(repeat):
-        fresh = make()
-        c0, w0 = time.process_time(), time.perf_counter()
-        run(fresh)
-        cpu = min(cpu, time.process_time() - c0)
-        wall = min(wall, time.perf_counter() - w0)
-    return cpu, wall
-
-
 def _plan_row(plan: Any, tokens: int, ranks: list[int], repeat: int) -> str:
     """One table row: bytes moved vs needed, and the host time of each plan (slowest rank)."""
     from cpshard.attention.auto import choose_for_batch
@@ -191,11 +179,11 @@ def _plan_row(plan: Any, tokens: int, ranks: list[int], repeat: int) -> str:
         moved_sel += selective_plan(plan_meta(plan, r), True, None, cpu).received  # no header
         need_sel += int(needed[r])
         fresh = functools.partial(plan_meta, plan, r)
-        got = _cpu_wall(fresh, lambda m: selective_plan(m, True, None, cpu), repeat)
+        got = fastest_cpu_wall(fresh, lambda m: selective_plan(m, True, None, cpu), repeat)
         t_sel = (max(t_sel[0], got[0]), max(t_sel[1], got[1]))
-        got = _cpu_wall(fresh, auto, repeat)
+        got = fastest_cpu_wall(fresh, auto, repeat)
         t_auto = (max(t_auto[0], got[0]), max(t_auto[1], got[1]))
-    t_facts = _cpu_wall(functools.partial(plan_meta, plan), plan_facts, repeat)
+    t_facts = fastest_cpu_wall(functools.partial(plan_meta, plan), plan_facts, repeat)[:2]
     ag = (c - 1) * plan.padded_len // c * c
     ratio = moved_sel / need_sel if need_sel else float("nan")
     return (
