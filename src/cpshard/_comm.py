@@ -162,7 +162,8 @@ def validate_cp_mesh(cp_mesh: object, *, grid: bool = False) -> DeviceMesh | Non
 
     Raises:
         TypeError: ``cp_mesh`` is neither ``None`` nor a ``DeviceMesh``.
-        ValueError: the mesh is not 1-D (or, with ``grid``, a 2-D mesh of other dim names).
+        ValueError: the mesh is not 1-D (with ``grid``: nor 2-D with the dims named
+            :data:`CP_GRID_DIMS`).
     """
     if cp_mesh is None:
         return None
@@ -171,17 +172,15 @@ def validate_cp_mesh(cp_mesh: object, *, grid: bool = False) -> DeviceMesh | Non
             f"cp_mesh must be a 1-D torch DeviceMesh or None, got {type(cp_mesh).__name__}; "
             "build one with init_device_mesh(device, (cp,), mesh_dim_names=('cp',))"
         )
-    if grid and cp_mesh.ndim == 2:
-        if tuple(cp_mesh.mesh_dim_names or ()) != CP_GRID_DIMS:
-            raise ValueError(
-                f"a 2-D cp_mesh must name its dims {CP_GRID_DIMS} (Ulysses inside 'cp_inner', "
-                f"the attention method across 'cp_outer'), got dims {cp_mesh.mesh_dim_names}; "
-                "build it with init_device_mesh(device, (R, U), mesh_dim_names=('cp_outer', "
-                "'cp_inner')) or pass a 1-D CP mesh"
-            )
+    if grid and cp_mesh.ndim == 2 and tuple(cp_mesh.mesh_dim_names or ()) == CP_GRID_DIMS:
         return cp_mesh
     if cp_mesh.ndim != 1:
-        also = f", or 2-D with dims {CP_GRID_DIMS} (Ulysses x ring)" if grid else ""
+        also = (
+            f" or a 2-D CP mesh with dims {CP_GRID_DIMS} (Ulysses inside cp_inner, the "
+            "attention method across cp_outer)"
+            if grid
+            else ""
+        )
         raise ValueError(
             f"cp_mesh must be 1-D (the CP group alone){also}, got a {cp_mesh.ndim}-D mesh "
             f"with dims {cp_mesh.mesh_dim_names}; pass the sub-mesh, e.g. mesh['cp']"

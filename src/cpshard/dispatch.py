@@ -686,10 +686,10 @@ def make_cp_batch_and_ctx(
         TypeError, ValueError: a mesh that is neither 1-D nor a 2-D CP mesh, unknown names,
             malformed batches, a pad id that is not a non-negative int, ranks given different
             batches, a model whose token mixers cannot run exactly (or need the generic path
-            under ``strict``). The mesh and the mixers are checked on each rank before any collective; the keywords
-            (:class:`cpshard.options.PrepareOptions`), the batch and the pad id right after the
-            cross-rank fingerprint (the one small collective, which carries them), so one bad
-            on one rank only raises on every rank too.
+            under ``strict``). The mesh and the mixers are checked on each rank before any
+            collective; the keywords (:class:`cpshard.options.PrepareOptions`), the batch and
+            the pad id right after the cross-rank fingerprint (the one small collective, which
+            carries them), so one bad on one rank only raises on every rank too.
     """
     options = PrepareOptions(
         layout=layout,

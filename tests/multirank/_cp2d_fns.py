@@ -12,7 +12,7 @@ from _attention_fns import _backward_and_reduce, hf_padded_batch, tiny_hf_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from _attention_common import DTYPES, inputs, make_case, make_meta
-from cpshard import prepare_cp_forward
+from cpshard import make_cp_batch_and_ctx, prepare_cp_forward
 from cpshard._comm import CommRecorder, cp_group
 from cpshard.attention import cp_sdpa
 from cpshard.attention.hybrid import cp_grid
@@ -130,3 +130,45 @@ def hf_cp2d_case(cp_mesh: DeviceMesh | None, inner: int, method: str, heads: int
         "grads": grads if cp_mesh.get_local_rank() == 0 else {},
         "all_to_all": rec.count("all_to_all"),
     }
+
+
+def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
+    """What ``make_cp_batch_and_ctx`` raises on this rank for ``attention='ulysses'`` on a 2-D CP
+    mesh, and for a 2-D mesh of other dim names."""
+    batch = {"input_ids": torch.arange(16).reshape(1, 16)}
+    msgs = []
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_inner", "cp_outer"))
+    for mesh, attention in ((grid_mesh(2, 2), "ulysses"), (other, "ring")):
+        try:
+            make_cp_batch_and_ctx(mesh, batch, attention=attention)
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("no error")
+    return msgs
+
+
+def dp_grid_case(cp_mesh: DeviceMesh, method: str) -> dict[str, Any]:
+    """4 ranks as dp=2 x (1 cp_outer x 2 cp_inner): the tiny Llama on the CP sub-mesh of a 3-D
+    mesh (its flattening is a sub-mesh's), each DP replica the same batch; full logits."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp_outer", "cp_inner"))
+    model = tiny_hf_model("llama")
+    batch = hf_padded_batch("right")
+    ctx, local, sharder = prepare_cp_forward(
+        model, mesh["cp_outer", "cp_inner"], batch, attention=method
+    )
+    with CommRecorder() as rec, ctx():
+        logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
+    return {
+        "logits": sharder.gather_token_tensor(logits.detach(), trim=True),
+        "all_to_all": rec.count("all_to_all"),
+    }
+
+
+def one_process_logits(padding: str) -> torch.Tensor:
+    """The tiny Llama's logits on :func:`hf_padded_batch` in one process through
+    ``prepare_cp_forward`` without CP."""
+    model = tiny_hf_model("llama")
+    ctx, local, _ = prepare_cp_forward(model, None, hf_padded_batch(padding))
+    with ctx():
+        return model(**{k: v for k, v in local.items() if k != "labels"}).logits.detach()

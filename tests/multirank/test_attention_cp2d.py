@@ -7,7 +7,14 @@ import math
 
 import pytest
 import torch
-from _cp2d_fns import cp2d_case, cp2d_error, hf_cp2d_case
+from _cp2d_fns import (
+    cp2d_case,
+    cp2d_error,
+    dp_grid_case,
+    hf_cp2d_case,
+    one_process_logits,
+    prepare_2d_refusals,
+)
 
 from _attention_common import inputs, make_case, reference_with_grads
 from _ranks import Ranks
@@ -139,16 +146,32 @@ def test_2x2_refusals_on_every_rank(ranks: Ranks, method: str, transpose: bool, 
     assert all(match in m for m in msgs), msgs
 
 
-@pytest.mark.parametrize(("method", "heads"), [("ring", 4), ("selective", 3)])
+@pytest.mark.parametrize(("method", "heads"), [("ring", 4), ("selective", 3), ("auto", 4)])
 def test_hf_llama_2x2_prepare_cp_forward(ranks: Ranks, method: str, heads: int) -> None:
     """A tiny Llama (GQA 4/2; 3/1 takes the fallback) with an attention_mask batch (mixed
     padding) through prepare_cp_forward on a 2 x 2 CP mesh, against one process."""
     want = hf_cp2d_case(None, 2, method, heads)
     res = ranks(4, hf_cp2d_case, 2, method, heads)
     for got in res:
-        own = 2 if method == "selective" else 0  # selective's own exchange, one per layer
-        assert got["all_to_all"] - own == (4 if heads % 2 == 0 else 0)  # 2 layers x (in, out)
+        if method != "auto":
+            own = 2 if method == "selective" else 0  # selective's own exchange, one per layer
+            assert got["all_to_all"] - own == (4 if heads % 2 == 0 else 0)  # 2 layers x in, out
         torch.testing.assert_close(got["logits"], want["logits"])
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-10)
     for name, g in want["grads"].items():
         torch.testing.assert_close(res[0]["grads"][name], g, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_prepare_refuses_ulysses_and_other_2d_meshes_on_every_rank(ranks: Ranks) -> None:
+    for ulysses, other in ranks(4, prepare_2d_refusals):
+        assert "attention='ulysses' with a 2-D cp_mesh" in ulysses, ulysses
+        assert "or a 2-D CP mesh with dims ('cp_outer', 'cp_inner')" in other, other
+
+
+def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:
+    """The CP sub-mesh of a (dp, cp_outer, cp_inner) mesh: each replica's CP group is two ranks
+    (global ranks 0-1 and 2-3), Ulysses over both (R = 1), logits as one process."""
+    want = one_process_logits("right")
+    for got in ranks(4, dp_grid_case, "ring"):
+        assert got["all_to_all"] == 4
+        torch.testing.assert_close(got["logits"], want)
