@@ -94,10 +94,14 @@ def cp2d_error(cp_mesh: DeviceMesh, inner: int, method: str, transpose: bool) ->
     return "no error"
 
 
-def hf_cp2d_case(cp_mesh: DeviceMesh | None, inner: int, method: str, heads: int) -> dict[str, Any]:
+def hf_cp2d_case(
+    cp_mesh: DeviceMesh | None, inner: int, method: str, heads: int, checkpoint: bool = False
+) -> dict[str, Any]:
     """A tiny Llama (``heads`` query heads, 2 kv heads when they divide, else 1) through
     ``prepare_cp_forward`` with a 2-D CP mesh (``cp_mesh=None``: one process, no CP): full
-    logits, loss and the CP-summed parameter grads; the all-to-alls counted."""
+    logits, loss and the CP-summed parameter grads; the all-to-alls of the forward counted.
+    ``checkpoint``: HF gradient checkpointing with cpshard's recompute context (the backward
+    recomputes every layer's attention, on the same 2-D groups)."""
     batch = hf_padded_batch("mixed")
     model = tiny_hf_model("llama")
     if heads != model.config.num_attention_heads:
@@ -110,6 +114,15 @@ def hf_cp2d_case(cp_mesh: DeviceMesh | None, inner: int, method: str, heads: int
         )
         torch.manual_seed(0)
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).to(torch.float64)
+    if checkpoint:
+        from cpshard.attention import checkpoint_context_fn
+
+        model.train()
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": checkpoint_context_fn,
+            }
+        )  # fmt: skip
     mesh: DeviceMesh | None = None
     if cp_mesh is not None:
         mesh = grid_mesh(cp_mesh.size() // inner, inner)
@@ -123,8 +136,10 @@ def hf_cp2d_case(cp_mesh: DeviceMesh | None, inner: int, method: str, heads: int
         grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
         return {"logits": logits.detach(), "loss": float(loss.detach()), "grads": grads}
     assert sharder.cp_mesh is not None and sharder.cp_mesh.ndim == 1  # sharded on the flattening
-    grads, total = _backward_and_reduce(model, loss, sharder.cp_mesh)
+    with CommRecorder() as back:
+        grads, total = _backward_and_reduce(model, loss, sharder.cp_mesh)
     return {
+        "bwd_all_to_all": back.count("all_to_all"),
         "logits": sharder.gather_token_tensor(logits.detach(), trim=True),
         "loss": float(total),
         "grads": grads if cp_mesh.get_local_rank() == 0 else {},

@@ -146,16 +146,24 @@ def test_2x2_refusals_on_every_rank(ranks: Ranks, method: str, transpose: bool, 
     assert all(match in m for m in msgs), msgs
 
 
-@pytest.mark.parametrize(("method", "heads"), [("ring", 4), ("selective", 3), ("auto", 4)])
-def test_hf_llama_2x2_prepare_cp_forward(ranks: Ranks, method: str, heads: int) -> None:
+@pytest.mark.parametrize(
+    ("method", "heads", "checkpoint"),
+    [("ring", 4, False), ("selective", 3, False), ("auto", 4, False), ("all_gather", 4, True)],
+)
+def test_hf_llama_2x2_prepare_cp_forward(
+    ranks: Ranks, method: str, heads: int, checkpoint: bool
+) -> None:
     """A tiny Llama (GQA 4/2; 3/1 takes the fallback) with an attention_mask batch (mixed
-    padding) through prepare_cp_forward on a 2 x 2 CP mesh, against one process."""
-    want = hf_cp2d_case(None, 2, method, heads)
-    res = ranks(4, hf_cp2d_case, 2, method, heads)
+    padding) through prepare_cp_forward on a 2 x 2 CP mesh, against one process; once with
+    gradient checkpointing (the backward's recomputation runs the 2-D attention again)."""
+    want = hf_cp2d_case(None, 2, method, heads, checkpoint)
+    res = ranks(4, hf_cp2d_case, 2, method, heads, checkpoint)
     for got in res:
         if method != "auto":
             own = 2 if method == "selective" else 0  # selective's own exchange, one per layer
             assert got["all_to_all"] - own == (4 if heads % 2 == 0 else 0)  # 2 layers x in, out
+            # the backward's two per layer, and with checkpointing the recomputed forward's
+            assert got["bwd_all_to_all"] - own == (8 if checkpoint else 4) * (heads % 2 == 0)
         torch.testing.assert_close(got["logits"], want["logits"])
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-10)
     for name, g in want["grads"].items():
