@@ -14,8 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from _attention_common import DTYPES, inputs, make_case, make_meta
 from cpshard import make_cp_batch_and_ctx, prepare_cp_forward
 from cpshard._comm import CommRecorder, cp_group
-from cpshard.attention import cp_sdpa
-from cpshard.attention.hybrid import cp_grid
+from cpshard.attention import cp_grid, cp_sdpa
 
 
 @functools.cache
