@@ -186,3 +186,10 @@ def one_process_logits(padding: str) -> torch.Tensor:
     ctx, local, _ = prepare_cp_forward(model, None, hf_padded_batch(padding))
     with ctx():
         return model(**{k: v for k, v in local.items() if k != "labels"}).logits.detach()
+
+
+def compiled_2d_case(cp_mesh: DeviceMesh, method: str, fullgraph: bool) -> Any:
+    """:func:`_attention_fns.compiled_module_case` on the 2 x 2 CP mesh: eager vs compiled."""
+    from _attention_fns import compiled_module_case
+
+    return compiled_module_case(grid_mesh(2, 2), method, fullgraph)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from _cp2d_fns import (
+    compiled_2d_case,
     cp2d_case,
     cp2d_error,
     dp_grid_case,
@@ -18,6 +19,7 @@ from _cp2d_fns import (
 
 from _attention_common import inputs, make_case, reference_with_grads
 from _ranks import Ranks
+from cpshard.attention.kernels import COMPILE_BEFORE_2_13
 
 pytestmark = pytest.mark.multirank
 
@@ -183,3 +185,14 @@ def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:
     for got in ranks(4, dp_grid_case, "ring"):
         assert got["all_to_all"] == 4
         torch.testing.assert_close(got["logits"], want)
+
+
+def test_2x2_compiles(ranks: Ranks) -> None:
+    """torch.compile of a module under the 2 x 2 ctx(): the Ulysses exchanges trace (fullgraph
+    with the all-gather outer method; torch < 2.13 refuses compiled gathering methods, so the
+    ring there, which breaks the graph at its P2P calls); output and grads equal eager."""
+    method, fullgraph = ("ring", False) if COMPILE_BEFORE_2_13 else ("all_gather", True)
+    for (y, grads), (yc, grads_c) in ranks(4, compiled_2d_case, method, fullgraph):
+        torch.testing.assert_close(yc, y)
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_c[name], g, msg=lambda m, n=name: f"{n}: {m}")

@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from cpshard import _compat
 from cpshard._comm import cp_group, split_cp_mesh, validate_cp_mesh
 from cpshard.attention.core import check_method, cp_sdpa
-from cpshard.attention.hybrid import CPGrid, cp_grid
+from cpshard.attention.hybrid import CPGrid, check_grid, cp_grid
 from cpshard.sharding.facts import batch_tag, same_shard
 from cpshard.sharding.meta import TokenMeta
 
@@ -389,7 +389,10 @@ def _scope(
             "before entering the next"
         )
     flat, grid_mesh = split_cp_mesh(cp_mesh)
-    grid = None if grid_mesh is None else cp_grid(grid_mesh)
+    grid = None
+    if grid_mesh is not None:
+        grid = cp_grid(grid_mesh)
+        check_grid(grid, cp_group(flat), meta.rank, meta.world_size)
     with _CPSDPAMode(cp_group(flat), meta, method, tracker, grid):
         yield
 

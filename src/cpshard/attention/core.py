@@ -123,7 +123,8 @@ def _validate(
             f"{rank} of {world}; pass the CP group the batch was sharded over"
         )
     if grid is not None:
-        check_grid(grid, group, rank, world)
+        if not torch.compiler.is_compiling():  # group lookups: checked eagerly (ctx entry too)
+            check_grid(grid, group, rank, world)
         if method == "ulysses" and grid.splits_heads:
             raise ValueError(
                 f"with a 2-D CP mesh ({grid.outer_size} cp_outer x {grid.inner_size} cp_inner) "
