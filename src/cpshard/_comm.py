@@ -181,9 +181,12 @@ def validate_cp_mesh(cp_mesh: object, *, grid: bool = False) -> DeviceMesh | Non
             if grid
             else ""
         )
+        fix = "pass the sub-mesh, e.g. mesh['cp']"
+        if tuple(cp_mesh.mesh_dim_names or ()) == CP_GRID_DIMS:
+            fix = "for a 2-D CP mesh pass the sharder's cp_mesh (its flattening)"
         raise ValueError(
             f"cp_mesh must be 1-D (the CP group alone){also}, got a {cp_mesh.ndim}-D mesh "
-            f"with dims {cp_mesh.mesh_dim_names}; pass the sub-mesh, e.g. mesh['cp']"
+            f"with dims {cp_mesh.mesh_dim_names}; {fix}"
         )
     return cp_mesh
 

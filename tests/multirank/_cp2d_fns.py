@@ -12,7 +12,7 @@ from _attention_fns import _backward_and_reduce, hf_padded_batch, tiny_hf_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from _attention_common import DTYPES, inputs, make_case, make_meta
-from cpshard import make_cp_batch_and_ctx, prepare_cp_forward
+from cpshard import make_cp_batch_and_ctx, prepare_cp_forward, sync_grads
 from cpshard._comm import CommRecorder, cp_group
 from cpshard.attention import cp_grid, cp_sdpa
 
@@ -148,7 +148,8 @@ def hf_cp2d_case(
 
 def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
     """What ``make_cp_batch_and_ctx`` raises on this rank for ``attention='ulysses'`` on a 2-D CP
-    mesh, and for a 2-D mesh of other dim names."""
+    mesh and for a 2-D mesh of other dim names, and what ``sync_grads`` raises for a 2-D CP
+    mesh (it sums over the flattened CP group: the sharder's mesh)."""
     batch = {"input_ids": torch.arange(16).reshape(1, 16)}
     msgs = []
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_inner", "cp_outer"))
@@ -159,6 +160,10 @@ def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
             msgs.append(str(e))
         else:
             msgs.append("no error")
+    try:
+        sync_grads(torch.nn.Linear(2, 2), grid_mesh(2, 2))
+    except ValueError as e:
+        msgs.append(str(e))
     return msgs
 
 

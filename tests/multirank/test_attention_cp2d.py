@@ -173,9 +173,10 @@ def test_hf_llama_2x2_prepare_cp_forward(
 
 
 def test_prepare_refuses_ulysses_and_other_2d_meshes_on_every_rank(ranks: Ranks) -> None:
-    for ulysses, other in ranks(4, prepare_2d_refusals):
+    for ulysses, other, sync in ranks(4, prepare_2d_refusals):
         assert "attention='ulysses' with a 2-D cp_mesh" in ulysses, ulysses
         assert "or a 2-D CP mesh with dims ('cp_outer', 'cp_inner')" in other, other
+        assert "pass the sharder's cp_mesh (its flattening)" in sync, sync
 
 
 def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:
