@@ -36,6 +36,7 @@ def cp2d_case(
     window: int | None = None,
     sinks: bool = False,
     meta_batch: int = 1,
+    causal: bool = True,
 ) -> dict[str, Any]:
     """Local output and gradients of ``cp_sdpa`` with the grid of a 2-D CP mesh, and the number
     of all-to-alls it ran (the Ulysses exchanges: 2 forward + 2 backward, or 0 when the head
@@ -58,8 +59,8 @@ def cp2d_case(
     meta = make_meta(rmap, docs, rank)
     with CommRecorder() as rec:
         out = cp_sdpa(
-            ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, window=window,
-            sinks=s, grid=grid,
+            ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
+            window=window, sinks=s, grid=grid,
         )  # fmt: skip
         (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
     assert ql.grad is not None and kl.grad is not None and vl.grad is not None

@@ -42,16 +42,17 @@ def _check(
     meta_batch: int = 1,
     world: int = 4,
     inner: int = 2,
+    causal: bool = True,
 ) -> None:
     seq_len = 8 * world - 3  # odd: the layout pads it (pads are their own documents)
     res = ranks(
         world, cp2d_case, inner, method, layout, seq_len, heads, dtype, 3, window, sinks,
-        meta_batch,
+        meta_batch, causal,
     )  # fmt: skip
     rmap, docs = make_case(layout, world, seq_len, 2, 3, 0, meta_batch)
     q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
     s = torch.linspace(-1.0, 1.0, heads[0], dtype=torch.float64) if sinks else None
-    ref = _reference(q, k, v, go, docs, window, s)
+    ref = _reference(q, k, v, go, docs, window, s, causal)
     split = heads[0] % inner == 0
     for r, got in enumerate(res):
         assert torch.equal(got["idx"], rmap[r])
@@ -74,10 +75,12 @@ def _reference(
     docs: torch.Tensor,
     window: int | None,
     sinks: torch.Tensor | None,
+    causal: bool,
 ) -> dict[str, torch.Tensor]:
     if sinks is None:
-        out, dq, dk, dv = reference_with_grads(q, k, v, go, docs, True, window=window)
+        out, dq, dk, dv = reference_with_grads(q, k, v, go, docs, causal, window=window)
         return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    assert causal, "the sink reference below is causal"
     return _sink_reference(q, k, v, go, docs, window, sinks)
 
 
@@ -120,6 +123,11 @@ def test_2x2_documents_and_padding_fp64(ranks: Ranks, method: str, heads: tuple[
 @pytest.mark.parametrize("method", OUTER)
 def test_2x2_round_robin_per_row_meta_fp32(ranks: Ranks, method: str) -> None:
     _check(ranks, method, (4, 2), layout="round_robin", dtype="fp32", meta_batch=2)
+
+
+@pytest.mark.parametrize("method", OUTER)
+def test_2x2_bidirectional_fp64(ranks: Ranks, method: str) -> None:
+    _check(ranks, method, (4, 2), causal=False)
 
 
 @pytest.mark.parametrize("method", ["ring", "selective"])
