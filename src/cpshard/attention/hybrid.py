@@ -33,6 +33,23 @@ Head counts (decided from the shapes, equal on every rank, so every rank takes t
 Sinks (``[Hq]``) are sliced like the heads; each rank's gradient covers its heads over its merged
 tokens, zero elsewhere, so the sum over the CP ranks is the full gradient (as with every method).
 
+Usage: pass the 2-D mesh as ``cp_mesh`` to ``prepare_cp_forward`` / ``make_cp_batch_and_ctx``
+(which shard over its flattening: the returned sharder's ``cp_mesh``, for the losses and
+``sync_grads``) or to ``cp_attention_context``; ``attention`` names the outer method
+(``"auto"`` chooses it on the merged meta; ``"ulysses"`` is refused). ``cp_sdpa`` takes the
+groups as ``grid=cp_grid(mesh)`` beside the flattened ``group``::
+
+    mesh = init_device_mesh("cuda", (R, U), mesh_dim_names=("cp_outer", "cp_inner"))
+    ctx, batch, sharder = cpshard.prepare_cp_forward(model, mesh, batch, attention="ring")
+
+Bytes sent per rank and layer (forward, ``L`` local tokens, ``Hkv' = Hkv * rep``): the two
+all-to-alls ``(U-1)/U * L * (2*Hq + 2*Hkv') * D``, plus the outer method on ``H/U`` heads of
+``U*L`` tokens, e.g. the ring's ``(R-1) * L * 2*Hkv' * D`` (itemsize omitted). Against the 1-D
+ring's ``(C-1) * L * 2*Hkv * D`` this wins when the kv heads are many (MHA: at ``C = 4`` as
+``2 x 2``, 32 against 48 units of ``L*D``) and loses for MQA, whose kv heads are repeated.
+``attention="auto"`` chooses only the outer method; whether 2-D CP pays is the caller's choice
+of mesh.
+
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
