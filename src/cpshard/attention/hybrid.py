@@ -45,7 +45,7 @@ groups as ``grid=cp_grid(mesh)`` beside the flattened ``group``::
 Bytes sent per rank and layer (forward, ``L`` local tokens, ``Hkv' = Hkv * rep``): the two
 all-to-alls ``(U-1)/U * L * (2*Hq + 2*Hkv') * D``, plus the outer method on ``H/U`` heads of
 ``U*L`` tokens, e.g. the ring's ``(R-1) * L * 2*Hkv' * D`` (itemsize omitted). Against the 1-D
-ring's ``(C-1) * L * 2*Hkv * D`` this wins when the kv heads are many (MHA: at ``C = 4`` as
+ring's ``(C-1) * L * 2*Hkv * D`` this wins when the kv heads are many (8 MHA heads at ``C = 4`` as
 ``2 x 2``, 32 against 48 units of ``L*D``) and loses for MQA, whose kv heads are repeated.
 ``attention="auto"`` chooses only the outer method; whether 2-D CP pays is the caller's choice
 of mesh.
