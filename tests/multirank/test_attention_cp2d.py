@@ -142,6 +142,13 @@ def test_4x1_and_1x4_grids_fp64(ranks: Ranks) -> None:
     _check(ranks, "ring", (4, 2), inner=4)
 
 
+@pytest.mark.parametrize("heads", [(6, 2), (3, 1), (4, 2)])
+def test_3_ranks_as_1x3_fp64(ranks: Ranks, heads: tuple[int, int]) -> None:
+    """cp=3 as 1 x 3 (Ulysses alone over three ranks, with GQA 6/2 and MQA 3/1 whose kv heads
+    it repeats); 4 query heads do not split in three: the ring over all three ranks."""
+    _check(ranks, "ring", heads, world=3, inner=3)
+
+
 def test_2x2_auto_picks_an_outer_method(ranks: Ranks) -> None:
     _check(ranks, "auto", (4, 2))
 
