@@ -205,14 +205,9 @@ def _with_cp_attention(
         )
     run_meta, outer = meta, False
     if grid_mesh is not None and grid_mesh.size(1) > 1:
-        if attention == "ulysses":
-            raise ValueError(
-                f"attention='ulysses' with a 2-D cp_mesh ({grid_mesh.size(0)} cp_outer x "
-                f"{grid_mesh.size(1)} cp_inner): there the attention names the outer method, run "
-                "across cp_outer while Ulysses runs inside cp_inner; pass attention='ring', "
-                "'selective', 'all_gather' or 'auto' (or a 1-D cp_mesh for Ulysses over the "
-                "whole CP group)"
-            )
+        problem = _grid_problem(grid_mesh, attention)
+        if problem is not None:  # raised after the fingerprint already: a safeguard here
+            raise problem
         run_meta, outer = merged_meta(meta, grid_mesh.size(1)), True
     method = (
         choose_for_batch(run_meta, cp_mesh, cost, outer=outer) if attention == "auto" else attention
@@ -223,6 +218,20 @@ def _with_cp_attention(
     on = cp_mesh if grid_mesh is None else grid_mesh
     factory = functools.partial(cp_attention_context, on, meta, method, tracker=tracker)
     return CPContext(factory, ctx.facts)
+
+
+def _grid_problem(grid_mesh: DeviceMesh | None, attention: str) -> ValueError | None:
+    """The error of ``attention`` on a 2-D CP mesh (there it names the outer method), or
+    ``None``."""
+    if grid_mesh is None or grid_mesh.size(1) <= 1 or attention != "ulysses":
+        return None
+    return ValueError(
+        f"attention='ulysses' with a 2-D cp_mesh ({grid_mesh.size(0)} cp_outer x "
+        f"{grid_mesh.size(1)} cp_inner): there the attention names the outer method, run "
+        "across cp_outer while Ulysses runs inside cp_inner; pass attention='ring', "
+        "'selective', 'all_gather' or 'auto' (or a 1-D cp_mesh for Ulysses over the "
+        "whole CP group)"
+    )
 
 
 def _forward_accepts(model: nn.Module, *names: str) -> bool:
@@ -493,6 +502,8 @@ def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
         )
     )
     problem = o.problem()  # the same on every rank now: the fingerprint compared the options
+    if problem is None:
+        problem = _grid_problem(call.grid_mesh, o.attention)
     if problem is not None:
         raise problem
     checks.batch_mapping(call.batch)
