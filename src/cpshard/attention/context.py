@@ -45,8 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from cpshard import _compat
-from cpshard._comm import cp_group
+from cpshard._comm import cp_group, split_cp_mesh, validate_cp_mesh
 from cpshard.attention.core import check_method, cp_sdpa
+from cpshard.attention.hybrid import CPGrid, check_grid, cp_grid
 from cpshard.sharding.facts import batch_tag, same_shard
 from cpshard.sharding.meta import TokenMeta
 
@@ -111,9 +112,11 @@ class _CPSDPAMode(TorchFunctionMode):
         meta: TokenMeta,
         method: str,
         tracker: StepTracker | None = None,
+        grid: CPGrid | None = None,
     ) -> None:
         super().__init__()
         self.group = group
+        self.grid = grid  # the groups of a 2-D CP mesh (Ulysses x method), else None
         self.meta = meta
         self.method = method
         self.tracker = tracker  # None in a recomputation (its calls are not a new forward)
@@ -213,9 +216,13 @@ class _CPSDPAMode(TorchFunctionMode):
         meta = kwargs.pop("meta", self.meta)
         tracker = self.tracker
         if tracker is None or torch.compiler.is_compiling():  # compiled forwards: not tracked
-            return cp_sdpa(q, k, v, group=self.group, meta=meta, method=self.method, **kwargs)
+            return cp_sdpa(
+                q, k, v, group=self.group, meta=meta, method=self.method, grid=self.grid, **kwargs
+            )
         q, k, v = tracker.enter_call(q, k, v)
-        out = cp_sdpa(q, k, v, group=self.group, meta=meta, method=self.method, **kwargs)
+        out = cp_sdpa(
+            q, k, v, group=self.group, meta=meta, method=self.method, grid=self.grid, **kwargs
+        )
         return tracker.leave_call(out)
 
 
@@ -336,7 +343,7 @@ def _recompute_in(mode: _CPSDPAMode) -> Iterator[None]:
     if _modes():  # already inside a CP context (e.g. a checkpoint recomputed in the forward)
         yield
         return
-    again = _CPSDPAMode(mode.group, mode.meta, mode.method)
+    again = _CPSDPAMode(mode.group, mode.meta, mode.method, grid=mode.grid)
     again.checkpointed = 1
     with contextlib.ExitStack() as stack:
         for factory in mode.on_recompute:
@@ -381,7 +388,12 @@ def _scope(
             "batch's attention would silently mix with the outer one; leave the first ctx "
             "before entering the next"
         )
-    with _CPSDPAMode(cp_group(cp_mesh), meta, method, tracker):
+    flat, grid_mesh = split_cp_mesh(cp_mesh)
+    grid = None
+    if grid_mesh is not None:
+        grid = cp_grid(grid_mesh)
+        check_grid(grid, cp_group(flat), meta.rank, meta.world_size)
+    with _CPSDPAMode(cp_group(flat), meta, method, tracker, grid):
         yield
 
 
@@ -395,7 +407,10 @@ def cp_attention_context(
     """A context in which SDPA calls over the local shard become CP attention.
 
     Args:
-        cp_mesh: 1-D CP mesh, or ``None`` (then ``meta.world_size`` must be 1).
+        cp_mesh: 1-D CP mesh, or ``None`` (then ``meta.world_size`` must be 1), or a 2-D
+            ``("cp_outer", "cp_inner")`` mesh whose flattening the batch was sharded over: then
+            Ulysses runs inside ``cp_inner`` and ``method`` across ``cp_outer``
+            (:mod:`cpshard.attention.hybrid`).
         meta: Token meta of the sharded batch.
         method: A method of :data:`cpshard.names.METHOD_NAMES` (``"all_gather"``, ``"ring"``,
             ``"ulysses"``, ``"selective"``) or ``"auto"`` (resolved per call by
@@ -406,7 +421,9 @@ def cp_attention_context(
         A context manager; use as ``with cp_attention_context(mesh, meta, "ring"): model(...)``.
 
     Raises:
-        ValueError: unknown ``method`` (raised here, before the model runs).
+        ValueError: unknown ``method`` or a mesh that is neither 1-D nor a 2-D CP mesh (raised
+            here, before the model runs).
+        TypeError: ``cp_mesh`` is not a ``DeviceMesh`` (or ``None``).
 
     Example:
         >>> ctx = functools.partial(cp_attention_context, cp_mesh, meta, "ring")
@@ -414,4 +431,4 @@ def cp_attention_context(
         ...     out = model(**batch)
     """
     check_method(method)
-    return _scope(cp_mesh, meta, method, tracker)
+    return _scope(validate_cp_mesh(cp_mesh, grid=True), meta, method, tracker)
