@@ -150,28 +150,48 @@ def sync_grads(
         else [(str(i), p) for i, p in enumerate(module)]
     )
     state = step_state(mesh)
-    begin_sync(
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    done = begin_sync(
         state,
         mesh,
-        [(n, p) for n, p in named if p.requires_grad],
+        trainable,
         prepared_on=prepared_mesh(module) if isinstance(module, nn.Module) else None,
     )
     if group is None:
         return
-    params = [p for _, p in named if p.requires_grad]
+    params = [p for _, p in trainable]
     with torch.no_grad():
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        _comm.all_reduce_sum_(has, group)
+        # per parameter: how many ranks hold a gradient to sum, and how many hold one an earlier
+        # sync on this group already summed (a module shared by two models, each synced)
+        flags = torch.tensor(
+            [
+                [p.grad is not None and not d for p, d in zip(params, done, strict=True)],
+                done,
+            ],
+            dtype=torch.int32,
+        ).reshape(2, len(params))
+        _comm.all_reduce_sum_(flags, group)
+        fresh, summed = flags.tolist()
+        size = _comm.cp_rank_and_size(mesh)[1]
+        mixed = [n for (n, _), s in zip(trainable, summed, strict=True) if 0 < s < size]
+        if mixed:  # every rank saw the same flags: every rank raises here
+            raise RuntimeError(
+                f"sync_grads: the gradient of {mixed[0]!r} (and {len(mixed) - 1} more) was "
+                "already summed by an earlier sync_grads on some CP ranks but not on others (a "
+                "backward or zero_grad that ran on some ranks only): the CP ranks' gradients "
+                "no longer belong to one step. Run every backward, zero_grad and sync_grads on "
+                "every CP rank alike"
+            )
         grads = []
-        for p, h in zip(params, has.tolist(), strict=True):
-            if h == 0:
+        for p, h, s in zip(params, fresh, summed, strict=True):
+            if h == 0 or s:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             g = p.grad
             grads.append(g.to_local() if isinstance(g, DTensor) else g)
         _comm.all_reduce_sum_coalesced_(grads, group)
-    end_sync(state, params)
+    end_sync(state, params, [s == 0 for s in summed])
 
 
 def cp_loss_scale(cp_mesh: DeviceMesh | None, grad_reduction: GradReduction = "sum") -> float:

@@ -63,6 +63,7 @@ import functools
 import hashlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,14 +78,17 @@ __all__ = [
     "PARAM_SAMPLE",
     "PAYLOAD_SIZE",
     "ForwardTracker",
+    "ModelFingerprint",
+    "NoCPBackwardError",
     "OutOfStepError",
+    "ParameterMismatchError",
     "StepHeaderError",
     "StepMismatchError",
     "StepState",
     "begin_prepare",
     "begin_sync",
     "end_sync",
-    "params_fingerprint",
+    "model_fingerprint",
     "prepared_mesh",
     "step_state",
     "tracked_forward",
@@ -103,6 +107,10 @@ _MASK = (1 << 63) - 1
 # Slots of the header.
 _MAGIC, _KIND, _A, _B, _C, _D, _E, _F = range(HEADER_SIZE)
 _MAGIC_VALUE = 0x5C5EED
+# Slots of a prepare's header that carry the model's values (compared after the exchange), and
+# of a sync's header that carries whether its gradients came from no CP forward.
+_PLAIN, _SHARDED, _SHARDS = _D, _E, _F
+_NO_CP = _B
 PREPARE, FORWARD, BACKWARD, SYNC, FAILED = 1, 2, 3, 4, 5
 _KIND_TEXT = {
     FAILED: "raised an exception inside ctx() (its own traceback names it)",
@@ -130,6 +138,16 @@ class StepMismatchError(StepHeaderError, ValueError):
     """The CP ranks entered the same phase with facts that differ (raised on every rank)."""
 
 
+class ParameterMismatchError(StepHeaderError, RuntimeError):
+    """The model's parameter or buffer values differ across the CP ranks where they must be
+    equal (raised on every rank at a prepare)."""
+
+
+class NoCPBackwardError(StepHeaderError, RuntimeError):
+    """``sync_grads`` on gradients that no CP forward of the group produced (raised on every
+    rank): summing them would multiply them by the CP size."""
+
+
 def _str_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
 
@@ -151,6 +169,8 @@ class StepState:
         bwd_finished: Whether that pass ran to its end (autograd runs the callback it queued
             only when the whole pass succeeded).
         backwards_since_sync: CP backward passes since the last ``sync_grads``.
+        ctx_serial: Number of outermost tracked ``ctx()`` blocks entered so far (a sync reads
+            whether one was entered since the last sync that summed its parameters).
         active_watch: The watch of the prepared model whose forward runs now inside the open
             ``ctx()`` (its CP calls' backward passes count for that model).
         watches: Weak references to the watches of the models prepared on this mesh.
@@ -166,12 +186,13 @@ class StepState:
         self.bwd_task: tuple[int, int] | None = None
         self.bwd_finished = True
         self.backwards_since_sync = 0
+        self.ctx_serial = 0
         self.active_watch: _ModelWatch | None = None
         self.watches: list[weakref.ref[_ModelWatch]] = []
-        # id(parameter) -> (parameter, its gradient, the gradient's version) at the end of the
-        # last sync that summed it (several models on one mesh: each keeps its own record)
+        # id(parameter) -> (parameter, its gradient, the gradient's version, ctx_serial) at the
+        # end of the last sync that summed it (several models on one mesh: each keeps its own)
         self.synced: dict[
-            int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]
+            int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int]
         ] = {}
 
     def check_usable(self, what: str) -> None:
@@ -202,16 +223,25 @@ class StepState:
 
 
 def step_state(cp_mesh: DeviceMesh | None) -> StepState | None:
-    """The step record of this rank on ``cp_mesh`` (``None`` without a multi-rank group).
+    """The step record of this rank on ``cp_mesh``'s group (``None`` without a multi-rank group).
 
-    Kept on the mesh object (one per mesh; a new mesh object starts a fresh record).
+    Kept on the root mesh (the one ``init_device_mesh`` / ``DeviceMesh.from_group`` built), keyed
+    by the CP group's name and ranks: every ``mesh["cp"]`` (a new object on each call) of one
+    root sees the same record; a new root mesh (``DeviceMesh.from_group``) starts a fresh one.
     """
-    if _comm.cp_group(cp_mesh) is None:
+    group = _comm.cp_group(cp_mesh)
+    if group is None:
         return None
-    state = getattr(cp_mesh, _ATTR, None)
+    assert cp_mesh is not None
+    root = _compat.root_mesh(cp_mesh)
+    records = getattr(root, _ATTR, None)
+    if not isinstance(records, dict):
+        records = {}
+        setattr(root, _ATTR, records)
+    key = (_comm.group_name(group), tuple(cp_mesh.mesh.flatten().tolist()))
+    state = records.get(key)
     if not isinstance(state, StepState):
-        state = StepState()
-        setattr(cp_mesh, _ATTR, state)
+        state = records[key] = StepState()
     return state
 
 
@@ -298,34 +328,182 @@ def _as_bool(value: int) -> str:
     return str(bool(value))
 
 
-def params_fingerprint(model: nn.Module) -> tuple[int, int]:
-    """``(values, layout)``: hashes of the trainable parameters' values and of which are trainable.
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What a prepare's header says about the model's parameters and persistent buffers.
 
-    ``values`` covers a strided sample of at most :data:`PARAM_SAMPLE` values of each trainable
-    parameter (the local shard of a DTensor; meta tensors count by shape only): an optimizer step
-    on gradients that differ across the ranks changes nearly every value. ``layout`` covers the
-    names, shapes, dtypes and ``requires_grad`` of every parameter.
+    Attributes:
+        layout: Hash of the names, shapes, dtypes (and ``requires_grad``) of every parameter and
+            persistent buffer.
+        names: ``"parameter <name>"`` / ``"buffer <name>"`` of every entry, in that order.
+        values: LongTensor ``[N]``: per entry, a hash of a strided sample of at most
+            :data:`PARAM_SAMPLE` of its local values (0: not read, a meta or empty tensor).
+        keys: LongTensor ``[N]``: per entry, which shard of it this rank holds (0: a plain tensor,
+            the whole value; a DTensor: its placements, mesh shape and this rank's coordinates on
+            the mesh dims that split it).
     """
-    layout = []
-    samples = []
-    for name, p in model.named_parameters():
-        layout.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
-        if not p.requires_grad:
-            continue
-        local = p.to_local() if isinstance(p, DTensor) else p
+
+    layout: int
+    names: list[str]
+    values: torch.Tensor
+    keys: torch.Tensor
+
+    def header(self) -> dict[int, int]:
+        """The slots of the prepare's header: the plain entries' values, the DTensor entries'
+        values and which shards they are."""
+        plain = self.keys == 0
+        odd = torch.arange(1, 2 * len(self.names) + 1, 2, dtype=torch.long)
+        mixed = self.values * odd
+        shard_keys = ";".join(str(int(k)) for k in self.keys[~plain].tolist())
+        return {
+            _PLAIN: int(mixed[plain].sum()) & _MASK,
+            _SHARDED: int(mixed[~plain].sum()) & _MASK,
+            _SHARDS: _str_hash(shard_keys) if shard_keys else 0,
+        }
+
+
+def _entries(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is a parameter)`` of every parameter, then every persistent buffer."""
+    out: list[tuple[str, torch.Tensor, bool]] = [
+        (f"parameter {n}", p, True) for n, p in model.named_parameters()
+    ]
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        transient = _compat.non_persistent_buffers(module)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None or name in transient or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"buffer {prefix + '.' if prefix else ''}{name}", buf, False))
+    return out
+
+
+def _shard_key(t: torch.Tensor) -> int:
+    """0 for a plain tensor; for a DTensor, a hash of which shard of it this rank holds."""
+    if not isinstance(t, DTensor):
+        return 0
+    mesh = t.device_mesh
+    coordinate = list(mesh.get_coordinate() or ())
+    split = [
+        (dim, c)
+        for dim, (placement, c) in enumerate(zip(t.placements, coordinate, strict=False))
+        if not placement.is_replicate()
+    ]
+    return _str_hash(f"{tuple(mesh.shape)}:{t.placements}:{split}") or 1
+
+
+def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprint:
+    """The :class:`ModelFingerprint` of ``model``'s parameters and persistent buffers.
+
+    Values are a strided sample of at most :data:`PARAM_SAMPLE` values of each entry's local
+    tensor (the local shard of a DTensor; meta tensors count by shape only): weights built or
+    seeded differently change nearly every value, and so does an optimizer step on gradients
+    that differ across the ranks. One host transfer per device. Non-persistent buffers (caches
+    such as rotary tables) are left out.
+
+    Args:
+        model: The prepared model.
+        read_values: ``False`` (``check_consistency=False``): no value is read (all 0).
+    """
+    entries = _entries(model)
+    layout = ";".join(
+        f"{name}:{tuple(t.shape)}:{t.dtype}" + (f":{t.requires_grad}" if is_param else "")
+        for name, t, is_param in entries
+    )
+    names = [name for name, _, _ in entries]
+    keys = torch.tensor([_shard_key(t) for _, t, _ in entries], dtype=torch.long)
+    values = torch.zeros(len(entries), dtype=torch.long)
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+    for i, (_, t, _) in enumerate(entries if read_values else ()):
+        local = t.to_local() if isinstance(t, DTensor) else t
         if local.device.type == "meta" or local.numel() == 0:
             continue
         flat = local.detach().reshape(-1)
-        samples.append(flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE])
-    if not samples:
-        return 0, _str_hash(";".join(layout))
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in samples:
-        by_device.setdefault(t.device, []).append(t.to(torch.float64))
-    # one transfer per device (not one per parameter)
-    bits = torch.cat([torch.cat(ts).cpu() for ts in by_device.values()]).view(torch.int64)
-    weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64)
-    return int((bits * weights).sum()), _str_hash(";".join(layout))
+        sample = flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE]
+        if sample.is_complex():
+            sample = torch.view_as_real(sample).reshape(-1)
+        samples, owners = by_device.setdefault(sample.device, ([], []))
+        samples.append(sample.to(torch.float64))
+        owners.append(i)
+    if by_device:
+        parts, index = [], []
+        for samples, owners in by_device.values():  # one transfer per device
+            parts.append(torch.cat(samples).cpu())
+            index += [i for i, s in zip(owners, samples, strict=True) for _ in range(s.numel())]
+        bits = torch.cat(parts).view(torch.int64)
+        weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64)
+        values.index_add_(0, torch.tensor(index, dtype=torch.long), bits * weights)
+    return ModelFingerprint(_str_hash(layout), names, values, keys)
+
+
+def _values_differ(rows: list[list[int]]) -> bool:
+    """Whether the gathered prepare headers show values that differ where they must agree: the
+    plain entries on any two ranks, the DTensor entries on two ranks holding the same shards."""
+    if len({row[_PLAIN] for row in rows}) > 1:
+        return True
+    sharded: dict[int, set[int]] = {}
+    for row in rows:
+        sharded.setdefault(row[_SHARDS], set()).add(row[_SHARDED])
+    return any(len(v) > 1 for v in sharded.values())
+
+
+def _first_difference(table: list[list[int]], n: int) -> tuple[int, str] | None:
+    """The first entry whose values differ between ranks holding the same shard of it, and the
+    ranks' groups (``table``: per rank, ``n`` value hashes then ``n`` shard keys)."""
+    for i in range(n):
+        by_key: dict[int, dict[int, list[int]]] = {}
+        for r, row in enumerate(table):
+            by_key.setdefault(row[n + i], {}).setdefault(row[i], []).append(r)
+        for groups in by_key.values():
+            if len(groups) > 1:
+                return i, " vs ".join(f"ranks {g}" for g in groups.values())
+    return None
+
+
+def _raise_values_differ(
+    state: StepState, cp_mesh: DeviceMesh, rows: list[list[int]], fp: ModelFingerprint
+) -> None:
+    """Name the first parameter or buffer that differs and the likely causes, on every rank.
+
+    Every rank saw the same rows, so every rank comes here: one more all-gather (of the
+    per-entry hashes and shard keys; the same size everywhere since the layouts agreed) names
+    the first entry that differs, then every rank raises the same error.
+    """
+    group = _comm.cp_group(cp_mesh)
+    assert group is not None
+    table = _comm.all_gather_fixed(torch.cat([fp.values, fp.keys]), group).tolist()
+    first = _first_difference(table, len(fp.names))
+    which = (
+        "the values of parameters or buffers (none told apart by the per-entry hash)"
+        if first is None
+        else f"{fp.names[first[0]]} ({first[1]}; the first that differs)"
+    )
+    stale = [r for r, row in enumerate(rows) if row[_C]]
+    if stale:
+        cause = (
+            f"cpshard.sync_grads(model, cp_mesh) was not called: ranks {stale} ran a CP "
+            "backward() of this model that no sync_grads summed, and the optimizer stepped on "
+            "each rank's own partial gradient. Call cpshard.sync_grads(model, cp_mesh) after "
+            "the last backward of each optimizer step (or reduce the gradients over a group "
+            "that holds every CP rank: FSDP2 over the flattened dp x cp ranks, DDP). Other "
+            "possible causes: "
+        )
+    else:
+        cause = "Likely causes: "
+    raise ParameterMismatchError(
+        f"the model's weights differ across the CP ranks where they must be equal: {which}. "
+        "Every CP rank must run the same weights (it computes its share of one forward). "
+        + cause
+        + "(1) the model was built or initialised differently per rank (torch.manual_seed(rank) "
+        "before building it, a checkpoint loaded on some ranks only): seed and load the same "
+        "way on every rank of a CP group; (2) a gradient reduction that does not cover the CP "
+        "group (FSDP / DDP over the dp ranks only, a hand-written all_reduce over another "
+        "group) without cpshard.sync_grads(model, cp_mesh); (3) a buffer the forward updates "
+        "from each rank's own tokens (BatchNorm running statistics, routing counters). A "
+        "parameter sharded across the CP ranks on purpose must be a DTensor (ranks holding "
+        "different shards are not compared); check_consistency=False skips this comparison "
+        f"(prepare {state.epoch} on this CP group)"
+    )
 
 
 def begin_prepare(
@@ -335,20 +513,33 @@ def begin_prepare(
     check_consistency: bool,
     model: nn.Module | None,
     payload: torch.Tensor | None = None,
+    check_payload: Callable[[torch.Tensor], None] | None = None,
     synced_elsewhere: bool = False,
 ) -> torch.Tensor | None:
     """Start a step: raise locally if this rank left the last one midway, then agree on it.
 
     One header all-gather (always, whatever ``check_consistency`` says), which also carries
-    ``payload`` (the batch fingerprint: one collective per prepare). ``synced_elsewhere``: the
-    model's gradients are summed over the CP group by its wrapper (DDP over a group holding the
-    CP ranks), so a step without ``sync_grads`` is no forgotten sync. The ranks must agree on
+    ``payload`` (the batch fingerprint: one collective per prepare). The ranks must agree on
     the phase (every one of them starts a step), on ``check_consistency``, and on the model's
-    parameters' names, shapes, dtypes and trainable pattern (whatever ``check_consistency`` says;
-    a prepare without a model counts as no parameters). Each
-    rank also reports whether the model's trainable parameters changed since its previous
-    prepare while a CP backward since the last ``sync_grads`` was never synced (an optimizer step
-    on unsynced gradients): if any rank does, every rank raises.
+    parameters' and persistent buffers' names, shapes, dtypes and trainable pattern (whatever
+    ``check_consistency`` says; a prepare without a model counts as none). With
+    ``check_consistency`` the header also carries a hash of the model's values
+    (:func:`model_fingerprint`): plain tensors must agree on every CP rank, DTensor shards on
+    the ranks that hold the same shards; where they differ every rank raises, naming the first
+    parameter or buffer that differs (one more all-gather, on that error path only). Each rank
+    also reports whether this model ran a CP backward that no ``sync_grads`` summed since
+    (``synced_elsewhere``: its DDP wrapper sums over the CP group, so it never does); the
+    message names those ranks as the likely cause.
+
+    Args:
+        state: The group's record (``None`` without a multi-rank group: no collective).
+        cp_mesh: The CP mesh.
+        check_consistency: The prepare's flag.
+        model: The prepared model (``None``: ``make_cp_batch_and_ctx``).
+        payload: LongTensor ``[P]`` sent along (the batch fingerprint).
+        check_payload: Called with the gathered payloads before the model's values are
+            compared (the batch check: a batch that differs is named first).
+        synced_elsewhere: The model's wrapper sums its gradients over the CP group (DDP).
 
     Returns:
         Every rank's ``payload`` as a LongTensor ``[C, P]`` on the CPU (row ``r`` from rank
@@ -356,58 +547,40 @@ def begin_prepare(
 
     Raises:
         RuntimeError: this rank left its last step midway (locally, no collective), the ranks
-            are out of step, or an optimizer step ran on unsynced gradients (on every rank).
-        ValueError: the ranks disagree on ``check_consistency`` or on the model's parameters.
+            are out of step, or the model's values differ across the CP ranks
+            (:class:`ParameterMismatchError`, on every rank).
+        ValueError: the ranks disagree on ``check_consistency`` or on the model's layout.
     """
-    watch = None if model is None else _watch_of(model)
-    values = layout = 0
-    if model is not None and state is not None:
-        values, layout = params_fingerprint(model)
     if state is None or cp_mesh is None:
-        if watch is not None:
-            watch.values = values
         return None
     state.check_usable("prepare_cp_forward / make_cp_batch_and_ctx")
-    unsynced = (
-        watch is not None
-        and watch.values is not None
-        and watch.values != values
-        and watch.backwards > 0  # this model's own CP backward passes, not another model's
-        and not synced_elsewhere
-    )
+    watch = None if model is None else _watch_of(model)
+    fp = None if model is None else model_fingerprint(model, read_values=bool(check_consistency))
+    unsynced = watch is not None and watch.backwards > 0 and not synced_elsewhere
     # the same slots are compared on every rank (whatever each rank's flag): the message is the
-    # same everywhere. The parameters' names, shapes, dtypes and trainable pattern are no data
-    # values: compared also with check_consistency=False (0 without a model).
-    facts = {_A: int(bool(check_consistency)), _B: layout}
+    # same everywhere. The layout is no data value: compared also with check_consistency=False
+    # (0 without a model).
+    facts = {_A: int(bool(check_consistency)), _B: 0 if fp is None else fp.layout}
     names = {
         _A: "check_consistency (pass the same value on every rank)",
-        _B: "the model's parameters (names, shapes, dtypes, which are trainable: build and "
-        "freeze the model the same way on every CP rank, and pass it on every rank)",
+        _B: "the model's parameters and buffers (names, shapes, dtypes, which are trainable: "
+        "build and freeze the model the same way on every CP rank, and pass it on every rank)",
     }
+    carry = {_C: int(unsynced), **({} if fp is None else fp.header())}
     rows = _exchange(
-        state, cp_mesh, PREPARE, facts, names, carry={_C: int(unsynced)}, shown={_A: _as_bool},
+        state, cp_mesh, PREPARE, facts, names, carry=carry, shown={_A: _as_bool},
         payload=payload,
     )  # fmt: skip
-    if watch is not None:
-        watch.values = values
     state.epoch += 1
-    stale = [r for r, row in enumerate(rows) if row[_C]]
-    if stale:
-        state.backwards_since_sync = 0  # reported once
-        if watch is not None:
-            watch.backwards = 0
-        raise RuntimeError(
-            f"the model's trainable parameters changed since the last prepare on ranks {stale} "
-            "while their last CP backward() was never summed over the CP group: "
-            "cpshard.sync_grads(model, cp_mesh) was not called between loss.backward() and "
-            "optimizer.step(), so each rank stepped on its own partial gradient (silently wrong, "
-            "and the ranks' weights drift apart). Call cpshard.sync_grads(model, cp_mesh) after "
-            "the last backward of each optimizer step"
-        )
-    if payload is None:
-        return None
-    size = HEADER_SIZE + payload.numel()
-    return torch.tensor([row[HEADER_SIZE:size] for row in rows], dtype=torch.long)
+    table = None
+    if payload is not None:
+        size = HEADER_SIZE + payload.numel()
+        table = torch.tensor([row[HEADER_SIZE:size] for row in rows], dtype=torch.long)
+        if check_payload is not None:
+            check_payload(table)  # a batch that differs is named first
+    if fp is not None and _values_differ(rows):
+        _raise_values_differ(state, cp_mesh, rows, fp)
+    return table
 
 
 # --- forward --------------------------------------------------------------------------------
@@ -514,6 +687,7 @@ def tracked_forward(
     state.in_ctx += 1
     outer = state.in_ctx == 1
     if outer:
+        state.ctx_serial += 1
         state.forward_calls = state.calls_in_done_forwards = state.model_depth = 0
     try:
         with inner():
@@ -558,7 +732,6 @@ class _ModelWatch:
     def __init__(self, model: nn.Module) -> None:
         self.state: StepState | None = None
         self.mesh: DeviceMesh | None = None
-        self.values: int | None = None  # params_fingerprint values at the last prepare
         self.model = weakref.ref(model)
         self.backwards = 0  # this model's CP backward passes since a sync summed its gradients
         self.bwd_task: tuple[int, int] | None = None
@@ -617,7 +790,7 @@ def begin_sync(
     params: Iterable[tuple[str, torch.nn.Parameter]],
     *,
     prepared_on: DeviceMesh | None = None,
-) -> None:
+) -> list[bool]:
     """Check a ``sync_grads`` call locally, then agree on it (one header all-gather).
 
     Args:
@@ -626,11 +799,18 @@ def begin_sync(
         params: ``(name, parameter)`` of the trainable parameters it sums.
         prepared_on: The multi-rank CP mesh the model was last prepared on, if known.
 
+    Returns:
+        Per parameter, whether its gradient on this rank is the very tensor, unchanged, that an
+        earlier sync on this group summed (a module shared by two models synced one after the
+        other): ``sync_grads`` skips it where every rank says so, and raises on every rank
+        where only some do. All ``False`` without a multi-rank group.
+
     Raises:
         ValueError: the mesh is not the one the model was prepared on (every rank that passes
             it), or the ranks' trainable parameters differ (names, shapes, dtypes).
-        RuntimeError: this rank left its step midway (locally), a doubled sync (no CP backward
-            since the last one, on every rank that does it), or the ranks are out of step.
+        RuntimeError: this rank left its step midway (locally), a doubled or per-micro-batch
+            sync (on every rank that does it), gradients that no CP forward of the group made
+            (:class:`NoCPBackwardError`, on every rank), or the ranks are out of step.
     """
     if prepared_on is not None and (
         cp_mesh is None or prepared_on.mesh.tolist() != cp_mesh.mesh.tolist()
@@ -643,11 +823,11 @@ def begin_sync(
             "over other ranks than the CP group is silently wrong. Pass the CP mesh given to "
             "prepare_cp_forward (e.g. mesh['cp']), not the data-parallel one"
         )
-    if state is None or cp_mesh is None:
-        return
-    state.check_usable("sync_grads")
     params = list(params)
-    verdict = _since_last_sync(state, [p for _, p in params])
+    if state is None or cp_mesh is None:
+        return [False] * len(params)
+    state.check_usable("sync_grads")
+    verdict, done = _since_last_sync(state, [p for _, p in params])
     if verdict == "untouched":
         raise RuntimeError(
             "sync_grads was called again with no backward() since the last sync_grads (the "
@@ -664,20 +844,48 @@ def begin_sync(
             "after the last backward and before optimizer.step(); zero the gradients after each "
             "step with optimizer.zero_grad() / model.zero_grad()"
         )
+    fresh = [p for (_, p), d in zip(params, done, strict=True) if p.grad is not None and not d]
+    no_cp = bool(fresh) and not any(state.ctx_serial > _synced_at(state, p) for p in fresh)
     layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params)
-    _exchange(
+    rows = _exchange(
         state, cp_mesh, SYNC, {_A: _str_hash(layout)},
         {_A: "the trainable parameters (names, shapes, dtypes): freeze and build the model the "
          "same way on every CP rank"},
+        carry={_NO_CP: int(no_cp)},
     )  # fmt: skip
+    without = [r for r, row in enumerate(rows) if row[_NO_CP]]
+    if without:
+        raise NoCPBackwardError(
+            f"sync_grads would sum gradients that no CP forward produced (ranks {without}): no "
+            "ctx() of a prepare on this CP group was entered since these parameters' gradients "
+            "were last summed (or ever), so they come from a forward outside ctx() or from a "
+            "model never run under CP. Such a gradient is already the full gradient of the "
+            "rank's batch: summed over the CP ranks it would be multiplied by the CP size. Run "
+            "the forward under the ctx() of cpshard.prepare_cp_forward(model, cp_mesh, batch) "
+            "(or make_cp_batch_and_ctx) on the same CP mesh (mesh['cp'] of the same mesh; a mesh "
+            "rebuilt with DeviceMesh.from_group keeps a record of its own), or drop sync_grads "
+            "for gradients computed without CP"
+        )
+    return done
 
 
-def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> str:
-    """What happened to ``params``' gradients since the last sync that summed them:
-    ``"untouched"`` (every one is the same tensor at the same version: no backward since),
-    ``"accumulated"`` (one of them is the same tensor, advanced by exactly the backward passes
-    since, one in-place add each: nothing zeroed it) or ``"fresh"`` (replaced, zeroed, never
-    synced, or not known).
+def _synced_at(state: StepState, param: torch.Tensor) -> int:
+    """``state.ctx_serial`` when the last sync on the group summed ``param`` (0: never)."""
+    record = state.synced.get(id(param))
+    return record[3] if record is not None and record[0]() is param else 0
+
+
+def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str, list[bool]]:
+    """What happened to ``params``' gradients since the last sync that summed them, and which
+    of them it summed unchanged.
+
+    The verdict is ``"untouched"`` (every gradient is the same tensor at the same version: no
+    backward since), ``"accumulated"`` (one of them is the same tensor, advanced by exactly the
+    backward passes since, one in-place add each: nothing zeroed it) or ``"fresh"`` (replaced,
+    zeroed, never synced, or not known). The flags say, per parameter, whether its gradient is
+    the very tensor, unchanged, that the last sync summed: with a ``"fresh"`` verdict those are
+    parameters an earlier sync of this step already summed (a module shared by two models, each
+    synced), and are skipped.
 
     Only the parameters of this sync are compared: syncing a second model on the same mesh (an
     actor and a critic, a policy and a value head) reads ``"fresh"``, not the first model's
@@ -690,34 +898,41 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> str:
     expected = max(1, state.backwards_since_sync)
     mine = {id(p) for p in params}
     alone = all(key in mine for key, record in state.synced.items() if record[0]() is not None)
-    seen = 0
-    untouched = 0
+    done: list[bool] = []
+    accumulated = False
     for param in params:
-        if param.grad is None:
-            continue
-        seen += 1
         record = state.synced.get(id(param))
-        if record is None:
-            continue
-        param_ref, grad_ref, version = record
-        if param_ref() is not param or grad_ref() is not param.grad:
-            continue
-        delta = _compat.tensor_version(param.grad) - version
-        if delta == 0:
-            untouched += 1
-        elif delta == expected and alone:
-            return "accumulated"
-    if seen and untouched == seen:
-        return "untouched"
-    return "fresh"
+        same = (
+            param.grad is not None
+            and record is not None
+            and record[0]() is param
+            and record[1]() is param.grad
+        )
+        delta = _compat.tensor_version(param.grad) - record[2] if same else -1  # type: ignore[arg-type,index]
+        done.append(delta == 0)
+        accumulated = accumulated or (delta == expected and alone)
+    with_grad = [d for p, d in zip(params, done, strict=True) if p.grad is not None]
+    if with_grad and all(with_grad):
+        return "untouched", done
+    return ("accumulated" if accumulated else "fresh"), done
 
 
-def end_sync(state: StepState | None, params: Iterable[torch.Tensor] = ()) -> None:
-    """Record a completed ``sync_grads``: the identity and version of the gradients it summed."""
+def end_sync(
+    state: StepState | None, params: Iterable[torch.Tensor] = (), summed: Iterable[bool] = ()
+) -> None:
+    """Record a completed ``sync_grads``: the identity and version of the gradients it summed.
+
+    Args:
+        state: The group's record (``None`` without a multi-rank group).
+        params: The parameters of the sync.
+        summed: Per parameter, whether this sync summed its gradient (a parameter an earlier
+            sync summed keeps that sync's record); empty: all of them.
+    """
     if state is None:
         return
     state.backwards_since_sync = 0
     params = list(params)
+    flags = list(summed) or [True] * len(params)
     mine = {id(p) for p in params}
     for ref in state.watches:  # the prepared models whose gradients this sync summed
         watch, model = ref(), None
@@ -731,10 +946,11 @@ def end_sync(state: StepState | None, params: Iterable[torch.Tensor] = ()) -> No
         for key, record in state.synced.items()
         if record[0]() is not None and record[1]() is not None
     }
-    for p in params:
-        if p.grad is not None:
+    for p, flag in zip(params, flags, strict=True):
+        if flag and p.grad is not None:
             state.synced[id(p)] = (
                 weakref.ref(p),
                 weakref.ref(p.grad),
                 _compat.tensor_version(p.grad),
+                state.ctx_serial,
             )
