@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,21 @@ def test_train_example_learns() -> None:
     losses = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines()]
     assert len(losses) == 4
     assert losses[-1] < losses[0]
+
+
+def test_training_loops_example_runs_both_recipes_for_three_steps() -> None:
+    """examples/training_loops.py as shipped (dp=2 x cp=2; it failed at step 2 with a false
+    "sync_grads was not called"): FSDP2 over dp with sync_grads and FSDP2 over dp x cp without
+    it give the same losses, then GRPO steps."""
+    cmd = [sys.executable, str(ROOT / "examples" / "training_loops.py"), "--steps", "3"]
+    # this checkout's cpshard, not the one the environment has installed
+    paths = [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=CALL_DEADLINE_S, check=True, env=env
+    ).stdout
+    losses = [float(x) for x in out.split()]
+    assert len(losses) == 9, out
+    over_dp, over_dp_cp = losses[:3], losses[3:6]
+    assert over_dp == pytest.approx(over_dp_cp, rel=1e-4), out
+    assert over_dp[-1] < over_dp[0], out

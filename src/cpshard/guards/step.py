@@ -654,8 +654,9 @@ class ForwardTracker:
         if watch is not None and watch.bwd_task != task:
             watch.bwd_task = task
             watch.backwards += 1
-        if task == state.bwd_task:
-            return
+        running = state.bwd_task is not None and not state.bwd_finished
+        if task == state.bwd_task or (running and state.bwd_task[1] == task[1]):  # type: ignore[index]
+            return  # this pass's header ran (one pass may span the forwards of several prepares)
         # The first CP call of a new backward pass.
         state.check_usable("backward()")
         _exchange(state, self.cp_mesh, BACKWARD, {}, {})
