@@ -125,8 +125,11 @@ def sync_grads(
     :mod:`cpshard.guards.step`): a second call with no CP backward since the last one raises; a
     mesh other than the one ``module`` was prepared on (e.g. the dp mesh) raises; a new step
     prepared without a sync after an optimizer step shows as parameters that differ across the
-    CP ranks at the next :func:`cpshard.prepare_cp_forward`; a rank that skips the call while its
-    peers make it raises together with them. Not detectable: averaging instead of summing under
+    CP ranks at the next :func:`cpshard.prepare_cp_forward`; gradients that no CP forward made
+    (a forward outside ``ctx()``, a model never run under CP) raise on every rank; a rank that
+    skips the call while its peers make it raises together with them. Two models sharing a
+    module, each synced: the shared gradients are summed once (the second sync skips gradients
+    the first summed, unchanged since). Not detectable: averaging instead of summing under
     a scale-invariant optimizer (AdamW hides it from the loss); ``cpshard parity`` compares the
     gradients with a cp=1 run and shows it.
 
@@ -137,8 +140,8 @@ def sync_grads(
     Raises:
         TypeError, ValueError: ``cp_mesh`` is not a 1-D mesh, does not contain this rank, or is
             not the mesh ``module`` was prepared on; the CP ranks' trainable parameters differ.
-        RuntimeError: no CP backward since the last sync, this rank left its step midway, or the
-            CP ranks are in different phases of their step.
+        RuntimeError: no CP backward since the last sync, gradients no CP forward made, this
+            rank left its step midway, or the CP ranks are in different phases of their step.
     """
     mesh = _comm.validate_cp_mesh(cp_mesh)
     if mesh is not None:

@@ -4,8 +4,12 @@ The CP ranks of a group must issue the same collectives in the same order. A ran
 step early (it caught an exception in the forward, skipped or broke off the backward, skipped
 :func:`cpshard.sync_grads`) and goes on would pair its next collective with a different one of
 its peers: gloo aborts on a size mismatch, and otherwise everyone waits for the process-group
-timeout with messages that do not name the cause. This module keeps, per rank and per CP mesh, a
-:class:`StepState` and makes every phase of a step start with the same small **step header**:
+timeout with messages that do not name the cause. This module keeps, per rank and per CP group, a
+:class:`StepState` and makes every phase of a step start with the same small **step header**.
+The record lives on the root mesh (the one ``init_device_mesh`` / ``DeviceMesh.from_group``
+built), keyed by the group's name and ranks: ``mesh["cp"]``, a new object on every call, always
+finds the same record; a new root mesh over the same group (``DeviceMesh.from_group``) starts a
+fresh one (the way on after every rank raised mid-step). The header:
 
 * one all-gather of :data:`HEADER_SIZE` + :data:`PAYLOAD_SIZE` int64 values at the start of
   :func:`prepare_cp_forward` / :func:`make_cp_batch_and_ctx` (always, also with
@@ -28,27 +32,52 @@ timeout with messages that do not name the cause. This module keeps, per rank an
   the next header, not locally.
 
 What the headers also carry (compared across the ranks, so a mismatch raises on every rank before
-any data collective): the ``check_consistency`` flag of a prepare; at a prepare, the names, shapes,
-dtypes and trainable pattern of the model's parameters (a model built or frozen differently on
-some ranks), plus each rank's own report of an optimizer step on
-unsynced gradients (below); at a sync, the names, shapes and dtypes of the trainable parameters;
-at the first CP attention call of a forward, its dtypes, head counts, head dims and lengths.
+any data collective): the ``check_consistency`` flag of a prepare; at a prepare, the names,
+shapes, dtypes and trainable pattern of the model's parameters and persistent buffers (a model
+built or frozen differently on some ranks); at a sync, the names, shapes and dtypes of the
+trainable parameters; at the first CP attention call of a forward, its dtypes, head counts, head
+dims and lengths.
 
-Gradient sync records (per mesh, local, no collective): the identity and version of the
-gradients the last :func:`cpshard.sync_grads` summed. A sync whose gradients are those very
-tensors, unchanged, is doubled; one whose gradients are those tensors advanced by exactly one
-in-place add per backward since (no ``zero_grad`` in between) sums already summed gradients again
-(a sync per micro-batch): both raise. Accumulating over micro-batches (several backward passes,
-one sync) is legal. A sync on another mesh than the one the model was prepared on (the dp mesh)
-raises. A forgotten sync shows at the next prepare: the model's trainable parameters changed since
-its previous prepare while a CP backward since the last sync was never synced (an optimizer step on
-partial gradients). Undetectable: averaging instead of summing (a scale-invariant optimizer such as
+**Weights that differ across the CP ranks** (a prepare with ``check_consistency``, the default):
+the prepare's header also carries a hash of a strided sample of each parameter's and persistent
+buffer's local values (:func:`model_fingerprint`; no extra collective). Plain tensors must agree
+on every CP rank; DTensor shards only on the CP ranks that hold the same shard (another slot says
+which: FSDP2 over ``mesh["dp"]`` gives the CP ranks of a dp row the same shard and is compared;
+FSDP2 over the flattened dp x cp ranks gives each CP rank its own and is not). Where they
+differ, one more all-gather (on that error path only) names the first parameter or buffer that
+differs, and every rank raises :class:`ParameterMismatchError` with the likely causes: a
+forgotten :func:`cpshard.sync_grads` (each rank reports whether this model ran a CP backward that
+no sync summed; those ranks are named), a model built or seeded per rank (``manual_seed(rank)``:
+the first prepare catches it), a gradient reduction that does not cover the CP group, a buffer
+the forward updates from local tokens. So a forgotten sync shows at the next prepare, while
+FSDP2 over dp x cp, DDP over the CP ranks and the user's own all-reduce over the CP group pass:
+their weights stay equal. Non-persistent buffers (caches) are not compared;
+``check_consistency=False`` reads no values (and so checks none).
+
+Gradient sync records (per group, local): the identity and version of the gradients the last
+:func:`cpshard.sync_grads` on the group summed, and how many ``ctx()`` blocks had been entered
+then. A sync whose gradients are all those very tensors, unchanged, is doubled; one whose
+gradients are those tensors advanced by exactly one in-place add per backward since (no
+``zero_grad`` in between) sums already summed gradients again (a sync per micro-batch): both
+raise. Accumulating over micro-batches (several backward passes, one sync) is legal. When only
+some are unchanged, an earlier sync of this step summed them (a module shared by two models,
+each synced): they are skipped, so a shared gradient is summed exactly once (decided through the
+sync's flag all-reduce: every rank skips the same ones, or every rank raises). A sync whose other
+gradients all belong to parameters last summed after the group's latest ``ctx()`` (or never
+summed, with no ``ctx()`` entered on the group yet) holds gradients no CP forward made (a forward
+outside ``ctx()``, a model never run under CP): summing them would multiply them by the CP size,
+so every rank raises :class:`NoCPBackwardError` (each rank's verdict rides in the sync's
+header). The test is per group: a model run outside ``ctx()`` in a step where another model ran
+inside one is not caught. A sync on another mesh than the one the model was prepared on (the dp
+mesh) raises. Undetectable: averaging instead of summing (a scale-invariant optimizer such as
 AdamW hides it from the loss); ``cpshard parity --grad-sync mean`` shows it in the gradients.
 Gradients zeroed through ``.data`` (no version bump) read as not zeroed: use ``zero_grad()``.
 
-Not tracked: forwards traced by ``torch.compile`` (no header, no backward record), model-owned
-contexts (a ``shard_batch`` that returns its own context factory: the forward is tracked as a
-whole, its attention calls are not), and cp=1 (no collective to mismatch).
+Not tracked: forwards traced by ``torch.compile`` (no header, no backward record; their
+``ctx()`` still counts for the sync), model-owned contexts (a ``shard_batch`` that returns its
+own context factory: the forward is tracked as a whole, its attention calls are not), and cp=1
+(no collective to mismatch). One backward pass over the forwards of several prepares (two
+models' losses summed) exchanges one header.
 
 :mod:`cpshard.dispatch` and :mod:`cpshard.loss` call it; :mod:`cpshard.attention.context` gets a
 :class:`ForwardTracker` handed in.
