@@ -458,10 +458,11 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
         parts, index = [], []
         for samples, owners in by_device.values():  # one transfer per device
             parts.append(torch.cat(samples).cpu())
-            index += [i for i, s in zip(owners, samples, strict=True) for _ in range(s.numel())]
+            counts = torch.tensor([t.numel() for t in samples])
+            index.append(torch.repeat_interleave(torch.tensor(owners), counts))
         bits = torch.cat(parts).view(torch.int64)
         weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64)
-        values.index_add_(0, torch.tensor(index, dtype=torch.long), bits * weights)
+        values.index_add_(0, torch.cat(index), bits * weights)
     return ModelFingerprint(_str_hash(layout), names, values, keys)
 
 
