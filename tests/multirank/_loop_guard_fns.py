@@ -223,6 +223,11 @@ def no_cp_backward(cp_mesh: DeviceMesh, case: str) -> str:
     model = _model()
     batch = dense_batch(2, 24, seed=0)
     n = count_tokens(batch["labels"])
+    if case == "compiled_forward":
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", dynamic=False)
     try:
         for step in range(STEPS):
             if case == "forward_outside_ctx":  # prepared, but run on the whole batch outside
@@ -241,6 +246,13 @@ def no_cp_backward(cp_mesh: DeviceMesh, case: str) -> str:
                     labels = local["labels"]
                 else:
                     logits, labels = model(batch["input_ids"]), batch["labels"]
+            elif case == "compiled_forward":  # legal: its CP calls are not tracked, its ctx is
+                ctx, local, _ = cpshard.prepare_cp_forward(
+                    model, mesh, batch, padding_token_id=PAD_ID
+                )
+                with ctx():
+                    logits = compiled(local["input_ids"], local["position_ids"])
+                labels = local["labels"]
             elif case == "ctx_without_model":  # legal: make_cp_batch_and_ctx, no model
                 ctx, local, _ = cpshard.make_cp_batch_and_ctx(mesh, batch, padding_token_id=PAD_ID)
                 with ctx():
