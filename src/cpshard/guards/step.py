@@ -684,9 +684,11 @@ class ForwardTracker:
         if watch is not None and watch.bwd_task != task:
             watch.bwd_task = task
             watch.backwards += 1
-        running = state.bwd_task is not None and not state.bwd_finished
-        if task == state.bwd_task or (running and state.bwd_task[1] == task[1]):  # type: ignore[index]
-            return  # this pass's header ran (one pass may span the forwards of several prepares)
+        last = state.bwd_task
+        # a pass still running with this graph task id: its header ran (one pass may span the
+        # forwards of several prepares, e.g. two models' losses summed)
+        if last == task or (last is not None and not state.bwd_finished and last[1] == task[1]):
+            return
         # The first CP call of a new backward pass.
         state.check_usable("backward()")
         _exchange(state, self.cp_mesh, BACKWARD, {}, {})
@@ -932,14 +934,10 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str,
     done: list[bool] = []
     accumulated = False
     for param in params:
-        record = state.synced.get(id(param))
-        same = (
-            param.grad is not None
-            and record is not None
-            and record[0]() is param
-            and record[1]() is param.grad
-        )
-        delta = _compat.tensor_version(param.grad) - record[2] if same else -1  # type: ignore[arg-type,index]
+        record, grad = state.synced.get(id(param)), param.grad
+        delta = -1  # not the gradient the last sync summed
+        if grad is not None and record is not None and record[0]() is param:
+            delta = _compat.tensor_version(grad) - record[2] if record[1]() is grad else -1
         done.append(delta == 0)
         accumulated = accumulated or (delta == expected and alone)
     with_grad = [d for p, d in zip(params, done, strict=True) if p.grad is not None]
