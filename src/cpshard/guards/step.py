@@ -182,7 +182,7 @@ def _str_hash(text: str) -> int:
 
 
 class StepState:
-    """One rank's record of its step on one CP mesh (see the module docstring).
+    """One rank's record of its step on one CP group (see the module docstring).
 
     Attributes:
         broken: Why this rank may not enter a collective on the mesh again (``None``: it may).
