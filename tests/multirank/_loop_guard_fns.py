@@ -135,6 +135,26 @@ def shared_module_synced_twice(cp_mesh: DeviceMesh) -> str:
     return "no error"
 
 
+def shared_module_touched_on_one_rank(cp_mesh: DeviceMesh) -> str:
+    """Between the two syncs one rank alone changes a shared gradient in place: the second sync
+    cannot skip it on some ranks and sum it on others; every rank raises the same error."""
+    mesh = _fresh(cp_mesh)
+    body = _model()
+    actor, critic = _Head(body, 1), _Head(body, 2)
+    for i, m in enumerate((actor, critic)):
+        _loss(m, mesh, dense_batch(2, 24, seed=i)).backward()
+    cpshard.sync_grads(actor, mesh)
+    if cp_mesh.get_local_rank() == ODD_RANK:
+        grad = body.norm.weight.grad
+        assert grad is not None
+        grad.mul_(1.0)  # an in-place op (a version bump) on this rank only
+    try:
+        cpshard.sync_grads(critic, mesh)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def record_of_the_group(world_mesh: DeviceMesh) -> None:
     """Every ``mesh["cp"]`` of one root mesh (a new object per call) shares the step record;
     another root mesh over the same group (DeviceMesh.from_group) starts its own."""

@@ -19,6 +19,7 @@ from _loop_guard_fns import (
     record_of_the_group,
     shared_module,
     shared_module_synced_twice,
+    shared_module_touched_on_one_rank,
     weights_differ,
 )
 
@@ -48,6 +49,15 @@ def test_two_models_sharing_a_module_each_synced_match_one_process(
 def test_a_shared_module_synced_twice_is_still_a_doubled_sync(ranks: Ranks) -> None:
     out = ranks(2, shared_module_synced_twice)
     assert len(set(out)) == 1 and "called again with no backward()" in out[0], out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_shared_gradient_changed_on_one_rank_raises_on_every_rank(
+    ranks: Ranks, world: int
+) -> None:
+    out = ranks(world, shared_module_touched_on_one_rank)
+    assert len(set(out)) == 1 and "'body.norm.weight'" in out[0], out
+    assert "some CP ranks but not on others" in out[0], out[0]
 
 
 def test_every_slice_of_one_mesh_shares_the_step_record(ranks: Ranks) -> None:
