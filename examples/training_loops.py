@@ -110,17 +110,20 @@ def rl_rows(seed: int = 0) -> dict[str, Any]:
 
 
 def run(mesh: DeviceMesh, steps: int) -> list[float]:
-    """FSDP2 steps on the 2-D mesh, then GRPO steps on its CP groups; returns the losses."""
+    """FSDP2 steps on the 2-D mesh (both recipes: sharded over dp, then over the flattened dp x
+    cp ranks), then GRPO steps on its CP groups; returns the losses."""
     losses = []
     device = mesh.device_type
-    model = tiny_model().to(device)
-    fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(steps):
-        glob = dense_batch(2 * mesh["dp"].size(), 64, seed=step)
-        dp = mesh["dp"].get_local_rank()
-        batch = {k: v[2 * dp : 2 * dp + 2].to(device) for k, v in glob.items()}
-        losses.append(float(train_step(model, mesh, batch, opt)))
+    flat = init_device_mesh(device, (mesh.size(),), mesh_dim_names=("dp_cp",))
+    for fsdp_over in ("dp", "dp_cp"):
+        model = tiny_model().to(device)
+        fully_shard(model, mesh=mesh["dp"] if fsdp_over == "dp" else flat)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for step in range(steps):
+            glob = dense_batch(2 * mesh["dp"].size(), 64, seed=step)
+            dp = mesh["dp"].get_local_rank()
+            batch = {k: v[2 * dp : 2 * dp + 2].to(device) for k, v in glob.items()}
+            losses.append(float(train_step(model, mesh, batch, opt, fsdp_over=fsdp_over)))
     policy = tiny_model().to(device)
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     for step in range(steps):

@@ -504,6 +504,12 @@ def group_ranks(group: ProcessGroup) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def group_name(group: ProcessGroup) -> str:
+    """The name c10d gave ``group`` (unique per group of the process: two groups over the same
+    ranks have different names)."""
+    return str(group.group_name)
+
+
 def group_rank_and_size(group: ProcessGroup) -> tuple[int, int]:
     """``(rank, world_size)`` of this process inside ``group``."""
     return dist.get_rank(group), dist.get_world_size(group)

@@ -61,7 +61,9 @@ __all__ = [
     "gradient_checkpointing_func",
     "has_attn_implementation",
     "in_checkpoint_forward",
+    "non_persistent_buffers",
     "queue_backward_callback",
+    "root_mesh",
     "set_config_attn_implementation",
     "source_uses_attention_registry",
     "tensor_version",
@@ -147,6 +149,25 @@ def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     checked against: torch 2.11, 2.13.
     """
     return list(module._forward_pre_hooks.values())
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> frozenset[str]:
+    """The names of ``module``'s own buffers registered with ``persistent=False``
+    (``module._non_persistent_buffers_set``): caches, not state. checked against: torch 2.11,
+    2.13.
+    """
+    return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The mesh a ``DeviceMesh`` was sliced from (``mesh["cp"]`` makes a new object on every
+    call; its root is the mesh ``init_device_mesh`` / ``DeviceMesh.from_group`` built), ``mesh``
+    itself for a root (``DeviceMesh._get_root_mesh``; a torch without it gives ``mesh``).
+    checked against: torch 2.13.
+    """
+    get = getattr(mesh, "_get_root_mesh", None)
+    root = get() if callable(get) else None
+    return mesh if root is None else root
 
 
 # --- torch: fused attention ops (ATen, private) -----------------------------------------------

@@ -491,15 +491,14 @@ def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
         mesh, call.batch, o.layout, o.attention, o.padding_token_id, o.fingerprinted(),
         o.check_consistency is not False,
     )  # fmt: skip
-    raise_on_mismatch(
-        begin_prepare(
-            state,
-            mesh,
-            check_consistency=o.check_consistency,
-            model=call.model,
-            payload=fingerprint,
-            synced_elsewhere=call.synced_by_ddp,
-        )
+    begin_prepare(
+        state,
+        mesh,
+        check_consistency=o.check_consistency,
+        model=call.model,
+        payload=fingerprint,
+        check_payload=raise_on_mismatch,
+        synced_elsewhere=call.synced_by_ddp,
     )
     problem = o.problem()  # the same on every rank now: the fingerprint compared the options
     if problem is None:

@@ -125,8 +125,11 @@ def sync_grads(
     :mod:`cpshard.guards.step`): a second call with no CP backward since the last one raises; a
     mesh other than the one ``module`` was prepared on (e.g. the dp mesh) raises; a new step
     prepared without a sync after an optimizer step shows as parameters that differ across the
-    CP ranks at the next :func:`cpshard.prepare_cp_forward`; a rank that skips the call while its
-    peers make it raises together with them. Not detectable: averaging instead of summing under
+    CP ranks at the next :func:`cpshard.prepare_cp_forward`; gradients that no CP forward made
+    (a forward outside ``ctx()``, a model never run under CP) raise on every rank; a rank that
+    skips the call while its peers make it raises together with them. Two models sharing a
+    module, each synced: the shared gradients are summed once (the second sync skips gradients
+    the first summed, unchanged since). Not detectable: averaging instead of summing under
     a scale-invariant optimizer (AdamW hides it from the loss); ``cpshard parity`` compares the
     gradients with a cp=1 run and shows it.
 
@@ -137,8 +140,8 @@ def sync_grads(
     Raises:
         TypeError, ValueError: ``cp_mesh`` is not a 1-D mesh, does not contain this rank, or is
             not the mesh ``module`` was prepared on; the CP ranks' trainable parameters differ.
-        RuntimeError: no CP backward since the last sync, this rank left its step midway, or the
-            CP ranks are in different phases of their step.
+        RuntimeError: no CP backward since the last sync, gradients no CP forward made, this
+            rank left its step midway, or the CP ranks are in different phases of their step.
     """
     mesh = _comm.validate_cp_mesh(cp_mesh)
     if mesh is not None:
@@ -150,28 +153,48 @@ def sync_grads(
         else [(str(i), p) for i, p in enumerate(module)]
     )
     state = step_state(mesh)
-    begin_sync(
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    done = begin_sync(
         state,
         mesh,
-        [(n, p) for n, p in named if p.requires_grad],
+        trainable,
         prepared_on=prepared_mesh(module) if isinstance(module, nn.Module) else None,
     )
     if group is None:
         return
-    params = [p for _, p in named if p.requires_grad]
+    params = [p for _, p in trainable]
     with torch.no_grad():
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        _comm.all_reduce_sum_(has, group)
+        # per parameter: how many ranks hold a gradient to sum, and how many hold one an earlier
+        # sync on this group already summed (a module shared by two models, each synced)
+        flags = torch.tensor(
+            [
+                [p.grad is not None and not d for p, d in zip(params, done, strict=True)],
+                done,
+            ],
+            dtype=torch.int32,
+        ).reshape(2, len(params))
+        _comm.all_reduce_sum_(flags, group)
+        fresh, summed = flags.tolist()
+        size = _comm.cp_rank_and_size(mesh)[1]
+        mixed = [n for (n, _), s in zip(trainable, summed, strict=True) if 0 < s < size]
+        if mixed:  # every rank saw the same flags: every rank raises here
+            raise RuntimeError(
+                f"sync_grads: the gradient of {mixed[0]!r} (and {len(mixed) - 1} more) was "
+                "already summed by an earlier sync_grads on some CP ranks but not on others (a "
+                "backward or zero_grad that ran on some ranks only): the CP ranks' gradients "
+                "no longer belong to one step. Run every backward, zero_grad and sync_grads on "
+                "every CP rank alike"
+            )
         grads = []
-        for p, h in zip(params, has.tolist(), strict=True):
-            if h == 0:
+        for p, h, s in zip(params, fresh, summed, strict=True):
+            if h == 0 or s:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             g = p.grad
             grads.append(g.to_local() if isinstance(g, DTensor) else g)
         _comm.all_reduce_sum_coalesced_(grads, group)
-    end_sync(state, params)
+    end_sync(state, params, [s == 0 for s in summed])
 
 
 def cp_loss_scale(cp_mesh: DeviceMesh | None, grad_reduction: GradReduction = "sum") -> float:

@@ -27,6 +27,7 @@ class HookModel(nn.Module):
 
     def __init__(self, bad: str = "") -> None:
         super().__init__()
+        torch.manual_seed(0)  # the same weights on every CP rank (the prepare compares them)
         self.embed = nn.Embedding(50, 4)
         self.bad = bad
         self.calls = 0
@@ -198,7 +199,7 @@ def checks_once_one_collective(cp_mesh: DeviceMesh, packed: bool) -> None:
         (None, PrepareOptions(), ["cp_mesh", "batch_mapping", "padding_token_id"]),
         (HookModel(), PrepareOptions(num_chunks=2),
          ["cp_mesh", "batch_mapping", "padding_token_id", "model_sharder"]),
-        (TinyDecoder(cfg), PrepareOptions(num_chunks=1),
+        (TinyDecoder.from_config(cfg, seed=0), PrepareOptions(num_chunks=1),
          ["cp_mesh", "token_mixers", "batch_mapping", "padding_token_id"]),
     ]  # fmt: skip
     for model, options, expected in cases:

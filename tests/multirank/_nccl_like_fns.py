@@ -53,7 +53,10 @@ def losses_and_counts(cp_mesh: DeviceMesh) -> dict[str, int]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
         x = torch.full((4, 3), float(rank + 1))
-        out = model[0](x).sum() if rank == 0 else model(x).sum()  # model[1] unused on rank 0
+        # a CP step's context (sync_grads sums only gradients a CP forward made)
+        ctx, _, _ = cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": torch.ones(1, 8).long()})
+        with ctx():
+            out = model[0](x).sum() if rank == 0 else model(x).sum()  # model[1] unused on rank 0
         out.backward()  # type: ignore[no-untyped-call]
         sync_grads(model, cp_mesh)  # first: its flags were the CPU tensor of issue 16
         n = count_tokens(labels, group=cp_mesh)

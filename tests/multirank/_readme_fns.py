@@ -31,46 +31,67 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def readme_train_step(world_mesh: DeviceMesh, fsdp_over: str) -> None:
-    """train_step on dp=2 x cp=2 equals one SGD step of one process on the global batch."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    glob = dense_batch(4, 21, seed=3)
+STEPS = 3
+
+
+def readme_train_step(world_mesh: DeviceMesh, fsdp_over: str, cp: int) -> None:
+    """STEPS calls of train_step on a (world / cp) x cp mesh equal STEPS SGD steps of one process
+    on the global batches: the losses and the final weights. train_step writes mesh["cp"] inline
+    (a new mesh object on every call: the step record is the CP group's, not the object's)."""
+    world = world_mesh.size()
+    dp = world // cp
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    globs = [dense_batch(2 * dp, 21, seed=3 + step) for step in range(STEPS)]
     ref = tl.tiny_model().double()
-    ref_loss = cp_cross_entropy(
-        ref(glob["input_ids"]), glob["labels"], num_tokens=count_tokens(glob["labels"])
-    )
-    ref_loss.backward()
-    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_losses = []
+    for glob in globs:
+        n = count_tokens(glob["labels"])
+        ref_loss = cp_cross_entropy(ref(glob["input_ids"]), glob["labels"], num_tokens=n)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(ref_loss.detach())
 
     model = tl.tiny_model().double()
-    fully_shard(model, mesh=mesh["dp"] if fsdp_over == "dp" else world_mesh)
-    dp = mesh["dp"].get_local_rank()
-    batch = {k: v[2 * dp : 2 * dp + 2] for k, v in glob.items()}
+    fully_shard(model, mesh=mesh["dp"] if fsdp_over == "dp" else world_mesh)  # dp x cp, flat
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = tl.train_step(model, mesh, batch, opt, fsdp_over=fsdp_over)
-    assert_close(loss, ref_loss.detach())
+    row = mesh["dp"].get_local_rank()
+    for glob, ref_loss in zip(globs, ref_losses, strict=True):
+        batch = {k: v[2 * row : 2 * row + 2] for k, v in glob.items()}
+        loss = tl.train_step(model, mesh, batch, opt, fsdp_over=fsdp_over)
+        assert_close(loss, ref_loss, **_TOL)
     want = _params(ref)
+    moved = 0.0
     for name, p in _params(model).items():
         assert_close(p, want[name], msg=name, **_TOL)
+        moved += float((p - _params(tl.tiny_model().double())[name]).abs().sum())
+    assert moved > 0
 
 
 def readme_grpo_step(cp_mesh: DeviceMesh) -> None:
-    """grpo_step under CP equals cp=1: loss, log-probs in caller order, parameters after SGD."""
-    rl = tl.rl_rows(seed=5)
+    """STEPS calls of grpo_step under CP equal cp=1: the losses, the log-probs in caller order,
+    the parameters after the last SGD step."""
+    rls = [tl.rl_rows(seed=5 + step) for step in range(STEPS)]
     out = {}
     for name, mesh in (("cp1", None), ("cp", cp_mesh)):
         model = tl.tiny_model().double()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        loss, logp = tl.grpo_step(
-            model, mesh, rl["batch"], rl["advantages"], rl["old_logp"], rl["response_mask"], opt
-        )
-        out[name] = (loss, logp, _params(model))
-    (loss1, logp1, p1), (loss, logp, p) = out["cp1"], out["cp"]
-    assert_close(loss, loss1, **_TOL)
-    real = rl["batch"]["labels"] != -100
-    assert_close(logp[real], logp1[real], **_TOL)
+        steps = []
+        for rl in rls:
+            loss, logp = tl.grpo_step(
+                model, mesh, rl["batch"], rl["advantages"], rl["old_logp"],
+                rl["response_mask"], opt,
+            )  # fmt: skip
+            steps.append((loss, logp))
+        out[name] = (steps, _params(model))
+    (steps1, p1), (steps, p) = out["cp1"], out["cp"]
+    for rl, (loss1, logp1), (loss, logp) in zip(rls, steps1, steps, strict=True):
+        assert_close(loss, loss1, **_TOL)
+        real = rl["batch"]["labels"] != -100
+        assert_close(logp[real], logp1[real], **_TOL)
     moved = 0.0
     for name, v in p.items():
         assert_close(v, p1[name], msg=name, **_TOL)
         moved += float((v - _params(tl.tiny_model().double())[name]).abs().sum())
-    assert moved > 0  # the step changed the policy
+    assert moved > 0  # the steps changed the policy

@@ -66,7 +66,7 @@ def copies_keep_batch_identity(cp_mesh: DeviceMesh, copy: str) -> list[str]:
     from cpshard.models import TinyDecoder, TinyDecoderConfig
 
     world = cp_mesh.size()
-    model = TinyDecoder(TinyDecoderConfig(vocab_size=64))
+    model = TinyDecoder.from_config(TinyDecoderConfig(vocab_size=64), seed=0)
     ctx1, local1, _ = cpshard.prepare_cp_forward(model, cp_mesh, _batch(0))
     ctx2, local2, _ = cpshard.prepare_cp_forward(model, cp_mesh, _batch(5, seed=2))
 

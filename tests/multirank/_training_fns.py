@@ -293,9 +293,12 @@ def sync_grads_partial_none(cp_mesh: DeviceMesh) -> None:
     frozen = nn.Linear(3, 3).requires_grad_(False)
     model = nn.ModuleList([used, sometimes, never, frozen])
     x = torch.full((1, 3), float(rank + 1))
-    out = used(x).sum()
-    if rank == 0:
-        out = out + sometimes(x).sum()
+    # a CP step's context (sync_grads sums only gradients a CP forward made)
+    ctx, _, _ = cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": torch.ones(1, 8).long()})
+    with ctx():
+        out = used(x).sum()
+        if rank == 0:
+            out = out + sometimes(x).sum()
     out.backward()
     cpshard.sync_grads(model, cp_mesh)
     world = cp_mesh.size()

@@ -23,10 +23,15 @@ def test_readme_section_is_the_example_verbatim() -> None:
 
 
 @pytest.mark.parametrize("fsdp_over", ["dp", "dp_cp"])
-def test_readme_train_step_matches_one_process(ranks: Ranks, fsdp_over: str) -> None:
-    ranks(4, readme_train_step, fsdp_over)
+@pytest.mark.parametrize(("world", "cp"), [(4, 2), (3, 3)])  # dp=2 x cp=2; a cp-only world
+def test_readme_train_step_three_steps_match_one_process(
+    ranks: Ranks, fsdp_over: str, world: int, cp: int
+) -> None:
+    """Each README recipe for 3 optimizer steps (it failed at step 2 with a false "sync_grads
+    was not called": mesh["cp"] inline, FSDP2 over dp x cp)."""
+    ranks(world, readme_train_step, fsdp_over, cp)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_readme_grpo_step_matches_cp1(ranks: Ranks, world: int) -> None:
+def test_readme_grpo_step_three_steps_match_cp1(ranks: Ranks, world: int) -> None:
     ranks(world, readme_grpo_step)

@@ -103,6 +103,14 @@ def test_forward_pre_hooks_in_order() -> None:
     assert _compat.forward_pre_hooks(m) == [a, b]
 
 
+def test_non_persistent_buffers() -> None:
+    m = torch.nn.Module()
+    m.register_buffer("state", torch.zeros(1))
+    m.register_buffer("cache", torch.zeros(1), persistent=False)
+    assert _compat.non_persistent_buffers(m) == frozenset({"cache"})
+    assert _compat.non_persistent_buffers(torch.nn.Linear(2, 2)) == frozenset()
+
+
 def test_cpu_flash_ops_match_sdpa() -> None:
     assert _compat.CPU_FLASH_AVAILABLE
     torch.manual_seed(0)

@@ -4,8 +4,12 @@ The CP ranks of a group must issue the same collectives in the same order. A ran
 step early (it caught an exception in the forward, skipped or broke off the backward, skipped
 :func:`cpshard.sync_grads`) and goes on would pair its next collective with a different one of
 its peers: gloo aborts on a size mismatch, and otherwise everyone waits for the process-group
-timeout with messages that do not name the cause. This module keeps, per rank and per CP mesh, a
-:class:`StepState` and makes every phase of a step start with the same small **step header**:
+timeout with messages that do not name the cause. This module keeps, per rank and per CP group, a
+:class:`StepState` and makes every phase of a step start with the same small **step header**.
+The record lives on the root mesh (the one ``init_device_mesh`` / ``DeviceMesh.from_group``
+built), keyed by the group's name and ranks: ``mesh["cp"]``, a new object on every call, always
+finds the same record; a new root mesh over the same group (``DeviceMesh.from_group``) starts a
+fresh one (the way on after every rank raised mid-step). The header:
 
 * one all-gather of :data:`HEADER_SIZE` + :data:`PAYLOAD_SIZE` int64 values at the start of
   :func:`prepare_cp_forward` / :func:`make_cp_batch_and_ctx` (always, also with
@@ -28,27 +32,52 @@ timeout with messages that do not name the cause. This module keeps, per rank an
   the next header, not locally.
 
 What the headers also carry (compared across the ranks, so a mismatch raises on every rank before
-any data collective): the ``check_consistency`` flag of a prepare; at a prepare, the names, shapes,
-dtypes and trainable pattern of the model's parameters (a model built or frozen differently on
-some ranks), plus each rank's own report of an optimizer step on
-unsynced gradients (below); at a sync, the names, shapes and dtypes of the trainable parameters;
-at the first CP attention call of a forward, its dtypes, head counts, head dims and lengths.
+any data collective): the ``check_consistency`` flag of a prepare; at a prepare, the names,
+shapes, dtypes and trainable pattern of the model's parameters and persistent buffers (a model
+built or frozen differently on some ranks); at a sync, the names, shapes and dtypes of the
+trainable parameters; at the first CP attention call of a forward, its dtypes, head counts, head
+dims and lengths.
 
-Gradient sync records (per mesh, local, no collective): the identity and version of the
-gradients the last :func:`cpshard.sync_grads` summed. A sync whose gradients are those very
-tensors, unchanged, is doubled; one whose gradients are those tensors advanced by exactly one
-in-place add per backward since (no ``zero_grad`` in between) sums already summed gradients again
-(a sync per micro-batch): both raise. Accumulating over micro-batches (several backward passes,
-one sync) is legal. A sync on another mesh than the one the model was prepared on (the dp mesh)
-raises. A forgotten sync shows at the next prepare: the model's trainable parameters changed since
-its previous prepare while a CP backward since the last sync was never synced (an optimizer step on
-partial gradients). Undetectable: averaging instead of summing (a scale-invariant optimizer such as
+**Weights that differ across the CP ranks** (a prepare with ``check_consistency``, the default):
+the prepare's header also carries a hash of a strided sample of each parameter's and persistent
+buffer's local values (:func:`model_fingerprint`; no extra collective). Plain tensors must agree
+on every CP rank; DTensor shards only on the CP ranks that hold the same shard (another slot says
+which: FSDP2 over ``mesh["dp"]`` gives the CP ranks of a dp row the same shard and is compared;
+FSDP2 over the flattened dp x cp ranks gives each CP rank its own and is not). Where they
+differ, one more all-gather (on that error path only) names the first parameter or buffer that
+differs, and every rank raises :class:`ParameterMismatchError` with the likely causes: a
+forgotten :func:`cpshard.sync_grads` (each rank reports whether this model ran a CP backward that
+no sync summed; those ranks are named), a model built or seeded per rank (``manual_seed(rank)``:
+the first prepare catches it), a gradient reduction that does not cover the CP group, a buffer
+the forward updates from local tokens. So a forgotten sync shows at the next prepare, while
+FSDP2 over dp x cp, DDP over the CP ranks and the user's own all-reduce over the CP group pass:
+their weights stay equal. Non-persistent buffers (caches) are not compared;
+``check_consistency=False`` reads no values (and so checks none).
+
+Gradient sync records (per group, local): the identity and version of the gradients the last
+:func:`cpshard.sync_grads` on the group summed, and how many ``ctx()`` blocks had been entered
+then. A sync whose gradients are all those very tensors, unchanged, is doubled; one whose
+gradients are those tensors advanced by exactly one in-place add per backward since (no
+``zero_grad`` in between) sums already summed gradients again (a sync per micro-batch): both
+raise. Accumulating over micro-batches (several backward passes, one sync) is legal. When only
+some are unchanged, an earlier sync of this step summed them (a module shared by two models,
+each synced): they are skipped, so a shared gradient is summed exactly once (decided through the
+sync's flag all-reduce: every rank skips the same ones, or every rank raises). A sync whose other
+gradients all belong to parameters last summed after the group's latest ``ctx()`` (or never
+summed, with no ``ctx()`` entered on the group yet) holds gradients no CP forward made (a forward
+outside ``ctx()``, a model never run under CP): summing them would multiply them by the CP size,
+so every rank raises :class:`NoCPBackwardError` (each rank's verdict rides in the sync's
+header). The test is per group: a model run outside ``ctx()`` in a step where another model ran
+inside one is not caught. A sync on another mesh than the one the model was prepared on (the dp
+mesh) raises. Undetectable: averaging instead of summing (a scale-invariant optimizer such as
 AdamW hides it from the loss); ``cpshard parity --grad-sync mean`` shows it in the gradients.
 Gradients zeroed through ``.data`` (no version bump) read as not zeroed: use ``zero_grad()``.
 
-Not tracked: forwards traced by ``torch.compile`` (no header, no backward record), model-owned
-contexts (a ``shard_batch`` that returns its own context factory: the forward is tracked as a
-whole, its attention calls are not), and cp=1 (no collective to mismatch).
+Not tracked: forwards traced by ``torch.compile`` (no header, no backward record; their
+``ctx()`` still counts for the sync), model-owned contexts (a ``shard_batch`` that returns its
+own context factory: the forward is tracked as a whole, its attention calls are not), and cp=1
+(no collective to mismatch). One backward pass over the forwards of several prepares (two
+models' losses summed) exchanges one header.
 
 :mod:`cpshard.dispatch` and :mod:`cpshard.loss` call it; :mod:`cpshard.attention.context` gets a
 :class:`ForwardTracker` handed in.
@@ -63,6 +92,7 @@ import functools
 import hashlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,14 +107,17 @@ __all__ = [
     "PARAM_SAMPLE",
     "PAYLOAD_SIZE",
     "ForwardTracker",
+    "ModelFingerprint",
+    "NoCPBackwardError",
     "OutOfStepError",
+    "ParameterMismatchError",
     "StepHeaderError",
     "StepMismatchError",
     "StepState",
     "begin_prepare",
     "begin_sync",
     "end_sync",
-    "params_fingerprint",
+    "model_fingerprint",
     "prepared_mesh",
     "step_state",
     "tracked_forward",
@@ -103,6 +136,10 @@ _MASK = (1 << 63) - 1
 # Slots of the header.
 _MAGIC, _KIND, _A, _B, _C, _D, _E, _F = range(HEADER_SIZE)
 _MAGIC_VALUE = 0x5C5EED
+# Slots of a prepare's header that carry the model's values (compared after the exchange), and
+# of a sync's header that carries whether its gradients came from no CP forward.
+_PLAIN, _SHARDED, _SHARDS = _D, _E, _F
+_NO_CP = _B
 PREPARE, FORWARD, BACKWARD, SYNC, FAILED = 1, 2, 3, 4, 5
 _KIND_TEXT = {
     FAILED: "raised an exception inside ctx() (its own traceback names it)",
@@ -130,12 +167,22 @@ class StepMismatchError(StepHeaderError, ValueError):
     """The CP ranks entered the same phase with facts that differ (raised on every rank)."""
 
 
+class ParameterMismatchError(StepHeaderError, RuntimeError):
+    """The model's parameter or buffer values differ across the CP ranks where they must be
+    equal (raised on every rank at a prepare)."""
+
+
+class NoCPBackwardError(StepHeaderError, RuntimeError):
+    """``sync_grads`` on gradients that no CP forward of the group produced (raised on every
+    rank): summing them would multiply them by the CP size."""
+
+
 def _str_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
 
 
 class StepState:
-    """One rank's record of its step on one CP mesh (see the module docstring).
+    """One rank's record of its step on one CP group (see the module docstring).
 
     Attributes:
         broken: Why this rank may not enter a collective on the mesh again (``None``: it may).
@@ -151,6 +198,8 @@ class StepState:
         bwd_finished: Whether that pass ran to its end (autograd runs the callback it queued
             only when the whole pass succeeded).
         backwards_since_sync: CP backward passes since the last ``sync_grads``.
+        ctx_serial: Number of outermost tracked ``ctx()`` blocks entered so far (a sync reads
+            whether one was entered since the last sync that summed its parameters).
         active_watch: The watch of the prepared model whose forward runs now inside the open
             ``ctx()`` (its CP calls' backward passes count for that model).
         watches: Weak references to the watches of the models prepared on this mesh.
@@ -166,12 +215,13 @@ class StepState:
         self.bwd_task: tuple[int, int] | None = None
         self.bwd_finished = True
         self.backwards_since_sync = 0
+        self.ctx_serial = 0
         self.active_watch: _ModelWatch | None = None
         self.watches: list[weakref.ref[_ModelWatch]] = []
-        # id(parameter) -> (parameter, its gradient, the gradient's version) at the end of the
-        # last sync that summed it (several models on one mesh: each keeps its own record)
+        # id(parameter) -> (parameter, its gradient, the gradient's version, ctx_serial) at the
+        # end of the last sync that summed it (several models on one mesh: each keeps its own)
         self.synced: dict[
-            int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]
+            int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int]
         ] = {}
 
     def check_usable(self, what: str) -> None:
@@ -202,16 +252,25 @@ class StepState:
 
 
 def step_state(cp_mesh: DeviceMesh | None) -> StepState | None:
-    """The step record of this rank on ``cp_mesh`` (``None`` without a multi-rank group).
+    """The step record of this rank on ``cp_mesh``'s group (``None`` without a multi-rank group).
 
-    Kept on the mesh object (one per mesh; a new mesh object starts a fresh record).
+    Kept on the root mesh (the one ``init_device_mesh`` / ``DeviceMesh.from_group`` built), keyed
+    by the CP group's name and ranks: every ``mesh["cp"]`` (a new object on each call) of one
+    root sees the same record; a new root mesh (``DeviceMesh.from_group``) starts a fresh one.
     """
-    if _comm.cp_group(cp_mesh) is None:
+    group = _comm.cp_group(cp_mesh)
+    if group is None:
         return None
-    state = getattr(cp_mesh, _ATTR, None)
+    assert cp_mesh is not None
+    root = _compat.root_mesh(cp_mesh)
+    records = getattr(root, _ATTR, None)
+    if not isinstance(records, dict):
+        records = {}
+        setattr(root, _ATTR, records)
+    key = (_comm.group_name(group), tuple(cp_mesh.mesh.flatten().tolist()))
+    state = records.get(key)
     if not isinstance(state, StepState):
-        state = StepState()
-        setattr(cp_mesh, _ATTR, state)
+        state = records[key] = StepState()
     return state
 
 
@@ -298,34 +357,183 @@ def _as_bool(value: int) -> str:
     return str(bool(value))
 
 
-def params_fingerprint(model: nn.Module) -> tuple[int, int]:
-    """``(values, layout)``: hashes of the trainable parameters' values and of which are trainable.
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What a prepare's header says about the model's parameters and persistent buffers.
 
-    ``values`` covers a strided sample of at most :data:`PARAM_SAMPLE` values of each trainable
-    parameter (the local shard of a DTensor; meta tensors count by shape only): an optimizer step
-    on gradients that differ across the ranks changes nearly every value. ``layout`` covers the
-    names, shapes, dtypes and ``requires_grad`` of every parameter.
+    Attributes:
+        layout: Hash of the names, shapes, dtypes (and ``requires_grad``) of every parameter and
+            persistent buffer.
+        names: ``"parameter <name>"`` / ``"buffer <name>"`` of every entry, in that order.
+        values: LongTensor ``[N]``: per entry, a hash of a strided sample of at most
+            :data:`PARAM_SAMPLE` of its local values (0: not read, a meta or empty tensor).
+        keys: LongTensor ``[N]``: per entry, which shard of it this rank holds (0: a plain tensor,
+            the whole value; a DTensor: its placements, mesh shape and this rank's coordinates on
+            the mesh dims that split it).
     """
-    layout = []
-    samples = []
-    for name, p in model.named_parameters():
-        layout.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
-        if not p.requires_grad:
-            continue
-        local = p.to_local() if isinstance(p, DTensor) else p
+
+    layout: int
+    names: list[str]
+    values: torch.Tensor
+    keys: torch.Tensor
+
+    def header(self) -> dict[int, int]:
+        """The slots of the prepare's header: the plain entries' values, the DTensor entries'
+        values and which shards they are."""
+        plain = self.keys == 0
+        odd = torch.arange(1, 2 * len(self.names) + 1, 2, dtype=torch.long)
+        mixed = self.values * odd
+        shard_keys = ";".join(str(int(k)) for k in self.keys[~plain].tolist())
+        return {
+            _PLAIN: int(mixed[plain].sum()) & _MASK,
+            _SHARDED: int(mixed[~plain].sum()) & _MASK,
+            _SHARDS: _str_hash(shard_keys) if shard_keys else 0,
+        }
+
+
+def _entries(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is a parameter)`` of every parameter, then every persistent buffer."""
+    out: list[tuple[str, torch.Tensor, bool]] = [
+        (f"parameter {n}", p, True) for n, p in model.named_parameters()
+    ]
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        transient = _compat.non_persistent_buffers(module)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None or name in transient or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"buffer {prefix + '.' if prefix else ''}{name}", buf, False))
+    return out
+
+
+def _shard_key(t: torch.Tensor) -> int:
+    """0 for a plain tensor; for a DTensor, a hash of which shard of it this rank holds."""
+    if not isinstance(t, DTensor):
+        return 0
+    mesh = t.device_mesh
+    coordinate = list(mesh.get_coordinate() or ())
+    split = [
+        (dim, c)
+        for dim, (placement, c) in enumerate(zip(t.placements, coordinate, strict=False))
+        if not placement.is_replicate()
+    ]
+    return _str_hash(f"{tuple(mesh.shape)}:{t.placements}:{split}") or 1
+
+
+def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprint:
+    """The :class:`ModelFingerprint` of ``model``'s parameters and persistent buffers.
+
+    Values are a strided sample of at most :data:`PARAM_SAMPLE` values of each entry's local
+    tensor (the local shard of a DTensor; meta tensors count by shape only): weights built or
+    seeded differently change nearly every value, and so does an optimizer step on gradients
+    that differ across the ranks. One host transfer per device. Non-persistent buffers (caches
+    such as rotary tables) are left out.
+
+    Args:
+        model: The prepared model.
+        read_values: ``False`` (``check_consistency=False``): no value is read (all 0).
+    """
+    entries = _entries(model)
+    layout = ";".join(
+        f"{name}:{tuple(t.shape)}:{t.dtype}" + (f":{t.requires_grad}" if is_param else "")
+        for name, t, is_param in entries
+    )
+    names = [name for name, _, _ in entries]
+    keys = torch.tensor([_shard_key(t) for _, t, _ in entries], dtype=torch.long)
+    values = torch.zeros(len(entries), dtype=torch.long)
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+    for i, (_, t, _) in enumerate(entries if read_values else ()):
+        local = t.to_local() if isinstance(t, DTensor) else t
         if local.device.type == "meta" or local.numel() == 0:
             continue
         flat = local.detach().reshape(-1)
-        samples.append(flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE])
-    if not samples:
-        return 0, _str_hash(";".join(layout))
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in samples:
-        by_device.setdefault(t.device, []).append(t.to(torch.float64))
-    # one transfer per device (not one per parameter)
-    bits = torch.cat([torch.cat(ts).cpu() for ts in by_device.values()]).view(torch.int64)
-    weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64)
-    return int((bits * weights).sum()), _str_hash(";".join(layout))
+        sample = flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE]
+        if sample.is_complex():
+            sample = torch.view_as_real(sample).reshape(-1)
+        samples, owners = by_device.setdefault(sample.device, ([], []))
+        samples.append(sample.to(torch.float64))
+        owners.append(i)
+    if by_device:
+        parts, index = [], []
+        for samples, owners in by_device.values():  # one transfer per device
+            parts.append(torch.cat(samples).cpu())
+            counts = torch.tensor([t.numel() for t in samples])
+            index.append(torch.repeat_interleave(torch.tensor(owners), counts))
+        bits = torch.cat(parts).view(torch.int64)
+        weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64)
+        values.index_add_(0, torch.cat(index), bits * weights)
+    return ModelFingerprint(_str_hash(layout), names, values, keys)
+
+
+def _values_differ(rows: list[list[int]]) -> bool:
+    """Whether the gathered prepare headers show values that differ where they must agree: the
+    plain entries on any two ranks, the DTensor entries on two ranks holding the same shards."""
+    if len({row[_PLAIN] for row in rows}) > 1:
+        return True
+    sharded: dict[int, set[int]] = {}
+    for row in rows:
+        sharded.setdefault(row[_SHARDS], set()).add(row[_SHARDED])
+    return any(len(v) > 1 for v in sharded.values())
+
+
+def _first_difference(table: list[list[int]], n: int) -> tuple[int, str] | None:
+    """The first entry whose values differ between ranks holding the same shard of it, and the
+    ranks' groups (``table``: per rank, ``n`` value hashes then ``n`` shard keys)."""
+    for i in range(n):
+        by_key: dict[int, dict[int, list[int]]] = {}
+        for r, row in enumerate(table):
+            by_key.setdefault(row[n + i], {}).setdefault(row[i], []).append(r)
+        for groups in by_key.values():
+            if len(groups) > 1:
+                return i, " vs ".join(f"ranks {g}" for g in groups.values())
+    return None
+
+
+def _raise_values_differ(
+    state: StepState, cp_mesh: DeviceMesh, rows: list[list[int]], fp: ModelFingerprint
+) -> None:
+    """Name the first parameter or buffer that differs and the likely causes, on every rank.
+
+    Every rank saw the same rows, so every rank comes here: one more all-gather (of the
+    per-entry hashes and shard keys; the same size everywhere since the layouts agreed) names
+    the first entry that differs, then every rank raises the same error.
+    """
+    group = _comm.cp_group(cp_mesh)
+    assert group is not None
+    table = _comm.all_gather_fixed(torch.cat([fp.values, fp.keys]), group).tolist()
+    first = _first_difference(table, len(fp.names))
+    which = (
+        "the values of parameters or buffers (none told apart by the per-entry hash)"
+        if first is None
+        else f"{fp.names[first[0]]} ({first[1]}; the first that differs)"
+    )
+    stale = [r for r, row in enumerate(rows) if row[_C]]
+    if stale:
+        cause = (
+            f"cpshard.sync_grads(model, cp_mesh) was not called: ranks {stale} ran a CP "
+            "backward() of this model that no sync_grads summed, and the optimizer stepped on "
+            "each rank's own partial gradient. Call cpshard.sync_grads(model, cp_mesh) after "
+            "the last backward of each optimizer step (or reduce the gradients over a group "
+            "that holds every CP rank: FSDP2 over the flattened dp x cp ranks, DDP). Other "
+            "possible causes: "
+        )
+    else:
+        cause = "Likely causes: "
+    raise ParameterMismatchError(
+        f"the model's weights differ across the CP ranks where they must be equal: {which}. "
+        "Every CP rank must run the same weights (it computes its share of one forward). "
+        + cause
+        + "(1) the model was built or initialised differently per rank (torch.manual_seed(rank) "
+        "before building it, a checkpoint loaded on some ranks only): seed and load the same "
+        "way on every rank of a CP group; (2) a gradient reduction that does not cover the CP "
+        "group (FSDP / DDP over the dp ranks only, a hand-written all_reduce over another "
+        "group) without cpshard.sync_grads(model, cp_mesh); (3) a buffer the forward updates "
+        "from each rank's own tokens (BatchNorm running statistics, routing counters). A "
+        "parameter sharded across the CP ranks on purpose must be a DTensor (ranks holding "
+        "different shards are not compared); check_consistency=False skips this comparison "
+        f"(prepare {state.epoch} on this CP group)"
+    )
 
 
 def begin_prepare(
@@ -335,20 +543,33 @@ def begin_prepare(
     check_consistency: bool,
     model: nn.Module | None,
     payload: torch.Tensor | None = None,
+    check_payload: Callable[[torch.Tensor], None] | None = None,
     synced_elsewhere: bool = False,
 ) -> torch.Tensor | None:
     """Start a step: raise locally if this rank left the last one midway, then agree on it.
 
     One header all-gather (always, whatever ``check_consistency`` says), which also carries
-    ``payload`` (the batch fingerprint: one collective per prepare). ``synced_elsewhere``: the
-    model's gradients are summed over the CP group by its wrapper (DDP over a group holding the
-    CP ranks), so a step without ``sync_grads`` is no forgotten sync. The ranks must agree on
+    ``payload`` (the batch fingerprint: one collective per prepare). The ranks must agree on
     the phase (every one of them starts a step), on ``check_consistency``, and on the model's
-    parameters' names, shapes, dtypes and trainable pattern (whatever ``check_consistency`` says;
-    a prepare without a model counts as no parameters). Each
-    rank also reports whether the model's trainable parameters changed since its previous
-    prepare while a CP backward since the last ``sync_grads`` was never synced (an optimizer step
-    on unsynced gradients): if any rank does, every rank raises.
+    parameters' and persistent buffers' names, shapes, dtypes and trainable pattern (whatever
+    ``check_consistency`` says; a prepare without a model counts as none). With
+    ``check_consistency`` the header also carries a hash of the model's values
+    (:func:`model_fingerprint`): plain tensors must agree on every CP rank, DTensor shards on
+    the ranks that hold the same shards; where they differ every rank raises, naming the first
+    parameter or buffer that differs (one more all-gather, on that error path only). Each rank
+    also reports whether this model ran a CP backward that no ``sync_grads`` summed since
+    (``synced_elsewhere``: its DDP wrapper sums over the CP group, so it never does); the
+    message names those ranks as the likely cause.
+
+    Args:
+        state: The group's record (``None`` without a multi-rank group: no collective).
+        cp_mesh: The CP mesh.
+        check_consistency: The prepare's flag.
+        model: The prepared model (``None``: ``make_cp_batch_and_ctx``).
+        payload: LongTensor ``[P]`` sent along (the batch fingerprint).
+        check_payload: Called with the gathered payloads before the model's values are
+            compared (the batch check: a batch that differs is named first).
+        synced_elsewhere: The model's wrapper sums its gradients over the CP group (DDP).
 
     Returns:
         Every rank's ``payload`` as a LongTensor ``[C, P]`` on the CPU (row ``r`` from rank
@@ -356,58 +577,40 @@ def begin_prepare(
 
     Raises:
         RuntimeError: this rank left its last step midway (locally, no collective), the ranks
-            are out of step, or an optimizer step ran on unsynced gradients (on every rank).
-        ValueError: the ranks disagree on ``check_consistency`` or on the model's parameters.
+            are out of step, or the model's values differ across the CP ranks
+            (:class:`ParameterMismatchError`, on every rank).
+        ValueError: the ranks disagree on ``check_consistency`` or on the model's layout.
     """
-    watch = None if model is None else _watch_of(model)
-    values = layout = 0
-    if model is not None and state is not None:
-        values, layout = params_fingerprint(model)
     if state is None or cp_mesh is None:
-        if watch is not None:
-            watch.values = values
         return None
     state.check_usable("prepare_cp_forward / make_cp_batch_and_ctx")
-    unsynced = (
-        watch is not None
-        and watch.values is not None
-        and watch.values != values
-        and watch.backwards > 0  # this model's own CP backward passes, not another model's
-        and not synced_elsewhere
-    )
+    watch = None if model is None else _watch_of(model)
+    fp = None if model is None else model_fingerprint(model, read_values=bool(check_consistency))
+    unsynced = watch is not None and watch.backwards > 0 and not synced_elsewhere
     # the same slots are compared on every rank (whatever each rank's flag): the message is the
-    # same everywhere. The parameters' names, shapes, dtypes and trainable pattern are no data
-    # values: compared also with check_consistency=False (0 without a model).
-    facts = {_A: int(bool(check_consistency)), _B: layout}
+    # same everywhere. The layout is no data value: compared also with check_consistency=False
+    # (0 without a model).
+    facts = {_A: int(bool(check_consistency)), _B: 0 if fp is None else fp.layout}
     names = {
         _A: "check_consistency (pass the same value on every rank)",
-        _B: "the model's parameters (names, shapes, dtypes, which are trainable: build and "
-        "freeze the model the same way on every CP rank, and pass it on every rank)",
+        _B: "the model's parameters and buffers (names, shapes, dtypes, which are trainable: "
+        "build and freeze the model the same way on every CP rank, and pass it on every rank)",
     }
+    carry = {_C: int(unsynced), **({} if fp is None else fp.header())}
     rows = _exchange(
-        state, cp_mesh, PREPARE, facts, names, carry={_C: int(unsynced)}, shown={_A: _as_bool},
+        state, cp_mesh, PREPARE, facts, names, carry=carry, shown={_A: _as_bool},
         payload=payload,
     )  # fmt: skip
-    if watch is not None:
-        watch.values = values
     state.epoch += 1
-    stale = [r for r, row in enumerate(rows) if row[_C]]
-    if stale:
-        state.backwards_since_sync = 0  # reported once
-        if watch is not None:
-            watch.backwards = 0
-        raise RuntimeError(
-            f"the model's trainable parameters changed since the last prepare on ranks {stale} "
-            "while their last CP backward() was never summed over the CP group: "
-            "cpshard.sync_grads(model, cp_mesh) was not called between loss.backward() and "
-            "optimizer.step(), so each rank stepped on its own partial gradient (silently wrong, "
-            "and the ranks' weights drift apart). Call cpshard.sync_grads(model, cp_mesh) after "
-            "the last backward of each optimizer step"
-        )
-    if payload is None:
-        return None
-    size = HEADER_SIZE + payload.numel()
-    return torch.tensor([row[HEADER_SIZE:size] for row in rows], dtype=torch.long)
+    table = None
+    if payload is not None:
+        size = HEADER_SIZE + payload.numel()
+        table = torch.tensor([row[HEADER_SIZE:size] for row in rows], dtype=torch.long)
+        if check_payload is not None:
+            check_payload(table)  # a batch that differs is named first
+    if fp is not None and _values_differ(rows):
+        _raise_values_differ(state, cp_mesh, rows, fp)
+    return table
 
 
 # --- forward --------------------------------------------------------------------------------
@@ -481,7 +684,10 @@ class ForwardTracker:
         if watch is not None and watch.bwd_task != task:
             watch.bwd_task = task
             watch.backwards += 1
-        if task == state.bwd_task:
+        last = state.bwd_task
+        # a pass still running with this graph task id: its header ran (one pass may span the
+        # forwards of several prepares, e.g. two models' losses summed)
+        if last == task or (last is not None and not state.bwd_finished and last[1] == task[1]):
             return
         # The first CP call of a new backward pass.
         state.check_usable("backward()")
@@ -514,6 +720,7 @@ def tracked_forward(
     state.in_ctx += 1
     outer = state.in_ctx == 1
     if outer:
+        state.ctx_serial += 1
         state.forward_calls = state.calls_in_done_forwards = state.model_depth = 0
     try:
         with inner():
@@ -558,7 +765,6 @@ class _ModelWatch:
     def __init__(self, model: nn.Module) -> None:
         self.state: StepState | None = None
         self.mesh: DeviceMesh | None = None
-        self.values: int | None = None  # params_fingerprint values at the last prepare
         self.model = weakref.ref(model)
         self.backwards = 0  # this model's CP backward passes since a sync summed its gradients
         self.bwd_task: tuple[int, int] | None = None
@@ -617,7 +823,7 @@ def begin_sync(
     params: Iterable[tuple[str, torch.nn.Parameter]],
     *,
     prepared_on: DeviceMesh | None = None,
-) -> None:
+) -> list[bool]:
     """Check a ``sync_grads`` call locally, then agree on it (one header all-gather).
 
     Args:
@@ -626,11 +832,18 @@ def begin_sync(
         params: ``(name, parameter)`` of the trainable parameters it sums.
         prepared_on: The multi-rank CP mesh the model was last prepared on, if known.
 
+    Returns:
+        Per parameter, whether its gradient on this rank is the very tensor, unchanged, that an
+        earlier sync on this group summed (a module shared by two models synced one after the
+        other): ``sync_grads`` skips it where every rank says so, and raises on every rank
+        where only some do. All ``False`` without a multi-rank group.
+
     Raises:
         ValueError: the mesh is not the one the model was prepared on (every rank that passes
             it), or the ranks' trainable parameters differ (names, shapes, dtypes).
-        RuntimeError: this rank left its step midway (locally), a doubled sync (no CP backward
-            since the last one, on every rank that does it), or the ranks are out of step.
+        RuntimeError: this rank left its step midway (locally), a doubled or per-micro-batch
+            sync (on every rank that does it), gradients that no CP forward of the group made
+            (:class:`NoCPBackwardError`, on every rank), or the ranks are out of step.
     """
     if prepared_on is not None and (
         cp_mesh is None or prepared_on.mesh.tolist() != cp_mesh.mesh.tolist()
@@ -643,11 +856,11 @@ def begin_sync(
             "over other ranks than the CP group is silently wrong. Pass the CP mesh given to "
             "prepare_cp_forward (e.g. mesh['cp']), not the data-parallel one"
         )
-    if state is None or cp_mesh is None:
-        return
-    state.check_usable("sync_grads")
     params = list(params)
-    verdict = _since_last_sync(state, [p for _, p in params])
+    if state is None or cp_mesh is None:
+        return [False] * len(params)
+    state.check_usable("sync_grads")
+    verdict, done = _since_last_sync(state, [p for _, p in params])
     if verdict == "untouched":
         raise RuntimeError(
             "sync_grads was called again with no backward() since the last sync_grads (the "
@@ -664,20 +877,48 @@ def begin_sync(
             "after the last backward and before optimizer.step(); zero the gradients after each "
             "step with optimizer.zero_grad() / model.zero_grad()"
         )
+    fresh = [p for (_, p), d in zip(params, done, strict=True) if p.grad is not None and not d]
+    no_cp = bool(fresh) and not any(state.ctx_serial > _synced_at(state, p) for p in fresh)
     layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params)
-    _exchange(
+    rows = _exchange(
         state, cp_mesh, SYNC, {_A: _str_hash(layout)},
         {_A: "the trainable parameters (names, shapes, dtypes): freeze and build the model the "
          "same way on every CP rank"},
+        carry={_NO_CP: int(no_cp)},
     )  # fmt: skip
+    without = [r for r, row in enumerate(rows) if row[_NO_CP]]
+    if without:
+        raise NoCPBackwardError(
+            f"sync_grads would sum gradients that no CP forward produced (ranks {without}): no "
+            "ctx() of a prepare on this CP group was entered since these parameters' gradients "
+            "were last summed (or ever), so they come from a forward outside ctx() or from a "
+            "model never run under CP. Such a gradient is already the full gradient of the "
+            "rank's batch: summed over the CP ranks it would be multiplied by the CP size. Run "
+            "the forward under the ctx() of cpshard.prepare_cp_forward(model, cp_mesh, batch) "
+            "(or make_cp_batch_and_ctx) on the same CP mesh (mesh['cp'] of the same mesh; a mesh "
+            "rebuilt with DeviceMesh.from_group keeps a record of its own), or drop sync_grads "
+            "for gradients computed without CP"
+        )
+    return done
 
 
-def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> str:
-    """What happened to ``params``' gradients since the last sync that summed them:
-    ``"untouched"`` (every one is the same tensor at the same version: no backward since),
-    ``"accumulated"`` (one of them is the same tensor, advanced by exactly the backward passes
-    since, one in-place add each: nothing zeroed it) or ``"fresh"`` (replaced, zeroed, never
-    synced, or not known).
+def _synced_at(state: StepState, param: torch.Tensor) -> int:
+    """``state.ctx_serial`` when the last sync on the group summed ``param`` (0: never)."""
+    record = state.synced.get(id(param))
+    return record[3] if record is not None and record[0]() is param else 0
+
+
+def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str, list[bool]]:
+    """What happened to ``params``' gradients since the last sync that summed them, and which
+    of them it summed unchanged.
+
+    The verdict is ``"untouched"`` (every gradient is the same tensor at the same version: no
+    backward since), ``"accumulated"`` (one of them is the same tensor, advanced by exactly the
+    backward passes since, one in-place add each: nothing zeroed it) or ``"fresh"`` (replaced,
+    zeroed, never synced, or not known). The flags say, per parameter, whether its gradient is
+    the very tensor, unchanged, that the last sync summed: with a ``"fresh"`` verdict those are
+    parameters an earlier sync of this step already summed (a module shared by two models, each
+    synced), and are skipped.
 
     Only the parameters of this sync are compared: syncing a second model on the same mesh (an
     actor and a critic, a policy and a value head) reads ``"fresh"``, not the first model's
@@ -690,34 +931,37 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> str:
     expected = max(1, state.backwards_since_sync)
     mine = {id(p) for p in params}
     alone = all(key in mine for key, record in state.synced.items() if record[0]() is not None)
-    seen = 0
-    untouched = 0
+    done: list[bool] = []
+    accumulated = False
     for param in params:
-        if param.grad is None:
-            continue
-        seen += 1
-        record = state.synced.get(id(param))
-        if record is None:
-            continue
-        param_ref, grad_ref, version = record
-        if param_ref() is not param or grad_ref() is not param.grad:
-            continue
-        delta = _compat.tensor_version(param.grad) - version
-        if delta == 0:
-            untouched += 1
-        elif delta == expected and alone:
-            return "accumulated"
-    if seen and untouched == seen:
-        return "untouched"
-    return "fresh"
+        record, grad = state.synced.get(id(param)), param.grad
+        delta = -1  # not the gradient the last sync summed
+        if grad is not None and record is not None and record[0]() is param:
+            delta = _compat.tensor_version(grad) - record[2] if record[1]() is grad else -1
+        done.append(delta == 0)
+        accumulated = accumulated or (delta == expected and alone)
+    with_grad = [d for p, d in zip(params, done, strict=True) if p.grad is not None]
+    if with_grad and all(with_grad):
+        return "untouched", done
+    return ("accumulated" if accumulated else "fresh"), done
 
 
-def end_sync(state: StepState | None, params: Iterable[torch.Tensor] = ()) -> None:
-    """Record a completed ``sync_grads``: the identity and version of the gradients it summed."""
+def end_sync(
+    state: StepState | None, params: Iterable[torch.Tensor] = (), summed: Iterable[bool] = ()
+) -> None:
+    """Record a completed ``sync_grads``: the identity and version of the gradients it summed.
+
+    Args:
+        state: The group's record (``None`` without a multi-rank group).
+        params: The parameters of the sync.
+        summed: Per parameter, whether this sync summed its gradient (a parameter an earlier
+            sync summed keeps that sync's record); empty: all of them.
+    """
     if state is None:
         return
     state.backwards_since_sync = 0
     params = list(params)
+    flags = list(summed) or [True] * len(params)
     mine = {id(p) for p in params}
     for ref in state.watches:  # the prepared models whose gradients this sync summed
         watch, model = ref(), None
@@ -731,10 +975,11 @@ def end_sync(state: StepState | None, params: Iterable[torch.Tensor] = ()) -> No
         for key, record in state.synced.items()
         if record[0]() is not None and record[1]() is not None
     }
-    for p in params:
-        if p.grad is not None:
+    for p, flag in zip(params, flags, strict=True):
+        if flag and p.grad is not None:
             state.synced[id(p)] = (
                 weakref.ref(p),
                 weakref.ref(p.grad),
                 _compat.tensor_version(p.grad),
+                state.ctx_serial,
             )

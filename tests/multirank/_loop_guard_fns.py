@@ -1,0 +1,300 @@
+"""Rank functions of real training loops the step record must let through exactly, and of the
+silent mistakes it must turn into one clear error on every rank (``test_loop_guards.py``).
+
+Loops run 3 optimizer steps and return what the test compares with one process; error cases
+return each rank's message (or ``"no error"``), so the test can check that every rank raised the
+same error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing import assert_close
+
+import cpshard
+from cpshard.guards.step import NoCPBackwardError, ParameterMismatchError, step_state
+from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging
+from cpshard.models import TinyDecoder, TinyDecoderConfig
+from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch
+
+STEPS = 3
+ODD_RANK = 1
+_CFG = TinyDecoderConfig(vocab_size=VOCAB_SIZE, hidden_size=32, num_layers=2, intermediate_size=64)
+
+
+def _model(seed: int = 0) -> TinyDecoder:
+    return TinyDecoder.from_config(_CFG, seed=seed).double()
+
+
+def _fresh(cp_mesh: DeviceMesh) -> DeviceMesh:
+    """A new root mesh over the pool's group: a step record of its own (no earlier test's)."""
+    return DeviceMesh.from_group(
+        cp_mesh.get_group(), cp_mesh.device_type, mesh_dim_names=cp_mesh.mesh_dim_names
+    )
+
+
+def _loss(
+    model: nn.Module, cp_mesh: DeviceMesh | None, batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """This rank's share of the global mean cross-entropy of ``batch`` (forward under ctx())."""
+    ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, batch, padding_token_id=PAD_ID)
+    with ctx():
+        logits = model(local["input_ids"], local["position_ids"])
+    n = count_tokens(batch["labels"])
+    return cp_cross_entropy(logits, local["labels"], num_tokens=n)
+
+
+def _weights(*models: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": p.detach().clone() for i, m in enumerate(models)
+            for k, p in m.named_parameters()}  # fmt: skip
+
+
+# --- loops the record must let through --------------------------------------------------------
+def own_all_reduce(cp_mesh: DeviceMesh | None) -> dict[str, Any]:
+    """STEPS steps summing the gradients with the user's own all_reduce over the CP group
+    instead of sync_grads (was refused at step 2 as a forgotten sync)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, cp_mesh, dense_batch(2, 24, seed=step))
+        loss.backward()
+        if cp_mesh is not None:
+            for p in model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad, group=cp_mesh.get_group())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(reduce_for_logging(loss, cp_mesh))
+    return {"losses": torch.stack(losses), "weights": _weights(model)}
+
+
+class _Head(nn.Module):
+    """A model around a shared ``body``: the body's logits times its own per-token scale."""
+
+    def __init__(self, body: nn.Module, seed: int) -> None:
+        super().__init__()
+        self.body = body
+        g = torch.Generator().manual_seed(seed)
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(VOCAB_SIZE, generator=g).double())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.body(input_ids, position_ids)
+        return logits * self.scale
+
+
+def shared_module(cp_mesh: DeviceMesh | None, backward: str) -> dict[str, Any]:
+    """Two models sharing a module (an actor and a critic on one trunk), each prepared, run and
+    synced, for STEPS steps (the shared gradient was summed twice: C times too large).
+
+    ``backward``: ``"separate"`` (one backward per model) or ``"joint"`` (one backward of the
+    summed losses); the gradients are zeroed to None and in place on alternate steps.
+    """
+    body = _model()
+    actor, critic = _Head(body, 1), _Head(body, 2)
+    params = list({id(p): p for m in (actor, critic) for p in m.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        pair = [
+            _loss(m, cp_mesh, dense_batch(2, 24, seed=10 * step + i))
+            for i, m in enumerate((actor, critic))
+        ]
+        if backward == "joint":
+            (pair[0] + pair[1]).backward()
+        else:
+            for loss in pair:
+                loss.backward()
+        cpshard.sync_grads(actor, cp_mesh)
+        cpshard.sync_grads(critic, cp_mesh)
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        losses += [reduce_for_logging(loss, cp_mesh) for loss in pair]
+    return {"losses": torch.stack(losses), "weights": _weights(actor, critic)}
+
+
+def shared_module_synced_twice(cp_mesh: DeviceMesh) -> str:
+    """The critic synced twice in one step is still the doubled sync (every rank raises)."""
+    mesh = _fresh(cp_mesh)
+    body = _model()
+    actor, critic = _Head(body, 1), _Head(body, 2)
+    for i, m in enumerate((actor, critic)):
+        _loss(m, mesh, dense_batch(2, 24, seed=i)).backward()
+    cpshard.sync_grads(actor, mesh)
+    cpshard.sync_grads(critic, mesh)
+    try:
+        cpshard.sync_grads(critic, mesh)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def shared_module_touched_on_one_rank(cp_mesh: DeviceMesh) -> str:
+    """Between the two syncs one rank alone changes a shared gradient in place: the second sync
+    cannot skip it on some ranks and sum it on others; every rank raises the same error."""
+    mesh = _fresh(cp_mesh)
+    body = _model()
+    actor, critic = _Head(body, 1), _Head(body, 2)
+    for i, m in enumerate((actor, critic)):
+        _loss(m, mesh, dense_batch(2, 24, seed=i)).backward()
+    cpshard.sync_grads(actor, mesh)
+    if cp_mesh.get_local_rank() == ODD_RANK:
+        grad = body.norm.weight.grad
+        assert grad is not None
+        grad.mul_(1.0)  # an in-place op (a version bump) on this rank only
+    try:
+        cpshard.sync_grads(critic, mesh)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def record_of_the_group(world_mesh: DeviceMesh) -> None:
+    """Every ``mesh["cp"]`` of one root mesh (a new object per call) shares the step record;
+    another root mesh over the same group (DeviceMesh.from_group) starts its own."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    a, b = mesh["cp"], mesh["cp"]
+    assert a is not b
+    assert step_state(a) is step_state(b) is not None
+    assert step_state(_fresh(a)) is not step_state(a)
+    assert step_state(mesh["dp"]) is not step_state(a)  # another group, another record
+
+
+# --- silent mistakes that must raise on every rank --------------------------------------------
+class _WithBuffers(nn.Module):
+    """A decoder with a persistent buffer (state) and a non-persistent one (a cache)."""
+
+    def __init__(self, state: float, cache: float) -> None:
+        super().__init__()
+        self.net = _model()
+        self.register_buffer("running", torch.full((4,), state, dtype=torch.float64))
+        self.register_buffer("cache", torch.full((4,), cache), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(input_ids, position_ids)
+        return out
+
+
+def weights_differ(cp_mesh: DeviceMesh, case: str) -> str:
+    """Weights that differ across the CP ranks: the first prepare raises on every rank, naming
+    the first parameter or buffer that differs (the logits were silently off)."""
+    mesh = _fresh(cp_mesh)
+    rank = cp_mesh.get_local_rank()
+    odd = rank == ODD_RANK
+    if case == "manual_seed(rank)":
+        torch.manual_seed(rank)
+        model: nn.Module = TinyDecoder(_CFG).double()
+    elif case == "persistent_buffer":
+        model = _WithBuffers(state=float(odd), cache=0.0)
+    elif case == "non_persistent_buffer":  # a cache, not state: not compared
+        model = _WithBuffers(state=0.0, cache=float(rank))
+    elif case == "check_consistency=False":  # the opt-out reads no values
+        torch.manual_seed(rank)
+        model = TinyDecoder(_CFG).double()
+    else:
+        raise AssertionError(case)
+    batch = dense_batch(2, 24, seed=0)
+    check = case != "check_consistency=False"
+    try:
+        cpshard.prepare_cp_forward(
+            model, mesh, batch, padding_token_id=PAD_ID, check_consistency=check
+        )
+    except ParameterMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def forgotten_sync_under_fsdp(world_mesh: DeviceMesh) -> str:
+    """FSDP2 over mesh["dp"] (DTensor parameters, the same shard on the CP ranks of a dp row)
+    without sync_grads: the next prepare raises on every rank, naming the missing sync."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    model = _model()
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    row = mesh["dp"].get_local_rank()
+    try:
+        for step in range(STEPS):
+            glob = dense_batch(4, 22, seed=step)
+            batch = {k: v[2 * row : 2 * row + 2] for k, v in glob.items()}
+            ctx, local, _ = cpshard.prepare_cp_forward(
+                model, mesh["cp"], batch, padding_token_id=PAD_ID
+            )
+            with ctx():
+                logits = model(local["input_ids"], local["position_ids"])
+            n = count_tokens(local["labels"], group=mesh)
+            cp_cross_entropy(logits, local["labels"], num_tokens=n, scale=2.0).backward()
+            opt.step()  # no sync_grads(model, mesh["cp"])
+            opt.zero_grad(set_to_none=True)
+    except ParameterMismatchError as e:
+        return f"step {step}: {e}"
+    return "no error"
+
+
+def no_cp_backward(cp_mesh: DeviceMesh, case: str) -> str:
+    """sync_grads on gradients that no CP forward produced (each rank holds the full gradient of
+    its batch; the sum multiplied it by the CP size): every rank raises. Legal loops pass."""
+    mesh = _fresh(cp_mesh)
+    model = _model()
+    batch = dense_batch(2, 24, seed=0)
+    n = count_tokens(batch["labels"])
+    if case == "compiled_forward":
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", dynamic=False)
+    try:
+        for step in range(STEPS):
+            if case == "forward_outside_ctx":  # prepared, but run on the whole batch outside
+                cpshard.prepare_cp_forward(model, mesh, batch, padding_token_id=PAD_ID)
+                logits = model(batch["input_ids"])
+                labels = batch["labels"]
+            elif case == "never_prepared":
+                logits, labels = model(batch["input_ids"]), batch["labels"]
+            elif case == "second_step_outside_ctx":  # step 0 is right, step 1 is not
+                if step == 0:
+                    ctx, local, _ = cpshard.prepare_cp_forward(
+                        model, mesh, batch, padding_token_id=PAD_ID
+                    )
+                    with ctx():
+                        logits = model(local["input_ids"], local["position_ids"])
+                    labels = local["labels"]
+                else:
+                    logits, labels = model(batch["input_ids"]), batch["labels"]
+            elif case == "compiled_forward":  # legal: its CP calls are not tracked, its ctx is
+                ctx, local, _ = cpshard.prepare_cp_forward(
+                    model, mesh, batch, padding_token_id=PAD_ID
+                )
+                with ctx():
+                    logits = compiled(local["input_ids"], local["position_ids"])
+                labels = local["labels"]
+            elif case == "ctx_without_model":  # legal: make_cp_batch_and_ctx, no model
+                ctx, local, _ = cpshard.make_cp_batch_and_ctx(mesh, batch, padding_token_id=PAD_ID)
+                with ctx():
+                    logits = model(local["input_ids"], local["position_ids"])
+                labels = local["labels"]
+            else:
+                raise AssertionError(case)
+            cp_cross_entropy(logits, labels, num_tokens=n).backward()
+            cpshard.sync_grads(model, mesh)
+            model.zero_grad(set_to_none=True)
+    except NoCPBackwardError as e:
+        return f"step {step}: {e}"
+    return "no error"
+
+
+def one_process(fn: Any, *args: Any) -> Any:
+    """``fn(None, *args)``: the same loop without CP, in this process."""
+    return fn(None, *args)
+
+
+def compare(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert_close(got["losses"], want["losses"], rtol=1e-6, atol=1e-8)
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, w in want["weights"].items():
+        assert_close(got["weights"][name], w, rtol=1e-6, atol=1e-8, msg=name)
