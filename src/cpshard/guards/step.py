@@ -450,11 +450,12 @@ class ForwardTracker:
         if state.forward_calls == 0:
             state.check_usable("a CP attention call")
             desc = (str(q.dtype), str(k.dtype), str(v.dtype), q.shape[1], k.shape[1],
-                    q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2])  # fmt: skip
+                    q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], q.shape[0])  # fmt: skip
             _exchange(
                 state, self.cp_mesh, FORWARD, {_A: _str_hash(repr(desc))},
-                {_A: "the first CP attention call's dtypes, head counts, head dims or lengths "
-                 "(run the same model in the same dtype on every CP rank)"},
+                {_A: "the first CP attention call's dtypes, head counts, head dims, lengths or "
+                 "batch size (run the same model in the same dtype, under the same autocast, on "
+                 "every CP rank)"},
             )  # fmt: skip
         state.forward_calls += 1
         return q, k, v
