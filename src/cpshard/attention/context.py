@@ -20,7 +20,11 @@
   recomputation routes like the forward did; a routed call inside a checkpoint without it raises
   (the recomputation would otherwise silently run local attention);
 * an op on a local tensor of another batch (a stale ``ctx`` used with a newer batch, or the
-  reverse) raises, and entering a context inside another one raises.
+  reverse) raises, and entering a context inside another one raises;
+* every routed call (and :func:`cpshard.attention.cp_attention` called inside the context) runs
+  in the dtype SDPA would use (autocast's, under ``torch.autocast``:
+  :mod:`cpshard.attention.autocast`) and through the step tracker, whose header makes the ranks
+  compare the forward's first call before its K/V exchange.
 
 Nothing global is patched, and the autograd Functions capture the group and meta, so
 ``backward()`` may run outside the context.

@@ -376,13 +376,17 @@ def cp_attention(
         window: Sliding window (``None`` = none).
         softcap: Soft-cap of the scores, or ``None``.
 
+    Inside a tracked ``ctx()`` the call is one of the forward's CP attention calls (its step
+    tracker compares the forward's first call across the ranks); elsewhere the ranks agree on the
+    first call of each batch (:mod:`cpshard.attention.agree`).
+
     Returns:
-        ``[B, Hq, L, Dv]`` in q's dtype.
+        ``[B, Hq, L, Dv]`` in the compute dtype (q's, or the autocast dtype under autocast).
 
     Raises:
         ValueError: the sharder has no token meta yet; inside a ``ctx()`` made for another batch
-            than the sharder's last one (a sharder that has since sharded another batch); or any
-            error of :func:`cp_sdpa`.
+            than the sharder's last one (a sharder that has since sharded another batch); ranks
+            whose calls differ (on every rank); or any error of :func:`cp_sdpa`.
     """
     from cpshard.attention.context import (  # imports this module
         attend_in_active_context,

@@ -32,7 +32,8 @@ any data collective): the ``check_consistency`` flag of a prepare; at a prepare,
 dtypes and trainable pattern of the model's parameters (a model built or frozen differently on
 some ranks), plus each rank's own report of an optimizer step on
 unsynced gradients (below); at a sync, the names, shapes and dtypes of the trainable parameters;
-at the first CP attention call of a forward, its dtypes, head counts, head dims and lengths.
+at the first CP attention call of a forward, its dtypes (autocast's under autocast), head
+counts, head dims, lengths and batch size.
 
 Gradient sync records (per mesh, local, no collective): the identity and version of the
 gradients the last :func:`cpshard.sync_grads` summed. A sync whose gradients are those very
