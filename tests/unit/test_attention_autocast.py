@@ -16,6 +16,7 @@ from torch.testing import assert_close
 
 from _attention_common import inputs, make_case, make_meta
 from cpshard.attention import cp_attention_context, cp_sdpa
+from cpshard.attention.autocast import autocast_inputs, autocast_off
 from cpshard.names import METHOD_NAMES
 
 BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
@@ -94,3 +95,11 @@ def test_mixed_dtypes_outside_autocast_raise_like_sdpa() -> None:
     # fp64 is not autocast-eligible (autocast leaves it alone, as for SDPA): still mixed
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="share"):
         cp_sdpa(q.double(), k, v, group=None, meta=_meta())
+
+
+def test_meta_tensors_have_no_autocast() -> None:
+    """torch has no autocast state for ``meta`` (its query raises): left alone, not an error."""
+    q, k, v = (t.to("meta") for t in _mixed()[:3])
+    assert autocast_inputs(q, k, v) == (q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off(q.device):
+        pass

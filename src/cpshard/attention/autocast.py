@@ -31,6 +31,11 @@ __all__ = ["autocast_inputs", "autocast_off", "backward_without_autocast"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def _enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (``meta`` tensors have none: torch raises)."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # autocast's eligibility rule: floating tensors, fp64 left alone
     if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
@@ -54,7 +59,7 @@ def autocast_inputs(
         Otherwise ``q, k, v`` unchanged.
     """
     device = q.device.type
-    if not torch.is_autocast_enabled(device):
+    if not _enabled(device):
         return q, k, v
     dtype = torch.get_autocast_dtype(device)
     return _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
@@ -62,7 +67,7 @@ def autocast_inputs(
 
 def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """A context in which autocast is off for ``device`` (a no-op where it is off already)."""
-    if torch.is_autocast_enabled(device.type):
+    if _enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 

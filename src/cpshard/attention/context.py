@@ -317,6 +317,7 @@ def attend_in_active_context(
     mode = active_mode()
     if mode is None or mode.group is not group:
         return None
+    mode.attention_calls += 1  # a CP attention call of this context, as a routed one
     return mode.attend(q, k, v, meta=meta, **kwargs)
 
 
