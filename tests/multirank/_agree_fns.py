@@ -21,10 +21,13 @@ from torch.testing import assert_close
 
 import cpshard
 from cpshard.attention import cp_attention
+from cpshard.layouts.closed_form import RoundRobinLayout
 from cpshard.models import TinyDecoder, TinyDecoderConfig
+from cpshard.sharding.batch import shard_batch_dense
+from cpshard.sharding.sharder import CPContext, CPSharder
 
 B, S, H, D = 2, 24, 2, 8  # S: no CP padding at C = 2, 3
-ROUTES = ("direct", "direct_in_ctx", "sdpa", "hf")
+ROUTES = ("direct", "direct_in_ctx", "model_owned", "sdpa", "hf")
 DIFFS = ("dtype", "heads")
 # what each route's error says (cpshard.attention.agree, or the step header of a tracked ctx())
 UNTRACKED = "the CP ranks called CP attention with different inputs"
@@ -44,21 +47,38 @@ def _local(x: torch.Tensor, sharder: Any) -> torch.Tensor:
     return local
 
 
-def _direct(cp_mesh: DeviceMesh, diff: str, odd: bool, in_ctx: bool) -> str:
+def _own_context_shard(
+    cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, batch: dict[str, Any], **kw: Any
+) -> Any:
+    """A model-owned shard: its own context (no cpshard SDPA routing), the token meta kept."""
+    ctx, out = shard_batch_dense(cp_mesh, tp_mesh, batch, layout=RoundRobinLayout(), **kw)
+    return CPContext(contextlib.nullcontext, ctx.facts), out
+
+
+def _prepare(cp_mesh: DeviceMesh, ids: torch.Tensor, owned: bool) -> tuple[Any, Any]:
+    own = CPSharder(shard_batch=_own_context_shard, local_token_global_indices=None)
+    ctx, _, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, {"input_ids": ids}, cp_sharder=own if owned else None
+    )
+    return ctx, sharder
+
+
+def _direct(cp_mesh: DeviceMesh, diff: str, odd: bool, route: str) -> str:
     heads, dtype = H, torch.float32
     if odd and diff == "heads":
         heads = 2 * H
     if odd and diff == "dtype":
         dtype = torch.bfloat16
     ids = torch.arange(B * S).view(B, S)
-    ctx, _, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids})
+    in_ctx, owned = route != "direct", route == "model_owned"
+    ctx, sharder = _prepare(cp_mesh, ids, owned)
     q, k, v = (_local(t, sharder) for t in _qkv(heads, dtype))
     scope = ctx() if in_ctx else contextlib.nullcontext()
     with scope, pytest.raises(ValueError) as info:
         cp_attention(q, k, v, sharder=sharder)
     # the same ranks again, every rank alike: exact against one process, forward and backward
     q, k, v = (_local(t, sharder).requires_grad_() for t in _qkv(H, torch.float32))
-    ctx, _, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, {"input_ids": ids})
+    ctx, sharder = _prepare(cp_mesh, ids, owned)
     with ctx() if in_ctx else contextlib.nullcontext():
         out = cp_attention(q, k, v, sharder=sharder)
     out.square().sum().backward()
@@ -122,6 +142,6 @@ def _model_route(cp_mesh: DeviceMesh, route: str, diff: str, odd: bool) -> str:
 def one_rank_differs(cp_mesh: DeviceMesh, route: str, diff: str) -> str:
     """Rank 1 differs (``diff``) on ``route``; the message of the error this rank raised."""
     odd = cp_mesh.get_local_rank() == 1
-    if route in ("direct", "direct_in_ctx"):
-        return _direct(cp_mesh, diff, odd, route == "direct_in_ctx")
+    if route in ("direct", "direct_in_ctx", "model_owned"):
+        return _direct(cp_mesh, diff, odd, route)
     return _model_route(cp_mesh, route, diff, odd)

@@ -1,11 +1,12 @@
 """One rank's CP attention call differs (dtype, head count): a clear error on every rank.
 
-Routes: ``cp_attention`` called directly (outside ``ctx()``, and inside it), the SDPA
-interception of a plain PyTorch model in ``ctx()``, and the HF ``"cpshard"`` attention of a
-prepared transformers model. Rank 1 alone runs in bf16 (its tensors, or an autocast region) or
-splits the same weights into another number of heads. Before the fix a direct call aborted rank 1
-in gloo (SIGABRT: a K/V all-gather of another size) and its peers failed with it; now every rank
-raises the same ``ValueError`` naming each rank's call, and the same ranks then run the call
+Routes: ``cp_attention`` called directly (outside ``ctx()``, inside it, and inside the
+``ctx()`` of a model-owned shard, which brings its own context), the SDPA interception of a plain
+PyTorch model in ``ctx()``, and the HF ``"cpshard"`` attention of a prepared transformers model.
+Rank 1 alone runs in bf16 (its tensors, or an autocast region) or splits the same weights into
+another number of heads. Before the fix a direct call aborted rank 1 in gloo (SIGABRT: a K/V
+all-gather of another size) and its peers failed with it; now every rank raises the same
+``ValueError`` naming each rank's call, and the same ranks then run the call
 correctly (exact against one process).
 """
 
@@ -32,7 +33,7 @@ def test_one_rank_differs_raises_on_every_rank(
     msgs = ranks(world, one_rank_differs, route, diff)
     assert len(set(msgs)) == 1, msgs  # every rank raised the same error
     msg = msgs[0]
-    if route == "direct":  # untracked: cpshard.attention.agree names every rank's call
+    if route in ("direct", "model_owned"):  # untracked: cpshard.attention.agree names each call
         assert UNTRACKED in msg, msg
         odd = "bfloat16 [2, 2, " if diff == "dtype" else "float32 [2, 4, "
         assert f"rank 1: q {odd}" in msg and "rank 0: q float32 [2, 2, " in msg, msg
