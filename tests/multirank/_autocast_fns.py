@@ -3,8 +3,8 @@
 A tiny HF Llama (fp32 weights) trains 3 SGD steps with its forward, loss and backward inside
 ``torch.autocast("cpu", dtype=torch.bfloat16)``: its SDPA calls get fp32 q/k (RoPE in fp32) and
 a bf16 v, which CP attention casts to bf16 as SDPA does (before the fix every rank raised "q, k,
-v must share a dtype", at cp=1 too). The same loop in one process, also under autocast, is the
-reference.
+v must share a dtype", at cp=1 too). The same loop in one process without cpshard (the stock
+model, transformers' SDPA), also under autocast, is the reference.
 
 Tolerances (bf16 on both sides, see :data:`LOSS_TOL` / :data:`WEIGHT_TOL`): bf16 keeps 8 bits
 of mantissa (unit roundoff 2^-8 ~ 3.9e-3), and CP attention sums in another order than SDPA's
@@ -52,12 +52,18 @@ def _train(cp_mesh: DeviceMesh | None, attention: str) -> tuple[list[float], Any
         ids = torch.randint(3, 64, (2, 24 + 6 * step), generator=gen)  # lengths change
         batch = {"input_ids": ids, "labels": cpshard.shift_labels(ids)}
         n = count_tokens(batch["labels"])
-        ctx, local, _ = cpshard.prepare_cp_forward(model, cp_mesh, batch, attention=attention)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            with ctx():
-                out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+            if cp_mesh is None:  # the stock model in one process: transformers' own SDPA
+                out, labels = model(input_ids=ids), batch["labels"]
+            else:
+                ctx, local, _ = cpshard.prepare_cp_forward(
+                    model, cp_mesh, batch, attention=attention
+                )
+                with ctx():
+                    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+                labels = local["labels"]
             assert out.logits.dtype == torch.bfloat16
-            loss = cp_cross_entropy(out.logits, local["labels"], num_tokens=n)
+            loss = cp_cross_entropy(out.logits, labels, num_tokens=n)
             loss.backward()  # inside autocast too (the methods' backward switches it off)
         cpshard.sync_grads(model, cp_mesh)
         opt.step()

@@ -103,3 +103,32 @@ def test_meta_tensors_have_no_autocast() -> None:
     assert autocast_inputs(q, k, v) == (q, k, v)
     with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off(q.device):
         pass
+
+
+def test_hf_model_under_autocast_at_cp1() -> None:
+    """cp=1 (prepare_cp_forward without a mesh): a tiny HF Llama under autocast, forward and
+    backward, gives the stock model's logits and gradients within bf16 rounding (it raised
+    "q, k, v must share a dtype" before: RoPE hands SDPA fp32 q/k and a bf16 v)."""
+    transformers = pytest.importorskip("transformers")
+    import cpshard
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(input_ids=ids).logits
+    want.float().square().mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    ctx, local, _ = cpshard.prepare_cp_forward(model, None, {"input_ids": ids})
+    with torch.autocast("cpu", dtype=torch.bfloat16), ctx():
+        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    got.float().square().mean().backward()
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert_close(got.float(), want.float(), **BF16_TOL)
+    for name, grad in ref.items():
+        assert_close(dict(model.named_parameters())[name].grad, grad, **BF16_TOL, msg=name)
