@@ -12,6 +12,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 # Subpackages the README uses as ``cpshard.<name>.<fn>``: ``import cpshard`` is enough for them.
 from cpshard import attention, loss
+from cpshard._version import __version__
 from cpshard.dispatch import closed_form_sharder, make_cp_batch_and_ctx, prepare_cp_forward
 from cpshard.layouts.closed_form import (
     ContiguousLayout,
@@ -47,6 +48,7 @@ __all__ = [
     "ShardFacts",
     "TokenKey",
     "TokenMeta",
+    "__version__",
     "attention",
     "attention_mask_to_padding_mask",
     "closed_form_sharder",

@@ -42,9 +42,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard._compat import TorchDispatchMode
+from cpshard._compat import TorchDispatchMode, flatten_mesh
 
 __all__ = [
+    "CP_GRID_DIMS",
     "CommRecorder",
     "GradMode",
     "all_gather_dim0",
@@ -53,8 +54,11 @@ __all__ = [
     "all_reduce_sum_mesh_",
     "cp_group",
     "cp_rank_and_size",
+    "grid_groups",
     "group_device",
+    "group_ranks",
     "mesh_contains_this_rank",
+    "split_cp_mesh",
     "transport_device_type",
     "validate_cp_mesh",
 ]
@@ -138,18 +142,28 @@ def _move(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 GradMode = Literal["sum", "replicated"]
 
 
-def validate_cp_mesh(cp_mesh: object) -> DeviceMesh | None:
-    """Check that ``cp_mesh`` is ``None`` or a 1-D ``DeviceMesh``.
+CP_GRID_DIMS = ("cp_outer", "cp_inner")
+"""The dim names of a 2-D CP mesh (``R x U``): ``cp_inner`` groups of ``U`` consecutive CP ranks run
+Ulysses among themselves, ``cp_outer`` groups (one rank of each inner group) run the outer
+method (:mod:`cpshard.attention.hybrid`)."""
+
+
+def validate_cp_mesh(cp_mesh: object, *, grid: bool = False) -> DeviceMesh | None:
+    """Check that ``cp_mesh`` is ``None`` or a 1-D ``DeviceMesh`` (with ``grid``: or a 2-D one).
 
     Args:
         cp_mesh: The caller's CP mesh.
+        grid: Also accept a 2-D CP mesh whose dims are named :data:`CP_GRID_DIMS`
+            (``("cp_outer", "cp_inner")``): Ulysses inside ``cp_inner``, the attention method
+            across ``cp_outer`` (the prepare entry points and ``cp_attention_context``).
 
     Returns:
         The mesh, or ``None``.
 
     Raises:
         TypeError: ``cp_mesh`` is neither ``None`` nor a ``DeviceMesh``.
-        ValueError: the mesh is not 1-D.
+        ValueError: the mesh is not 1-D (with ``grid``: nor 2-D with the dims named
+            :data:`CP_GRID_DIMS`).
     """
     if cp_mesh is None:
         return None
@@ -158,12 +172,45 @@ def validate_cp_mesh(cp_mesh: object) -> DeviceMesh | None:
             f"cp_mesh must be a 1-D torch DeviceMesh or None, got {type(cp_mesh).__name__}; "
             "build one with init_device_mesh(device, (cp,), mesh_dim_names=('cp',))"
         )
+    if grid and cp_mesh.ndim == 2 and tuple(cp_mesh.mesh_dim_names or ()) == CP_GRID_DIMS:
+        return cp_mesh
     if cp_mesh.ndim != 1:
+        also = (
+            f" or a 2-D CP mesh with dims {CP_GRID_DIMS} (Ulysses inside cp_inner, the "
+            "attention method across cp_outer)"
+            if grid
+            else ""
+        )
+        fix = "pass the sub-mesh, e.g. mesh['cp']"
+        if tuple(cp_mesh.mesh_dim_names or ()) == CP_GRID_DIMS:
+            fix = "for a 2-D CP mesh pass the sharder's cp_mesh (its flattening)"
         raise ValueError(
-            f"cp_mesh must be 1-D (the CP group alone), got a {cp_mesh.ndim}-D mesh "
-            f"with dims {cp_mesh.mesh_dim_names}; pass the sub-mesh, e.g. mesh['cp']"
+            f"cp_mesh must be 1-D (the CP group alone){also}, got a {cp_mesh.ndim}-D mesh "
+            f"with dims {cp_mesh.mesh_dim_names}; {fix}"
         )
     return cp_mesh
+
+
+def split_cp_mesh(cp_mesh: DeviceMesh | None) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """``(flat, grid)`` of a validated CP mesh.
+
+    A 1-D mesh is its own flat mesh, with no grid. A 2-D ``("cp_outer", "cp_inner")`` mesh gives
+    its flattened 1-D mesh (row-major: CP rank ``o * U + i`` at ``(o, i)``; made once and cached
+    by torch on the root mesh) and itself as the grid.
+    """
+    if cp_mesh is None or cp_mesh.ndim == 1:
+        return cp_mesh, None
+    flat: DeviceMesh = flatten_mesh(cp_mesh)
+    return flat, cp_mesh
+
+
+def grid_groups(grid: DeviceMesh) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """``(inner, outer)`` process groups of a 2-D CP mesh (``None`` for a dim of size 1)."""
+    inner, outer = (
+        grid.get_group(name) if grid.size(dim) > 1 else None
+        for dim, name in ((1, CP_GRID_DIMS[1]), (0, CP_GRID_DIMS[0]))
+    )
+    return inner, outer
 
 
 def cp_group(cp_mesh: DeviceMesh | None) -> ProcessGroup | None:
@@ -450,6 +497,11 @@ def group_global_ranks(group: ProcessGroup | None) -> set[int]:
         return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     except (RuntimeError, ValueError, AttributeError):
         return set()
+
+
+def group_ranks(group: ProcessGroup) -> list[int]:
+    """The global ranks of ``group``, in group-rank order."""
+    return list(dist.get_process_group_ranks(group))
 
 
 def group_rank_and_size(group: ProcessGroup) -> tuple[int, int]:

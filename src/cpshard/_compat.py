@@ -55,6 +55,7 @@ __all__ = [
     "flash_attention_backward",
     "flash_varlen_attention",
     "flash_varlen_attention_backward",
+    "flatten_mesh",
     "forward_pre_hooks",
     "function_mode_stack",
     "gradient_checkpointing_func",
@@ -127,6 +128,17 @@ def tensor_version(t: Tensor) -> int:
     checked against: torch 2.11, 2.13.
     """
     return int(t._version)
+
+
+def flatten_mesh(mesh: Any) -> Any:
+    """The 1-D ``DeviceMesh`` over every rank of an n-D ``mesh``, in row-major order.
+
+    ``DeviceMesh._flatten()`` (its default dim name joins the mesh's dim names): made once per
+    root mesh and cached there by torch (a later call returns the same mesh, no new group). The
+    2-D CP mesh's one flattened CP group (``cpshard._comm.split_cp_mesh``). checked against:
+    torch 2.13.
+    """
+    return mesh._flatten()
 
 
 def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:

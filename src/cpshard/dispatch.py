@@ -39,6 +39,7 @@ from cpshard.attention.auto import CHOICE_KEY, choose_for_batch
 from cpshard.attention.context import cp_attention_context
 from cpshard.attention.cost import CostModel
 from cpshard.attention.hf import cp_attention_scope
+from cpshard.attention.hybrid import merged_meta
 from cpshard.attention.methods import method_named
 from cpshard.attention.plan import attention_plan
 from cpshard.guards.model import install_model_guard, remember_shard
@@ -177,15 +178,20 @@ def _with_cp_attention(
     attention: AttentionChoice,
     state: StepState | None = None,
     cost: CostModel | None = None,
+    grid_mesh: DeviceMesh | None = None,
 ) -> CPContext:
     """The shard's own context, or CP attention over its token meta when it brings none.
 
     The attention plan is built here, once per batch at shard time (host work), so the layers
     and the backward only run kernels and collectives. ``"auto"`` is resolved here, per batch
-    (:func:`cpshard.attention.auto.choose_for_batch`, identical on every rank).
+    (:func:`cpshard.attention.auto.choose_for_batch`, identical on every rank). With a 2-D CP
+    ``grid_mesh`` the method runs across ``cp_outer`` on the shards merged by the Ulysses
+    all-to-all inside ``cp_inner``: the choice and the plan are those of the merged meta
+    (:func:`cpshard.attention.hybrid.merged_meta`).
 
     Raises:
-        ValueError: the shard brings neither a context nor a token meta.
+        ValueError: the shard brings neither a context nor a token meta; ``attention="ulysses"``
+            with a 2-D CP mesh (the attention names the outer method there).
     """
     meta = ctx.facts.token_meta
     if ctx.factory is not None:
@@ -197,12 +203,35 @@ def _with_cp_attention(
             "over (attention under ctx() would be silently shard-local). Put the token meta in "
             "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
         )
-    method = choose_for_batch(meta, cp_mesh, cost) if attention == "auto" else attention
+    run_meta, outer = meta, False
+    if grid_mesh is not None and grid_mesh.size(1) > 1:
+        problem = _grid_problem(grid_mesh, attention)
+        if problem is not None:  # raised after the fingerprint already: a safeguard here
+            raise problem
+        run_meta, outer = merged_meta(meta, grid_mesh.size(1)), True
+    method = (
+        choose_for_batch(run_meta, cp_mesh, cost, outer=outer) if attention == "auto" else attention
+    )
     meta.plan_cache[CHOICE_KEY] = method  # ctx.facts.attention_method
-    method_named(method).plans(attention_plan(meta), True, None, meta.positions.device)
+    method_named(method).plans(attention_plan(run_meta), True, None, meta.positions.device)
     tracker = None if state is None or cp_mesh is None else ForwardTracker(state, cp_mesh)
-    factory = functools.partial(cp_attention_context, cp_mesh, meta, method, tracker=tracker)
+    on = cp_mesh if grid_mesh is None else grid_mesh
+    factory = functools.partial(cp_attention_context, on, meta, method, tracker=tracker)
     return CPContext(factory, ctx.facts)
+
+
+def _grid_problem(grid_mesh: DeviceMesh | None, attention: str) -> ValueError | None:
+    """The error of ``attention`` on a 2-D CP mesh (there it names the outer method), or
+    ``None``."""
+    if grid_mesh is None or grid_mesh.size(1) <= 1 or attention != "ulysses":
+        return None
+    return ValueError(
+        f"attention='ulysses' with a 2-D cp_mesh ({grid_mesh.size(0)} cp_outer x "
+        f"{grid_mesh.size(1)} cp_inner): there the attention names the outer method, run "
+        "across cp_outer while Ulysses runs inside cp_inner; pass attention='ring', "
+        "'selective', 'all_gather' or 'auto' (or a 1-D cp_mesh for Ulysses over the "
+        "whole CP group)"
+    )
 
 
 def _forward_accepts(model: nn.Module, *names: str) -> bool:
@@ -340,8 +369,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 # --- the prepare pipeline ----------------------------------------------------------------------
 def _valid_cp_mesh(cp_mesh: object) -> DeviceMesh | None:
-    """``cp_mesh`` if it is ``None`` or a 1-D mesh that contains this rank (else raise)."""
-    mesh = _comm.validate_cp_mesh(cp_mesh)
+    """``cp_mesh`` if it is ``None`` or a 1-D mesh (or a 2-D ``("cp_outer", "cp_inner")`` CP
+    mesh: Ulysses x the attention method) that contains this rank (else raise)."""
+    mesh = _comm.validate_cp_mesh(cp_mesh, grid=True)
     if mesh is not None and not _comm.mesh_contains_this_rank(mesh):
         raise ValueError(
             f"cp_mesh is the mesh of ranks {mesh.mesh.tolist()} (dims "
@@ -359,7 +389,8 @@ class PrepareChecks:
     the same functions to prove each runs once); :data:`CHECKS` holds the real ones.
 
     Attributes:
-        cp_mesh: ``cp_mesh`` is ``None`` or a 1-D mesh holding this rank (before any collective).
+        cp_mesh: ``cp_mesh`` is ``None`` or a 1-D (or 2-D CP) mesh holding this rank (before any
+            collective).
         token_mixers: The verdict on the model's token mixers outside attention (before any
             collective; only with a model that does not own its CP).
         batch_mapping: The batch is a dict cpshard can read (after the fingerprint, so a batch
@@ -386,12 +417,15 @@ class _Validated:
 
     Attributes:
         options: The call's validated keywords.
-        cp_mesh: The validated CP mesh (``None``: no CP).
+        cp_mesh: The validated 1-D CP mesh (``None``: no CP); for a 2-D CP mesh its flattening,
+            which the batch is sharded over.
         batch: The caller's batch (never mutated).
         model: ``prepare_cp_forward``'s model, unwrapped from DDP / DataParallel; ``None`` for
             ``make_cp_batch_and_ctx`` (whose ``model`` only feeds the mixer verdict).
         synced_by_ddp: The model's DDP wrapper sums its gradients over the CP group.
         mixers: How ``ctx`` runs the model's token mixers; its ``layout`` is the one to resolve.
+        grid_mesh: The caller's 2-D ``("cp_outer", "cp_inner")`` CP mesh, which CP attention
+            runs on (Ulysses x the method: :mod:`cpshard.attention.hybrid`), or ``None`` (1-D).
     """
 
     options: PrepareOptions
@@ -400,6 +434,7 @@ class _Validated:
     model: nn.Module | None
     synced_by_ddp: bool
     mixers: MixerPlan
+    grid_mesh: DeviceMesh | None = None
 
 
 def _validate(
@@ -417,7 +452,7 @@ def _validate(
             f"{type(model).__name__}; pass the model, or call make_cp_batch_and_ctx for a batch "
             "without one"
         )
-    mesh = checks.cp_mesh(cp_mesh)
+    mesh, grid_mesh = _comm.split_cp_mesh(checks.cp_mesh(cp_mesh))
     cp_size = _comm.cp_rank_and_size(mesh)[1]
     synced_by_ddp, prepared = False, None
     if options.runs_model_hook and model is not None:
@@ -435,7 +470,7 @@ def _validate(
         mixers = checks.token_mixers(
             inner, cp_size, strict=options.strict, packed=packed, layout=options.layout
         )
-    return _Validated(options, mesh, batch, prepared, synced_by_ddp, mixers)
+    return _Validated(options, mesh, batch, prepared, synced_by_ddp, mixers, grid_mesh)
 
 
 def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
@@ -467,6 +502,8 @@ def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
         )
     )
     problem = o.problem()  # the same on every rank now: the fingerprint compared the options
+    if problem is None:
+        problem = _grid_problem(call.grid_mesh, o.attention)
     if problem is not None:
         raise problem
     checks.batch_mapping(call.batch)
@@ -542,7 +579,8 @@ def _compose(
     of this shard, the model-owned map's check, the HF attention switch, the token mixers and
     the step tracking, in that order."""
     mesh, model = call.cp_mesh, call.model
-    ctx = _with_cp_attention(ctx, mesh, call.options.attention, state, call.options.attention_cost)
+    o = call.options
+    ctx = _with_cp_attention(ctx, mesh, o.attention, state, o.attention_cost, call.grid_mesh)
     if model is not None:
         remember_shard(model, ctx.facts.token_meta)  # the guard knows copies of this batch
         if owned:
@@ -612,7 +650,11 @@ def make_cp_batch_and_ctx(
     """Resolve a sharder and shard ``batch`` on the CP mesh (the dispatch without a model hook).
 
     Args:
-        cp_mesh: 1-D CP ``DeviceMesh`` or ``None``.
+        cp_mesh: 1-D CP ``DeviceMesh`` or ``None``; or a 2-D CP mesh with dims
+            ``("cp_outer", "cp_inner")`` (``R x U``): the batch is sharded over its flattening
+            (the returned sharder's ``cp_mesh``), and CP attention runs Ulysses inside
+            ``cp_inner`` and ``attention`` (not ``"ulysses"``) across ``cp_outer``
+            (:mod:`cpshard.attention.hybrid`).
         batch: Caller's batch (never mutated). Dense: ``input_ids``/``inputs_embeds``, ...;
             packed: also ``seq_lens`` or ``cu_seqlens``.
         layout: ``"auto"`` (packed batch: balanced; dense: round_robin at cp > 1, none at
@@ -652,13 +694,13 @@ def make_cp_batch_and_ctx(
         per-token tensors between caller coordinates and this rank's shard.
 
     Raises:
-        TypeError, ValueError: a mesh that is not 1-D, unknown names, malformed batches, a pad
-            id that is not a non-negative int, ranks given different batches, a model whose
-            token mixers cannot run exactly (or need the generic path under ``strict``). The
-            mesh and the mixers are checked on each rank before any collective; the keywords
-            (:class:`cpshard.options.PrepareOptions`), the batch and the pad id right after the
-            cross-rank fingerprint (the one small collective, which carries them), so one bad
-            on one rank only raises on every rank too.
+        TypeError, ValueError: a mesh that is neither 1-D nor a 2-D CP mesh, unknown names,
+            malformed batches, a pad id that is not a non-negative int, ranks given different
+            batches, a model whose token mixers cannot run exactly (or need the generic path
+            under ``strict``). The mesh and the mixers are checked on each rank before any
+            collective; the keywords (:class:`cpshard.options.PrepareOptions`), the batch and
+            the pad id right after the cross-rank fingerprint (the one small collective, which
+            carries them), so one bad on one rank only raises on every rank too.
     """
     options = PrepareOptions(
         layout=layout,
@@ -705,7 +747,8 @@ def prepare_cp_forward(
 
     Args:
         model: The model (``nn.Module``).
-        cp_mesh: 1-D CP mesh or ``None``.
+        cp_mesh: 1-D CP mesh or ``None``, or a 2-D ``("cp_outer", "cp_inner")`` CP mesh (see
+            :func:`make_cp_batch_and_ctx`).
         batch: Caller's batch; never mutated.
         padding_token_id: Pad id for ``input_ids``: a non-negative int (inside the model's
             vocabulary in :func:`prepare_cp_forward`); ``None`` only without ``input_ids``. See

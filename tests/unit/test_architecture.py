@@ -97,6 +97,11 @@ HOST_ONLY = (
 RULES: tuple[Rule, ...] = (
     Rule("cpshard.names", ("cpshard", "torch", "numpy"), "names.py is a leaf (typing only)"),
     Rule(
+        "cpshard._version",
+        ("cpshard", "torch"),
+        "_version.py is read by the build (setuptools' attr:), so it imports nothing",
+    ),
+    Rule(
         "cpshard.layouts",
         ("cpshard", "torch.distributed"),
         "layouts are pure index math: they import only layouts and names",

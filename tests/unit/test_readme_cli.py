@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from _readme import README, fenced_block
 from cpshard.cli.main import _build
 
@@ -56,3 +58,18 @@ def test_synopsis_flags_reads_the_block() -> None:
         ("parity", "--models", "a|b"),
         ("parity", "--steps", "3"),
     ]
+
+
+def test_version_is_one_fact(capsys: pytest.CaptureFixture[str]) -> None:
+    """``cpshard --version``, ``cpshard.__version__`` and the installed metadata agree."""
+    import importlib.metadata
+
+    import cpshard
+    from cpshard.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cpshard {cpshard.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", cpshard.__version__)
+    assert importlib.metadata.version("cpshard") == cpshard.__version__

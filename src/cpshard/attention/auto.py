@@ -43,14 +43,20 @@ _last_logged: weakref.WeakKeyDictionary[DeviceMesh, str] = weakref.WeakKeyDictio
 
 
 def choose_for_batch(
-    meta: TokenMeta, cp_mesh: DeviceMesh | None, cost_model: CostModel | None = None
+    meta: TokenMeta,
+    cp_mesh: DeviceMesh | None,
+    cost_model: CostModel | None = None,
+    *,
+    outer: bool = False,
 ) -> str:
     """The method ``attention="auto"`` runs for this batch (recorded on ``meta``, logged on change).
 
     Args:
-        meta: Token meta of the sharded batch.
+        meta: Token meta of the sharded batch (for a 2-D CP mesh: the merged meta the outer
+            method runs on, :func:`cpshard.attention.hybrid.merged_meta`).
         cp_mesh: The CP mesh (the log memo's key), or ``None``.
         cost_model: Rates and the assumed call shape; ``None`` -> :class:`CostModel` defaults.
+        outer: Choose the outer method of a 2-D CP mesh (never ``ulysses``).
 
     Returns:
         A method name of :data:`cpshard.names.METHOD_NAMES`.
@@ -60,6 +66,8 @@ def choose_for_batch(
     facts = plan_facts(meta, True, None)
     # Only methods that serve every head count: the model's heads are not known here.
     candidates = servable(1, 1, meta.world_size)
+    if outer:
+        candidates = tuple(m for m in candidates if m != "ulysses")
     best, costs = choose_method(facts, model.shape(rows), model, candidates)
     meta.plan_cache[CHOICE_KEY] = best
     meta.plan_cache[COSTS_KEY] = dict(costs)

@@ -49,9 +49,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from cpshard import _compat
-from cpshard._comm import cp_group
+from cpshard._comm import cp_group, split_cp_mesh, validate_cp_mesh
 from cpshard.attention.autocast import autocast_inputs
 from cpshard.attention.core import check_method, run_sdpa
+from cpshard.attention.hybrid import CPGrid, check_grid, cp_grid
 from cpshard.sharding.facts import batch_tag, same_shard
 from cpshard.sharding.meta import TokenMeta
 
@@ -117,9 +118,11 @@ class _CPSDPAMode(TorchFunctionMode):
         meta: TokenMeta,
         method: str,
         tracker: StepTracker | None = None,
+        grid: CPGrid | None = None,
     ) -> None:
         super().__init__()
         self.group = group
+        self.grid = grid  # the groups of a 2-D CP mesh (Ulysses x method), else None
         self.meta = meta
         self.method = method
         self.tracker = tracker  # None in a recomputation (its calls are not a new forward)
@@ -214,22 +217,23 @@ class _CPSDPAMode(TorchFunctionMode):
         """:func:`cp_sdpa` on this context's group, meta and method, inside the step tracker.
 
         A ``meta`` in ``kwargs`` replaces the context's (Llama 4's chunked layers attend over a
-        chunk-split token meta of the same shards), a ``method`` the context's
-        (:func:`cpshard.attention.cp_attention` called inside the context).
+        chunk-split token meta of the same shards), a ``method`` and ``grid`` the context's
+        (:func:`cpshard.attention.cp_attention` called inside the context: its method, 1-D).
         """
         meta = kwargs.pop("meta", self.meta)
         method = kwargs.pop("method", self.method)
+        grid = kwargs.pop("grid", self.grid)
         tracker = self.tracker
         if tracker is None or torch.compiler.is_compiling():  # compiled forwards: not tracked
             return run_sdpa(
-                q, k, v, group=self.group, meta=meta, method=method, agreed=False, where="ctx()",
-                **kwargs,
+                q, k, v, group=self.group, meta=meta, method=method, grid=grid, agreed=False,
+                where="ctx()", **kwargs,
             )  # fmt: skip
         # the tracker's header compares the dtype the call computes in (autocast's, as for SDPA)
         q, k, v = tracker.enter_call(*autocast_inputs(q, k, v))
         out = run_sdpa(
-            q, k, v, group=self.group, meta=meta, method=method, agreed=True, where="ctx()",
-            **kwargs,
+            q, k, v, group=self.group, meta=meta, method=method, grid=grid, agreed=True,
+            where="ctx()", **kwargs,
         )  # fmt: skip
         return tracker.leave_call(out)
 
@@ -318,7 +322,8 @@ def attend_in_active_context(
     if mode is None or mode.group is not group:
         return None
     mode.attention_calls += 1  # a CP attention call of this context, as a routed one
-    return mode.attend(q, k, v, meta=meta, **kwargs)
+    # the call keeps its own semantics: its method over its group (1-D, as outside ctx())
+    return mode.attend(q, k, v, meta=meta, grid=None, **kwargs)
 
 
 def cp_context_active() -> bool:
@@ -384,7 +389,7 @@ def _recompute_in(mode: _CPSDPAMode) -> Iterator[None]:
     if _modes():  # already inside a CP context (e.g. a checkpoint recomputed in the forward)
         yield
         return
-    again = _CPSDPAMode(mode.group, mode.meta, mode.method)
+    again = _CPSDPAMode(mode.group, mode.meta, mode.method, grid=mode.grid)
     again.checkpointed = 1
     with contextlib.ExitStack() as stack:
         for factory in mode.on_recompute:
@@ -429,7 +434,12 @@ def _scope(
             "batch's attention would silently mix with the outer one; leave the first ctx "
             "before entering the next"
         )
-    with _CPSDPAMode(cp_group(cp_mesh), meta, method, tracker):
+    flat, grid_mesh = split_cp_mesh(cp_mesh)
+    grid = None
+    if grid_mesh is not None:
+        grid = cp_grid(grid_mesh)
+        check_grid(grid, cp_group(flat), meta.rank, meta.world_size)
+    with _CPSDPAMode(cp_group(flat), meta, method, tracker, grid):
         yield
 
 
@@ -443,7 +453,10 @@ def cp_attention_context(
     """A context in which SDPA calls over the local shard become CP attention.
 
     Args:
-        cp_mesh: 1-D CP mesh, or ``None`` (then ``meta.world_size`` must be 1).
+        cp_mesh: 1-D CP mesh, or ``None`` (then ``meta.world_size`` must be 1), or a 2-D
+            ``("cp_outer", "cp_inner")`` mesh whose flattening the batch was sharded over: then
+            Ulysses runs inside ``cp_inner`` and ``method`` across ``cp_outer``
+            (:mod:`cpshard.attention.hybrid`).
         meta: Token meta of the sharded batch.
         method: A method of :data:`cpshard.names.METHOD_NAMES` (``"all_gather"``, ``"ring"``,
             ``"ulysses"``, ``"selective"``) or ``"auto"`` (resolved per call by
@@ -454,7 +467,9 @@ def cp_attention_context(
         A context manager; use as ``with cp_attention_context(mesh, meta, "ring"): model(...)``.
 
     Raises:
-        ValueError: unknown ``method`` (raised here, before the model runs).
+        ValueError: unknown ``method`` or a mesh that is neither 1-D nor a 2-D CP mesh (raised
+            here, before the model runs).
+        TypeError: ``cp_mesh`` is not a ``DeviceMesh`` (or ``None``).
 
     Example:
         >>> ctx = functools.partial(cp_attention_context, cp_mesh, meta, "ring")
@@ -462,4 +477,4 @@ def cp_attention_context(
         ...     out = model(**batch)
     """
     check_method(method)
-    return _scope(cp_mesh, meta, method, tracker)
+    return _scope(validate_cp_mesh(cp_mesh, grid=True), meta, method, tracker)

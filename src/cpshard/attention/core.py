@@ -25,6 +25,7 @@ from cpshard._comm import cp_group, group_rank_and_size
 from cpshard.attention.agree import agree_once
 from cpshard.attention.autocast import autocast_inputs, autocast_off
 from cpshard.attention.cost import CallShape, CostModel, choose_method, plan_facts
+from cpshard.attention.hybrid import CPGrid, check_grid, hybrid_attention, kv_repeat, merged_meta
 from cpshard.attention.kernels import COMPILE_BEFORE_2_13, KernelBackend
 from cpshard.attention.methods import METHODS, method_named, servable
 from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
@@ -62,12 +63,14 @@ def _validate(
     v: torch.Tensor,
     meta: TokenMeta,
     method: str,
+    group: ProcessGroup | None,
     rank: int,
     world: int,
     plan: AttentionPlan | None,
     causal: bool,
     window: int | None,
     softcap: float | None,
+    grid: CPGrid | None = None,
 ) -> None:
     check_method(method)
     check_window(window, causal)
@@ -123,6 +126,16 @@ def _validate(
             f"meta is for rank {meta.rank} of {meta.world_size} but the process group gives rank "
             f"{rank} of {world}; pass the CP group the batch was sharded over"
         )
+    if grid is not None:
+        if not torch.compiler.is_compiling():  # group lookups: checked eagerly (ctx entry too)
+            check_grid(grid, group, rank, world)
+        if method == "ulysses" and grid.splits_heads:
+            raise ValueError(
+                f"with a 2-D CP mesh ({grid.outer_size} cp_outer x {grid.inner_size} cp_inner) "
+                "the attention method names the outer method, run across cp_outer while Ulysses "
+                "runs inside cp_inner: pass 'ring', 'selective', 'all_gather' or 'auto', not "
+                "'ulysses' (for Ulysses over the whole CP group pass the 1-D CP mesh)"
+            )
     if method != "auto":
         method_named(method).check(hq, hkv, world)
 
@@ -133,12 +146,14 @@ def resolve_method(
     shape: CallShape,
     world: int,
     cost_model: CostModel | None = None,
+    outer: bool = False,
 ) -> str:
     """``method`` itself, or for ``"auto"`` the cheapest method that serves this call.
 
     Decided from global facts only (the batch's token meta and the call's shapes, equal on every
     rank), so every rank picks the same method without a collective; a method whose check refuses
-    the call (ulysses with head counts not divisible by ``world``) is never picked.
+    the call (ulysses with head counts not divisible by ``world``) is never picked, nor ulysses
+    as the ``outer`` method of a 2-D CP mesh (:mod:`.hybrid`).
     """
     if method != "auto":
         return method
@@ -148,7 +163,7 @@ def resolve_method(
     # a string, so a compiled region could not even read an eagerly cached choice)
     key = (
         f"auto|{shape.batch}|{shape.q_heads}|{shape.kv_heads}|{shape.head_dim}|"
-        f"{shape.itemsize}|{shape.causal}|{shape.window}|{world}|{cost_model!r}"
+        f"{shape.itemsize}|{shape.causal}|{shape.window}|{world}|{outer}|{cost_model!r}"
     )
     hit = plan.meta.plan_cache.get(key)
     if isinstance(hit, str):
@@ -163,7 +178,10 @@ def resolve_method(
         )
     facts = plan_facts(plan.meta, shape.causal, shape.window)
     model = CostModel() if cost_model is None else cost_model
-    best, _ = choose_method(facts, shape, model, servable(shape.q_heads, shape.kv_heads, world))
+    candidates = servable(shape.q_heads, shape.kv_heads, world)
+    if outer:
+        candidates = tuple(m for m in candidates if m != "ulysses")
+    best, _ = choose_method(facts, shape, model, candidates)
     plan.meta.plan_cache[key] = best
     return best
 
@@ -198,6 +216,7 @@ def cp_sdpa(
     softcap: float | None = None,
     plan: AttentionPlan | None = None,
     sinks: torch.Tensor | None = None,
+    grid: CPGrid | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention over the global sequence from local CP shards.
 
@@ -227,6 +246,11 @@ def cp_sdpa(
         sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``): one extra logit per head in
             the softmax denominator with a zero value row, merged once through the LSE after
             every key block; differentiable. ``None`` = no sinks.
+        grid: The groups of a 2-D ``(cp_outer, cp_inner)`` CP mesh whose flattening is
+            ``group`` (:func:`cpshard.attention.hybrid.cp_grid`), or ``None`` (1-D CP). With a
+            grid, Ulysses runs inside ``cp_inner`` and ``method`` (not ``"ulysses"``) across
+            ``cp_outer``; a query head count not divisible by the inner size runs ``method``
+            over the whole CP group instead (:mod:`cpshard.attention.hybrid`).
 
     Under an active ``torch.autocast`` for the tensors' device, ``q``, ``k`` and ``v`` are cast
     to its dtype first, as SDPA does (:mod:`cpshard.attention.autocast`); the merge and the
@@ -243,11 +267,12 @@ def cp_sdpa(
         ValueError: unknown method, inconsistent shapes/dtypes (mixed q/k/v dtypes outside
             autocast), ranks whose calls differ, a meta that does not match the inputs or the
             group, a plan of another meta, a window that is not a positive int (or a window
-            without causal masking), or (ulysses) heads not divisible by the CP size.
+            without causal masking), (ulysses) heads not divisible by the CP size, or a grid that
+            does not factor ``group`` (or names ``"ulysses"``).
     """
     return run_sdpa(
         q, k, v, group=group, meta=meta, method=method, causal=causal, scale=scale,
-        backend=backend, window=window, softcap=softcap, plan=plan, sinks=sinks,
+        backend=backend, window=window, softcap=softcap, plan=plan, sinks=sinks, grid=grid,
         agreed=False, where="cp_sdpa",
     )  # fmt: skip
 
@@ -269,6 +294,7 @@ def run_sdpa(
     softcap: float | None = None,
     plan: AttentionPlan | None = None,
     sinks: torch.Tensor | None = None,
+    grid: CPGrid | None = None,
 ) -> torch.Tensor:
     """:func:`cp_sdpa` for cpshard's own routes: its arguments, plus ``agreed`` (``True`` when
     the caller made the ranks agree on this call already: the step tracker of a ``ctx()``;
@@ -281,7 +307,7 @@ def run_sdpa(
             q, k, v, group, meta, method=method, causal=causal, window=window, softcap=softcap,
             sinks=sinks, where=where,
         )  # fmt: skip
-    _validate(q, k, v, meta, method, rank, world, plan, causal, window, softcap)
+    _validate(q, k, v, meta, method, group, rank, world, plan, causal, window, softcap, grid)
     _check_sinks(sinks, q.shape[1])
     if group is not None and world == 1:
         group = None
@@ -293,7 +319,20 @@ def run_sdpa(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = _same_head_dim(q, k, v)
-    name = resolve_method(method, plan, shape, world)
+    # 2-D CP: Ulysses inside cp_inner, the method across cp_outer on the merged shards; a query
+    # head count the inner size does not divide runs the method over the whole CP group
+    hybrid = grid is not None and grid.splits_heads and q.shape[1] % grid.inner_size == 0
+    run_group, run_world = group, world
+    if hybrid:
+        assert grid is not None
+        u = grid.inner_size
+        plan = attention_plan(merged_meta(meta, u))
+        run_group, run_world = grid.outer, grid.outer_size
+        hkv = k.shape[1] * kv_repeat(k.shape[1], u)
+        shape = CallShape(
+            q.shape[0], q.shape[1] // u, hkv // u, q.shape[-1], q.element_size(), causal, window
+        )
+    name = resolve_method(method, plan, shape, run_world, outer=grid is not None)
     chosen = method_named(name)
     # selective caches its own plans on the token meta; the others' live in the AttentionPlan
     if (
@@ -327,9 +366,17 @@ def run_sdpa(
     plans = chosen.plans(plan, causal, window, q.device)
     cap = None if softcap is None else float(softcap)
     with autocast_off(q.device):  # the methods' fp32 accumulation stays fp32
-        out = chosen.apply(
-            q, k, v, plans, group, scale=float(scale), backend=backend, softcap=cap, sinks=sinks
-        )
+        if hybrid:
+            assert grid is not None
+            out = hybrid_attention(
+                q, k, v, chosen, plans, grid, scale=float(scale), backend=backend, softcap=cap,
+                sinks=sinks,
+            )  # fmt: skip
+        else:
+            out = chosen.apply(
+                q, k, v, plans, run_group, scale=float(scale), backend=backend, softcap=cap,
+                sinks=sinks,
+            )  # fmt: skip
     return out if out.shape[-1] == dv else out[..., :dv]
 
 

@@ -26,10 +26,10 @@ from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.merge import add_sinks, sink_grad
 from cpshard.attention.plan import AttentionPlan, PairPlan
 
-__all__ = ["UlyssesMethod", "ulysses_attention"]
+__all__ = ["UlyssesMethod", "heads_to_seq", "seq_to_heads", "ulysses_attention"]
 
 
-def _seq_to_heads(
+def seq_to_heads(
     xs: list[torch.Tensor], group: ProcessGroup | None, world: int
 ) -> list[torch.Tensor]:
     """``[B, H_i, L, D]`` each -> ``[B, H_i/C, C*L, D]`` each, one all-to-all for all of them."""
@@ -45,10 +45,10 @@ def _seq_to_heads(
     ]
 
 
-def _heads_to_seq(
+def heads_to_seq(
     ys: list[torch.Tensor], group: ProcessGroup | None, world: int
 ) -> list[torch.Tensor]:
-    """Inverse of :func:`_seq_to_heads`: ``[B, h_i, C*L, D]`` -> ``[B, h_i*C, L, D]``."""
+    """Inverse of :func:`seq_to_heads`: ``[B, h_i, C*L, D]`` -> ``[B, h_i*C, L, D]``."""
     if group is None:
         return ys
     parts = [torch.unflatten(y, 2, (world, y.shape[2] // world)).permute(2, 0, 1, 3, 4) for y in ys]
@@ -84,7 +84,7 @@ class _UlyssesAttention(torch.autograd.Function):
         softcap: float | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        qh, kh, vh = _seq_to_heads([q, k, v], group, world)
+        qh, kh, vh = seq_to_heads([q, k, v], group, world)
         out, lse = attend(qh, kh, vh, plan, scale=scale, backend=backend, softcap=softcap)
         mine = None
         if sinks is not None:  # this rank's slice of the heads
@@ -92,7 +92,7 @@ class _UlyssesAttention(torch.autograd.Function):
             add_sinks(out, lse, mine)
         ctx.save_for_backward(qh, kh, vh, out, lse, sinks, mine)
         ctx.args = (plan, group, world, scale, backend, softcap)
-        (local,) = _heads_to_seq([out.to(q.dtype)], group, world)
+        (local,) = heads_to_seq([out.to(q.dtype)], group, world)
         return local
 
     @staticmethod
@@ -100,11 +100,11 @@ class _UlyssesAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qh, kh, vh, out, lse, sinks, mine = ctx.saved_tensors
         plan, group, world, scale, backend, softcap = ctx.args
-        (gh,) = _seq_to_heads([grad_out.contiguous()], group, world)
+        (gh,) = seq_to_heads([grad_out.contiguous()], group, world)
         res = attend_backward(
             gh, qh, kh, vh, out, lse, plan, scale=scale, backend=backend, softcap=softcap
         )
-        dq, dk, dv = _heads_to_seq(list(res), group, world)
+        dq, dk, dv = heads_to_seq(list(res), group, world)
         ds = None
         if sinks is not None:  # this rank's heads over the whole stream; zero elsewhere
             ds = torch.zeros_like(sinks)

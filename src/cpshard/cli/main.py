@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from cpshard._version import __version__
+
 __all__ = ["build_parser", "main"]
 
 # sub-command name -> module under cpshard.cli with add_arguments(parser) and run(args) -> int;
@@ -59,6 +61,9 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         prog="cpshard",
         description="Context parallelism you can check: layouts, parity, balance.",
         formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     subparsers: dict[str, argparse.ArgumentParser] = {}

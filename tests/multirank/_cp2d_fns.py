@@ -1,0 +1,201 @@
+"""Rank functions for the 2-D CP attention tests (Ulysses inside cp_inner x a method across
+cp_outer); top-level, so pool ranks can import them."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _attention_fns import _backward_and_reduce, hf_padded_batch, tiny_hf_model
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from _attention_common import DTYPES, inputs, make_case, make_meta
+from cpshard import make_cp_batch_and_ctx, prepare_cp_forward, sync_grads
+from cpshard._comm import CommRecorder, cp_group
+from cpshard.attention import cp_grid, cp_sdpa
+
+
+@functools.cache
+def grid_mesh(outer: int, inner: int) -> DeviceMesh:
+    """This pool rank's 2-D CP mesh ``(cp_outer, cp_inner)`` over every rank (made once per
+    rank process: each mesh makes process groups)."""
+    return init_device_mesh("cpu", (outer, inner), mesh_dim_names=("cp_outer", "cp_inner"))
+
+
+def cp2d_case(
+    cp_mesh: DeviceMesh,
+    inner: int,
+    method: str,
+    layout: str,
+    seq_len: int,
+    heads: tuple[int, int],
+    dtype: str,
+    n_docs: int = 3,
+    window: int | None = None,
+    sinks: bool = False,
+    meta_batch: int = 1,
+    causal: bool = True,
+) -> dict[str, Any]:
+    """Local output and gradients of ``cp_sdpa`` with the grid of a 2-D CP mesh, and the number
+    of all-to-alls it ran (the Ulysses exchanges: 2 forward + 2 backward, or 0 when the head
+    count sent the call to the outer method over the whole group)."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    grid = cp_grid(grid_mesh(world // inner, inner))
+    batch, dim = 2, 8
+    rmap, docs = make_case(layout, world, seq_len, batch, n_docs, 0, meta_batch)
+    q, k, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), dim, 0)
+    idx = rmap[rank]
+    ql, kl, vl = (
+        t.index_select(2, idx).transpose(1, 2).contiguous().transpose(1, 2).to(DTYPES[dtype])
+        for t in (q, k, v)
+    )
+    for t in (ql, kl, vl):
+        t.requires_grad_()
+    s = None
+    if sinks:
+        s = torch.linspace(-1.0, 1.0, heads[0], dtype=DTYPES[dtype]).requires_grad_()
+    meta = make_meta(rmap, docs, rank)
+    with CommRecorder() as rec:
+        out = cp_sdpa(
+            ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
+            window=window, sinks=s, grid=grid,
+        )  # fmt: skip
+        (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
+    assert ql.grad is not None and kl.grad is not None and vl.grad is not None
+    got = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "idx": idx}
+    if s is not None:
+        assert s.grad is not None
+        ds = s.grad.clone()
+        torch.distributed.all_reduce(ds, group=cp_group(cp_mesh))  # summed over CP, as DDP does
+        got["dsinks"] = ds
+    got["all_to_all"] = rec.count("all_to_all")
+    return got
+
+
+def cp2d_error(cp_mesh: DeviceMesh, inner: int, method: str, transpose: bool) -> str:
+    """The ValueError ``cp_sdpa`` raises on this rank with a 2-D grid (``transpose``: the grid
+    of the transposed mesh, whose flattening is not the CP group's order)."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    grid = cp_grid(grid_mesh(world // inner, inner))
+    if transpose:  # cp_outer's groups as the inner ones: not the row-major factoring
+        grid = type(grid)(grid.outer, grid.inner, grid.inner_size, grid.outer_size)
+    rmap, docs = make_case("round_robin", world, 16, 1, 1, 0, 1)
+    q, k, v, _ = inputs(1, 4, 2, rmap.numel(), 8, 0)
+    idx = rmap[rank]
+    try:
+        cp_sdpa(
+            q.index_select(2, idx), k.index_select(2, idx), v.index_select(2, idx),
+            group=cp_group(cp_mesh), meta=make_meta(rmap, docs, rank), method=method, grid=grid,
+        )  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def hf_cp2d_case(
+    cp_mesh: DeviceMesh | None, inner: int, method: str, heads: int, checkpoint: bool = False
+) -> dict[str, Any]:
+    """A tiny Llama (``heads`` query heads, 2 kv heads when they divide, else 1) through
+    ``prepare_cp_forward`` with a 2-D CP mesh (``cp_mesh=None``: one process, no CP): full
+    logits, loss and the CP-summed parameter grads; the all-to-alls of the forward counted.
+    ``checkpoint``: HF gradient checkpointing with cpshard's recompute context (the backward
+    recomputes every layer's attention, on the same 2-D groups)."""
+    batch = hf_padded_batch("mixed")
+    model = tiny_hf_model("llama")
+    if heads != model.config.num_attention_heads:
+        import transformers as tf
+
+        cfg = model.config.to_dict()
+        kv = 2 if heads % 2 == 0 else 1
+        cfg.update(
+            num_attention_heads=heads, num_key_value_heads=kv, head_dim=8, hidden_size=8 * heads
+        )
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).to(torch.float64)
+    if checkpoint:
+        from cpshard.attention import checkpoint_context_fn
+
+        model.train()
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": checkpoint_context_fn,
+            }
+        )  # fmt: skip
+    mesh: DeviceMesh | None = None
+    if cp_mesh is not None:
+        mesh = grid_mesh(cp_mesh.size() // inner, inner)
+    ctx, local, sharder = prepare_cp_forward(model, mesh, batch, attention=method)
+    with CommRecorder() as rec, ctx():
+        logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
+    n = int((batch["labels"] != -100).sum())
+    loss = F.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(), reduction="sum") / n
+    if cp_mesh is None:
+        loss.backward()
+        grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+        return {"logits": logits.detach(), "loss": float(loss.detach()), "grads": grads}
+    assert sharder.cp_mesh is not None and sharder.cp_mesh.ndim == 1  # sharded on the flattening
+    with CommRecorder() as back:
+        grads, total = _backward_and_reduce(model, loss, sharder.cp_mesh)
+    return {
+        "bwd_all_to_all": back.count("all_to_all"),
+        "logits": sharder.gather_token_tensor(logits.detach(), trim=True),
+        "loss": float(total),
+        "grads": grads if cp_mesh.get_local_rank() == 0 else {},
+        "all_to_all": rec.count("all_to_all"),
+    }
+
+
+def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
+    """What ``make_cp_batch_and_ctx`` raises on this rank for ``attention='ulysses'`` on a 2-D CP
+    mesh and for a 2-D mesh of other dim names, and what ``sync_grads`` raises for a 2-D CP
+    mesh (it sums over the flattened CP group: the sharder's mesh)."""
+    batch = {"input_ids": torch.arange(16).reshape(1, 16)}
+    msgs = []
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_inner", "cp_outer"))
+    for mesh, attention in ((grid_mesh(2, 2), "ulysses"), (other, "ring")):
+        try:
+            make_cp_batch_and_ctx(mesh, batch, attention=attention)
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("no error")
+    try:
+        sync_grads(torch.nn.Linear(2, 2), grid_mesh(2, 2))
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def dp_grid_case(cp_mesh: DeviceMesh, method: str) -> dict[str, Any]:
+    """4 ranks as dp=2 x (1 cp_outer x 2 cp_inner): the tiny Llama on the CP sub-mesh of a 3-D
+    mesh (its flattening is a sub-mesh's), each DP replica the same batch; full logits."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp_outer", "cp_inner"))
+    model = tiny_hf_model("llama")
+    batch = hf_padded_batch("right")
+    ctx, local, sharder = prepare_cp_forward(
+        model, mesh["cp_outer", "cp_inner"], batch, attention=method
+    )
+    with CommRecorder() as rec, ctx():
+        logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
+    return {
+        "logits": sharder.gather_token_tensor(logits.detach(), trim=True),
+        "all_to_all": rec.count("all_to_all"),
+    }
+
+
+def one_process_logits(padding: str) -> torch.Tensor:
+    """The tiny Llama's logits on :func:`hf_padded_batch` in one process through
+    ``prepare_cp_forward`` without CP."""
+    model = tiny_hf_model("llama")
+    ctx, local, _ = prepare_cp_forward(model, None, hf_padded_batch(padding))
+    with ctx():
+        return model(**{k: v for k, v in local.items() if k != "labels"}).logits.detach()
+
+
+def compiled_2d_case(cp_mesh: DeviceMesh, method: str, fullgraph: bool) -> Any:
+    """:func:`_attention_fns.compiled_module_case` on the 2 x 2 CP mesh: eager vs compiled."""
+    from _attention_fns import compiled_module_case
+
+    return compiled_module_case(grid_mesh(2, 2), method, fullgraph)
