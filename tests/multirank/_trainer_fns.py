@@ -10,9 +10,10 @@ dp replicas' batches in one (``per_device_train_batch_size * dp``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,14 +75,21 @@ def prompt_dataset(n: int = 16) -> Any:
     return datasets.Dataset.from_dict({"prompt": prompts})
 
 
-def _common_args(out: str, steps: int, per_device: int, ga: int) -> dict[str, Any]:
-    return {
+def _common_args(
+    out: str, steps: int, per_device: int, ga: int, bf16: bool | None = False
+) -> dict[str, Any]:
+    """The arguments every run shares; ``bf16=None`` leaves the config's own default (TRL's
+    ``SFTConfig`` / ``GRPOConfig``: ``bf16=True``, the forward under CPU autocast)."""
+    args = {
         "output_dir": out, "max_steps": steps, "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": ga, "learning_rate": 0.5, "optim": "sgd",
         "lr_scheduler_type": "constant",
         "logging_steps": 1, "save_strategy": "no", "report_to": "none", "use_cpu": True,
-        "disable_tqdm": True, "seed": 0, "bf16": False, "dataloader_num_workers": 0,
+        "disable_tqdm": True, "seed": 0, "bf16": bf16, "dataloader_num_workers": 0,
     }  # fmt: skip
+    if bf16 is None:
+        del args["bf16"]
+    return args
 
 
 LOGGED = ("loss", "entropy", "reward")
@@ -98,16 +106,25 @@ def _result(trainer: Any) -> dict[str, Any]:
 
 
 def run_sft(
-    cp_size: int | None, per_device: int, steps: int, ga: int, packed: bool = True
+    cp_size: int | None,
+    per_device: int,
+    steps: int,
+    ga: int,
+    packed: bool = True,
+    *,
+    bf16: bool = False,
 ) -> dict[str, Any]:
-    """SFT (TRL) with padding-free packing (or padded rows); ``cp_size=None``: stock trainer."""
+    """SFT (TRL) with padding-free packing (or padded rows); ``cp_size=None``: stock trainer.
+    ``bf16``: ``SFTConfig``'s default precision (``bf16=True``), else fp32."""
     from trl import SFTConfig, SFTTrainer
 
     from cpshard.integrations.trl_trainers import CPSFTTrainer
 
     with tempfile.TemporaryDirectory() as out:
         pack = {"packing": True, "max_length": 24} if packed else {"max_length": 24}
-        args = SFTConfig(**_common_args(out, steps, per_device, ga), **pack)
+        args = SFTConfig(**_common_args(out, steps, per_device, ga, None if bf16 else False),
+                         **pack)  # fmt: skip
+        assert args.bf16 is bf16
         kw = {"model": model(), "args": args, "train_dataset": sft_dataset(),
               "processing_class": tokenizer()}  # fmt: skip
         trainer = SFTTrainer(**kw) if cp_size is None else CPSFTTrainer(**kw, cp_size=cp_size)
@@ -115,14 +132,17 @@ def run_sft(
         return _result(trainer)
 
 
-def run_trainer(cp_size: int | None, per_device: int, steps: int, ga: int) -> dict[str, Any]:
-    """Plain ``transformers.Trainer`` on padded rows (right padding, labels -100 at pads)."""
+def run_trainer(
+    cp_size: int | None, per_device: int, steps: int, ga: int, *, bf16: bool = False
+) -> dict[str, Any]:
+    """Plain ``transformers.Trainer`` on padded rows (right padding, labels -100 at pads);
+    ``bf16``: ``TrainingArguments(bf16=True)``."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from cpshard.integrations.hf_trainer import CPTrainer
 
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(**_common_args(out, steps, per_device, ga))
+        args = TrainingArguments(**_common_args(out, steps, per_device, ga, bf16))
         tok = tokenizer()
         kw = {"model": model(), "args": args, "train_dataset": sft_dataset(),
               "data_collator": DataCollatorForLanguageModeling(tok, mlm=False)}  # fmt: skip
@@ -169,18 +189,22 @@ def seeded_generate_llama() -> type:
     return SeededGenerateLlama
 
 
-def run_grpo(cp_size: int | None, per_device: int, steps: int, salt: int = 0) -> dict[str, Any]:
-    """GRPO (TRL), G=2, 6 new tokens, dapo loss; ``cp_size=None``: the stock trainer."""
+def run_grpo(
+    cp_size: int | None, per_device: int, steps: int, salt: int = 0, *, bf16: bool = False
+) -> dict[str, Any]:
+    """GRPO (TRL), G=2, 6 new tokens, dapo loss; ``cp_size=None``: the stock trainer.
+    ``bf16``: ``GRPOConfig``'s default precision (``bf16=True``), else fp32."""
     from trl import GRPOConfig, GRPOTrainer
 
     from cpshard.integrations.trl_trainers import CPGRPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            **_common_args(out, steps, per_device, 1), num_generations=2,
+            **_common_args(out, steps, per_device, 1, None if bf16 else False), num_generations=2,
             max_completion_length=6, mask_truncated_completions=False, beta=0.0,
             loss_type="dapo", scale_rewards="group", shuffle_dataset=True,
         )  # fmt: skip
+        assert args.bf16 is bf16
         policy = model(seeded_generate_llama())
         policy.salt = salt
         kw = {"model": policy, "reward_funcs": _reward, "args": args,
@@ -218,11 +242,20 @@ def accelerate_on_this_group(mesh: DeviceMesh) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _runner(what: str) -> Callable[..., dict[str, Any]]:
+    """``"sft"``, ``"trainer"``, ``"grpo"``, each also as ``"<name>:bf16"`` (bf16 precision)."""
+    name, _, precision = what.partition(":")
+    fn = {"sft": run_sft, "trainer": run_trainer, "grpo": run_grpo}[name]
+    return functools.partial(fn, bf16=precision == "bf16")
+
+
 def on_ranks(mesh: DeviceMesh, what: str, *args: Any) -> dict[str, Any] | None:
     """Run ``run_<what>(*args)`` on this rank's group; rank 0 returns the result."""
-    fn = {"sft": run_sft, "trainer": run_trainer, "grpo": run_grpo}[what]
+    fn = _runner(what)
     with accelerate_on_this_group(mesh):
-        if what == "grpo":  # CP followers generate differently unless the leader's are broadcast
+        if what.startswith(
+            "grpo"
+        ):  # CP followers generate differently unless the leader's are broadcast
             args = (*args, mesh.get_local_rank() % args[0])
         res = fn(*args)
     return res if mesh.get_local_rank() == 0 else None
@@ -232,7 +265,7 @@ def in_one_process(what: str, *args: Any) -> dict[str, Any]:
     """The stock trainer in this process (no process group), accelerate state reset after."""
     from accelerate.state import AcceleratorState
 
-    fn = {"sft": run_sft, "trainer": run_trainer, "grpo": run_grpo}[what]
+    fn = _runner(what)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         return fn(None, *args)

@@ -29,6 +29,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import Transfer, all_gather_stacked_start, reduce_scatter_stacked_start
+from cpshard.attention.autocast import backward_without_autocast
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
@@ -87,6 +88,7 @@ class _AllGatherAttention(torch.autograd.Function):
         return result
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, full, out, lse, sinks = ctx.saved_tensors
         local, remote, group, scale, backend, softcap = ctx.args

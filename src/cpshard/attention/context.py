@@ -20,7 +20,11 @@
   recomputation routes like the forward did; a routed call inside a checkpoint without it raises
   (the recomputation would otherwise silently run local attention);
 * an op on a local tensor of another batch (a stale ``ctx`` used with a newer batch, or the
-  reverse) raises, and entering a context inside another one raises.
+  reverse) raises, and entering a context inside another one raises;
+* every routed call (and :func:`cpshard.attention.cp_attention` called inside the context) runs
+  in the dtype SDPA would use (autocast's, under ``torch.autocast``:
+  :mod:`cpshard.attention.autocast`) and through the step tracker, whose header makes the ranks
+  compare the forward's first call before its K/V exchange.
 
 Nothing global is patched, and the autograd Functions capture the group and meta, so
 ``backward()`` may run outside the context.
@@ -46,7 +50,8 @@ from torch.overrides import TorchFunctionMode
 
 from cpshard import _compat
 from cpshard._comm import cp_group, split_cp_mesh, validate_cp_mesh
-from cpshard.attention.core import check_method, cp_sdpa
+from cpshard.attention.autocast import autocast_inputs
+from cpshard.attention.core import check_method, run_sdpa
 from cpshard.attention.hybrid import CPGrid, check_grid, cp_grid
 from cpshard.sharding.facts import batch_tag, same_shard
 from cpshard.sharding.meta import TokenMeta
@@ -55,6 +60,7 @@ __all__ = [
     "StepTracker",
     "active_cp_attention",
     "active_mode",
+    "attend_in_active_context",
     "check_meta_of_active_context",
     "checkpoint_context_fn",
     "cp_attention_context",
@@ -211,18 +217,24 @@ class _CPSDPAMode(TorchFunctionMode):
         """:func:`cp_sdpa` on this context's group, meta and method, inside the step tracker.
 
         A ``meta`` in ``kwargs`` replaces the context's (Llama 4's chunked layers attend over a
-        chunk-split token meta of the same shards).
+        chunk-split token meta of the same shards), a ``method`` and ``grid`` the context's
+        (:func:`cpshard.attention.cp_attention` called inside the context: its method, 1-D).
         """
         meta = kwargs.pop("meta", self.meta)
+        method = kwargs.pop("method", self.method)
+        grid = kwargs.pop("grid", self.grid)
         tracker = self.tracker
         if tracker is None or torch.compiler.is_compiling():  # compiled forwards: not tracked
-            return cp_sdpa(
-                q, k, v, group=self.group, meta=meta, method=self.method, grid=self.grid, **kwargs
-            )
-        q, k, v = tracker.enter_call(q, k, v)
-        out = cp_sdpa(
-            q, k, v, group=self.group, meta=meta, method=self.method, grid=self.grid, **kwargs
-        )
+            return run_sdpa(
+                q, k, v, group=self.group, meta=meta, method=method, grid=grid, agreed=False,
+                where="ctx()", **kwargs,
+            )  # fmt: skip
+        # the tracker's header compares the dtype the call computes in (autocast's, as for SDPA)
+        q, k, v = tracker.enter_call(*autocast_inputs(q, k, v))
+        out = run_sdpa(
+            q, k, v, group=self.group, meta=meta, method=method, grid=grid, agreed=True,
+            where="ctx()", **kwargs,
+        )  # fmt: skip
         return tracker.leave_call(out)
 
 
@@ -278,6 +290,40 @@ def check_meta_of_active_context(meta: TokenMeta, where: str) -> None:
             "tensors. Pass the sharder returned together with this batch (ctx, batch, sharder = "
             "prepare_cp_forward(...) once per batch), or shard the next batch after this forward"
         )
+
+
+def attend_in_active_context(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup | None,
+    meta: TokenMeta,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """A direct CP attention call inside the active context, run as one of its calls.
+
+    :func:`cpshard.attention.cp_attention` inside ``ctx()``: its call is one of the forward's CP
+    attention calls, so the context's step tracker sees it (the first call of a forward makes the
+    ranks agree on dtypes and shapes, the backward is recorded).
+
+    Args:
+        q: ``[B, Hq, L, D]`` local queries.
+        k: ``[B, Hkv, L, D]`` local keys.
+        v: ``[B, Hkv, L, Dv]`` local values.
+        group: The call's CP group.
+        meta: The call's token meta (checked against the context's by the caller).
+        **kwargs: ``method``, ``causal``, ``scale``, ``window``, ``softcap`` of the call.
+
+    Returns:
+        The output, or ``None`` when no context is active (or suspended) or it runs over
+        another group: the caller runs the call itself.
+    """
+    mode = active_mode()
+    if mode is None or mode.group is not group:
+        return None
+    mode.attention_calls += 1  # a CP attention call of this context, as a routed one
+    # the call keeps its own semantics: its method over its group (1-D, as outside ctx())
+    return mode.attend(q, k, v, meta=meta, grid=None, **kwargs)
 
 
 def cp_context_active() -> bool:

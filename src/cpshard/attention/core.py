@@ -22,6 +22,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard._comm import cp_group, group_rank_and_size
+from cpshard.attention.agree import agree_once
+from cpshard.attention.autocast import autocast_inputs, autocast_off
 from cpshard.attention.cost import CallShape, CostModel, choose_method, plan_facts
 from cpshard.attention.hybrid import CPGrid, check_grid, hybrid_attention, kv_repeat, merged_meta
 from cpshard.attention.kernels import COMPILE_BEFORE_2_13, KernelBackend
@@ -90,7 +92,9 @@ def _validate(
             raise ValueError(f"cp_sdpa needs floating-point inputs, got {name}.dtype={t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(
-            f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first"
+            f"q, k, v must share a dtype (as scaled_dot_product_attention requires outside "
+            f"autocast), got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype, or call "
+            "under torch.autocast, which casts them to its dtype (as it does for SDPA)"
         )
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
@@ -248,16 +252,61 @@ def cp_sdpa(
             ``cp_outer``; a query head count not divisible by the inner size runs ``method``
             over the whole CP group instead (:mod:`cpshard.attention.hybrid`).
 
+    Under an active ``torch.autocast`` for the tensors' device, ``q``, ``k`` and ``v`` are cast
+    to its dtype first, as SDPA does (:mod:`cpshard.attention.autocast`); the merge and the
+    gradient accumulation stay fp32 either way.
+
+    Before the first data collective on a batch's ``meta``, the ranks exchange the call's dtypes,
+    shapes and options once (:mod:`cpshard.attention.agree`): a rank whose call differs raises
+    on every rank instead of crashing in the K/V exchange.
+
     Returns:
-        ``[B, Hq, L, Dv]`` in q's dtype.
+        ``[B, Hq, L, Dv]`` in the compute dtype: q's dtype, or the autocast dtype under autocast.
 
     Raises:
-        ValueError: unknown method, inconsistent shapes/dtypes, a meta that does not match the
-            inputs or the group, a plan of another meta, a window that is not a positive int
-            (or a window without causal masking), (ulysses) heads not divisible by the CP size,
-            or a grid that does not factor ``group`` (or names ``"ulysses"``).
+        ValueError: unknown method, inconsistent shapes/dtypes (mixed q/k/v dtypes outside
+            autocast), ranks whose calls differ, a meta that does not match the inputs or the
+            group, a plan of another meta, a window that is not a positive int (or a window
+            without causal masking), (ulysses) heads not divisible by the CP size, or a grid that
+            does not factor ``group`` (or names ``"ulysses"``).
     """
+    return run_sdpa(
+        q, k, v, group=group, meta=meta, method=method, causal=causal, scale=scale,
+        backend=backend, window=window, softcap=softcap, plan=plan, sinks=sinks, grid=grid,
+        agreed=False, where="cp_sdpa",
+    )  # fmt: skip
+
+
+def run_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: ProcessGroup | None,
+    meta: TokenMeta,
+    agreed: bool,
+    where: str,
+    method: str = "auto",
+    causal: bool = True,
+    scale: float | None = None,
+    backend: KernelBackend = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
+    plan: AttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
+    grid: CPGrid | None = None,
+) -> torch.Tensor:
+    """:func:`cp_sdpa` for cpshard's own routes: its arguments, plus ``agreed`` (``True`` when
+    the caller made the ranks agree on this call already: the step tracker of a ``ctx()``;
+    otherwise :func:`~cpshard.attention.agree.agree_once` runs) and ``where`` (the public entry
+    point, for messages)."""
+    q, k, v = autocast_inputs(q, k, v)
     rank, world = (0, 1) if group is None else group_rank_and_size(group)
+    if group is not None and world > 1 and not agreed:
+        agree_once(
+            q, k, v, group, meta, method=method, causal=causal, window=window, softcap=softcap,
+            sinks=sinks, where=where,
+        )  # fmt: skip
     _validate(q, k, v, meta, method, group, rank, world, plan, causal, window, softcap, grid)
     _check_sinks(sinks, q.shape[1])
     if group is not None and world == 1:
@@ -316,17 +365,18 @@ def cp_sdpa(
         )
     plans = chosen.plans(plan, causal, window, q.device)
     cap = None if softcap is None else float(softcap)
-    if hybrid:
-        assert grid is not None
-        out = hybrid_attention(
-            q, k, v, chosen, plans, grid, scale=float(scale), backend=backend, softcap=cap,
-            sinks=sinks,
-        )  # fmt: skip
-    else:
-        out = chosen.apply(
-            q, k, v, plans, run_group, scale=float(scale), backend=backend, softcap=cap,
-            sinks=sinks,
-        )  # fmt: skip
+    with autocast_off(q.device):  # the methods' fp32 accumulation stays fp32
+        if hybrid:
+            assert grid is not None
+            out = hybrid_attention(
+                q, k, v, chosen, plans, grid, scale=float(scale), backend=backend, softcap=cap,
+                sinks=sinks,
+            )  # fmt: skip
+        else:
+            out = chosen.apply(
+                q, k, v, plans, run_group, scale=float(scale), backend=backend, softcap=cap,
+                sinks=sinks,
+            )  # fmt: skip
     return out if out.shape[-1] == dv else out[..., :dv]
 
 
@@ -373,15 +423,22 @@ def cp_attention(
         window: Sliding window (``None`` = none).
         softcap: Soft-cap of the scores, or ``None``.
 
+    Inside a tracked ``ctx()`` the call is one of the forward's CP attention calls (its step
+    tracker compares the forward's first call across the ranks); elsewhere the ranks agree on the
+    first call of each batch (:mod:`cpshard.attention.agree`).
+
     Returns:
-        ``[B, Hq, L, Dv]`` in q's dtype.
+        ``[B, Hq, L, Dv]`` in the compute dtype (q's, or the autocast dtype under autocast).
 
     Raises:
         ValueError: the sharder has no token meta yet; inside a ``ctx()`` made for another batch
-            than the sharder's last one (a sharder that has since sharded another batch); or any
-            error of :func:`cp_sdpa`.
+            than the sharder's last one (a sharder that has since sharded another batch); ranks
+            whose calls differ (on every rank); or any error of :func:`cp_sdpa`.
     """
-    from cpshard.attention.context import check_meta_of_active_context  # imports this module
+    from cpshard.attention.context import (  # imports this module
+        attend_in_active_context,
+        check_meta_of_active_context,
+    )
 
     meta = sharder.token_meta
     if meta is None:
@@ -390,7 +447,16 @@ def cp_attention(
             "batch yet; call it through prepare_cp_forward / shard_batch first"
         )
     check_meta_of_active_context(meta, "cp_attention")
-    return cp_sdpa(
-        q, k, v, group=cp_group(sharder.cp_mesh), meta=meta, method=method, causal=causal,
-        scale=scale, window=window, softcap=softcap,
+    group = cp_group(sharder.cp_mesh)
+    # inside a tracked ctx() the call is one of its forward's CP attention calls (the step
+    # tracker makes the ranks agree at the forward's first); elsewhere agree_once does
+    routed = attend_in_active_context(
+        q, k, v, group, meta, method=method, causal=causal, scale=scale, window=window,
+        softcap=softcap,
+    )  # fmt: skip
+    if routed is not None:
+        return routed
+    return run_sdpa(
+        q, k, v, group=group, meta=meta, agreed=False, where="cp_attention", method=method,
+        causal=causal, scale=scale, window=window, softcap=softcap,
     )  # fmt: skip

@@ -25,6 +25,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import Transfer, group_rank_and_size, ring_shift_start
+from cpshard.attention.autocast import backward_without_autocast
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import (
@@ -96,6 +97,7 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         plans, group, scale, backend, softcap = ctx.args

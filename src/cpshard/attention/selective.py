@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 
 from cpshard._comm import Transfer, all_to_all_split_start
 from cpshard.attention.all_gather import seq_major, stream_views
+from cpshard.attention.autocast import backward_without_autocast
 from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
@@ -78,6 +79,7 @@ class _SelectiveAttention(torch.autograd.Function):
         return result
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, recv, out, lse, sinks = ctx.saved_tensors
         plan, group, scale, backend, softcap = ctx.args

@@ -20,6 +20,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from cpshard._comm import all_to_all_stacked, group_rank_and_size
+from cpshard.attention.autocast import backward_without_autocast
 from cpshard.attention.blockwise import attend, attend_backward
 from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.merge import add_sinks, sink_grad
@@ -95,6 +96,7 @@ class _UlyssesAttention(torch.autograd.Function):
         return local
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qh, kh, vh, out, lse, sinks, mine = ctx.saved_tensors
         plan, group, world, scale, backend, softcap = ctx.args

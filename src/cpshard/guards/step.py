@@ -35,8 +35,8 @@ What the headers also carry (compared across the ranks, so a mismatch raises on 
 any data collective): the ``check_consistency`` flag of a prepare; at a prepare, the names,
 shapes, dtypes and trainable pattern of the model's parameters and persistent buffers (a model
 built or frozen differently on some ranks); at a sync, the names, shapes and dtypes of the
-trainable parameters; at the first CP attention call of a forward, its dtypes, head counts, head
-dims and lengths.
+trainable parameters; at the first CP attention call of a forward, its dtypes (autocast's under
+autocast), head counts, head dims, lengths and batch size.
 
 **Weights that differ across the CP ranks** (a prepare with ``check_consistency``, the default):
 the prepare's header also carries a hash of a strided sample of each parameter's and persistent
@@ -653,11 +653,12 @@ class ForwardTracker:
         if state.forward_calls == 0:
             state.check_usable("a CP attention call")
             desc = (str(q.dtype), str(k.dtype), str(v.dtype), q.shape[1], k.shape[1],
-                    q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2])  # fmt: skip
+                    q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], q.shape[0])  # fmt: skip
             _exchange(
                 state, self.cp_mesh, FORWARD, {_A: _str_hash(repr(desc))},
-                {_A: "the first CP attention call's dtypes, head counts, head dims or lengths "
-                 "(run the same model in the same dtype on every CP rank)"},
+                {_A: "the first CP attention call's dtypes, head counts, head dims, lengths or "
+                 "batch size (run the same model in the same dtype, under the same autocast, on "
+                 "every CP rank)"},
             )  # fmt: skip
         state.forward_calls += 1
         return q, k, v
