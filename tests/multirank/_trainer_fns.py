@@ -98,25 +98,29 @@ def _result(trainer: Any) -> dict[str, Any]:
 
 
 def run_sft(
-    cp_size: int | None, per_device: int, steps: int, ga: int, packed: bool = True
+    cp_size: int | None, per_device: int, steps: int, ga: int, packed: bool = True, n: int = 24
 ) -> dict[str, Any]:
-    """SFT (TRL) with padding-free packing (or padded rows); ``cp_size=None``: stock trainer."""
+    """SFT (TRL) with padding-free packing (or padded rows) on ``n`` documents; ``steps=-1``:
+    one whole epoch (its last batch partial when the rows do not fill it); ``cp_size=None``: the
+    stock trainer."""
     from trl import SFTConfig, SFTTrainer
 
     from cpshard.integrations.trl_trainers import CPSFTTrainer
 
     with tempfile.TemporaryDirectory() as out:
         pack = {"packing": True, "max_length": 24} if packed else {"max_length": 24}
-        args = SFTConfig(**_common_args(out, steps, per_device, ga), **pack)
-        kw = {"model": model(), "args": args, "train_dataset": sft_dataset(),
+        args = SFTConfig(**_common_args(out, steps, per_device, ga), num_train_epochs=1, **pack)
+        kw = {"model": model(), "args": args, "train_dataset": sft_dataset(n),
               "processing_class": tokenizer()}  # fmt: skip
         trainer = SFTTrainer(**kw) if cp_size is None else CPSFTTrainer(**kw, cp_size=cp_size)
         trainer.train()
         return _result(trainer)
 
 
-def run_trainer(cp_size: int | None, per_device: int, steps: int, ga: int) -> dict[str, Any]:
-    """Plain ``transformers.Trainer`` on padded rows (right padding, labels -100 at pads)."""
+def run_trainer(
+    cp_size: int | None, per_device: int, steps: int, ga: int, side: str = "right"
+) -> dict[str, Any]:
+    """Plain ``transformers.Trainer`` on padded rows (``side`` padding, labels -100 at pads)."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from cpshard.integrations.hf_trainer import CPTrainer
@@ -124,6 +128,7 @@ def run_trainer(cp_size: int | None, per_device: int, steps: int, ga: int) -> di
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(**_common_args(out, steps, per_device, ga))
         tok = tokenizer()
+        tok.padding_side = side
         kw = {"model": model(), "args": args, "train_dataset": sft_dataset(),
               "data_collator": DataCollatorForLanguageModeling(tok, mlm=False)}  # fmt: skip
         trainer = Trainer(**kw) if cp_size is None else CPTrainer(**kw, cp_size=cp_size)

@@ -42,8 +42,8 @@ def ranks() -> Iterator[Ranks]:
     pool.close()
 
 
-def _same(cp: dict[str, Any], ref: dict[str, Any]) -> None:
-    assert len(cp["logs"]["loss"]) == STEPS
+def _same(cp: dict[str, Any], ref: dict[str, Any], steps: int = STEPS) -> None:
+    assert len(cp["logs"]["loss"]) == steps
     for key, got in cp["logs"].items():
         if not got:  # CPSFTTrainer logs no SFT metrics (entropy)
             continue
@@ -64,6 +64,22 @@ def test_sft_padding_free_matches_one_process(ranks: Ranks, world: int, ga: int)
     _same(cp, ref)
 
 
+def test_sft_epoch_with_a_partial_last_batch_matches_one_process(ranks: Ranks) -> None:
+    """18 documents pack into 9 rows: at cp=2 (one replica) the epoch's 5th batch holds one row,
+    as in one process (accelerate, which sharded for 2 processes, would complete it with repeated
+    rows)."""
+    cp = ranks(2, on_ranks, "sft", 2, 2, -1, 1, True, 18, timeout=600)[0]
+    _same(cp, in_one_process("sft", 2, -1, 1, True, 18), steps=5)
+
+
+def test_sft_epoch_at_dp2xcp2_matches_dp2_without_cp(ranks: Ranks) -> None:
+    """With 2 replicas accelerate completes the last global batch (9 rows = 4 + 4 + 1) with
+    repeated rows, in a run without CP too: dp=2 x cp=2 matches stock SFT on 2 ranks, which
+    is what one replica per process gives (not one process with the replicas' batches)."""
+    cp = ranks(4, on_ranks, "sft", 2, 2, -1, 1, True, 18, timeout=600)[0]
+    _same(cp, ranks(2, on_ranks, "sft", None, 2, -1, 1, True, 18, timeout=600)[0], steps=3)
+
+
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
 def test_grpo_matches_one_process(ranks: Ranks, world: int) -> None:
     cp = ranks(world, on_ranks, "grpo", 2, 2, STEPS, timeout=600)[0]
@@ -72,9 +88,10 @@ def test_grpo_matches_one_process(ranks: Ranks, world: int) -> None:
     _same(cp, ref)
 
 
-def test_trainer_padded_rows_match_one_process(ranks: Ranks) -> None:
-    cp = ranks(2, on_ranks, "trainer", 2, 2, STEPS, 1, timeout=600)[0]
-    _same(cp, in_one_process("trainer", 2, STEPS, 1))
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_trainer_padded_rows_match_one_process(ranks: Ranks, side: str) -> None:
+    cp = ranks(2, on_ranks, "trainer", 2, 2, STEPS, 1, side, timeout=600)[0]
+    _same(cp, in_one_process("trainer", 2, STEPS, 1, side))
 
 
 def test_bad_settings_raise_on_every_rank_before_a_step(ranks: Ranks) -> None:

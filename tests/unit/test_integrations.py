@@ -142,6 +142,21 @@ def test_the_dataloader_shard_follows_the_dp_replicas() -> None:
         assert list(shard)[:2] == want
 
 
+def test_one_replica_keeps_the_epochs_partial_last_batch() -> None:
+    """cp=2 on 2 ranks is one replica: 5 samples in batches of 2 end with [4], as in one
+    process; accelerate's shard (made for 2 processes) would complete it as [4, 0]. Two
+    replicas keep accelerate's completion, as a run without CP on 2 processes does."""
+    base = torch.utils.data.BatchSampler(range(5), batch_size=2, drop_last=False)
+    for rank in range(2):
+        shard = BatchSamplerShard(base, num_processes=2, process_index=rank)
+        shard_dataloader_by_dp(SimpleNamespace(batch_sampler=shard), _cp(2, rank, 2))
+        assert list(shard) == [[0, 1], [2, 3], [4]] and len(shard) == 3
+    two = BatchSamplerShard(base, num_processes=4, process_index=3)
+    shard_dataloader_by_dp(SimpleNamespace(batch_sampler=two), _cp(4, 3, 2))
+    assert list(two) == list(BatchSamplerShard(base, num_processes=2, process_index=1))
+    assert len(list(two)[-1]) == 2  # completed with repeated samples
+
+
 def test_a_rank_aware_sampler_or_an_unsharded_loader_is_refused() -> None:
     sampler = torch.utils.data.DistributedSampler(range(16), num_replicas=4, rank=1)
     shard = BatchSamplerShard(torch.utils.data.BatchSampler(sampler, 2, False), 4, 1)

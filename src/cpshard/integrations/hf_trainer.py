@@ -19,7 +19,9 @@ processes without collectives. The mixin overrides public methods only:
    ``r, r + W, ...``); the mixin re-points the shard of the dataloader it returns at
    ``dp = W / C`` replicas (``process_index = r // C``), the same attributes transformers itself
    resets for its rank-aware sampler. So the sampler, the epoch length and gradient accumulation
-   all see ``dp`` replicas.
+   all see ``dp`` replicas. The epoch's last partial batch is what a run without CP on ``dp``
+   processes gets: kept partial for one replica (as in one process), completed with repeated
+   samples by accelerate's ``even_batches`` for ``dp > 1`` (as in any multi-process run).
 2. **Token count** (``get_cp_size``): ``num_items_in_batch`` is counted on the unsharded batches
    of every rank and summed over the world, so every token is counted ``C`` times; the Trainer
    divides by ``get_cp_size()``, which returns ``C`` (a Trainer that does not call it, e.g.
@@ -286,6 +288,11 @@ def shard_dataloader_by_dp(dataloader: Any, cp: CPSetup) -> Any:
         )
     shard.num_processes = cp.dp_size
     shard.process_index = cp.dp_rank
+    if cp.dp_size == 1:
+        # accelerate shards a sampler only for several processes; its `even_batches` completes
+        # the epoch's last partial batch with repeated samples so every process gets one. One
+        # replica is one process: its last batch stays partial, as without a shard.
+        shard.even_batches = False
     return dataloader
 
 
