@@ -44,8 +44,8 @@ def test_padding_free_rows_become_a_packed_batch_with_document_labels() -> None:
               "cu_seq_lens_k": torch.tensor([0, 3, 5, 9], dtype=torch.int32),
               "max_length_q": 4, "max_length_k": 4, "seq_idx": torch.zeros(1, 9)}  # fmt: skip
     batch = cp_batch_from_trainer_inputs(inputs)
-    assert set(batch) == {"input_ids", "labels", "seq_lens"}
-    assert batch["seq_lens"] == [[3, 2, 4]]
+    assert set(batch) == {"input_ids", "labels", "seq_lens", "position_ids"}
+    assert batch["seq_lens"] == [[3, 2, 4]] and batch["position_ids"] is pos
     assert batch["labels"].tolist() == [[11, 12, -100, 14, -100, 16, 17, 18, -100]]
     assert torch.equal(inputs["labels"], labels)  # not modified
     # The count the Trainer makes on the unshifted labels is the count of the shifted ones.

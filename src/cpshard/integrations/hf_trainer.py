@@ -302,7 +302,8 @@ def cp_batch_from_trainer_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     Dense rows: ``input_ids`` ``[B, S]``, ``labels`` (unshifted, as HF models take them) or
     ``shift_labels``, optional ``attention_mask`` (any padding side). Padding-free rows (TRL's
     ``padding_free`` / packing collator): ``input_ids`` ``[1, T]`` with ``position_ids``
-    restarting at 0 per document and no ``attention_mask``; the ``cu_seq_lens_*`` /
+    restarting at 0 per document (any step other than +1 starts one, as transformers reads
+    them) and no ``attention_mask``; the ``cu_seq_lens_*`` /
     ``max_length_*`` / ``seq_idx`` keys describe the same documents and are dropped.
 
     Returns:
@@ -340,6 +341,8 @@ def cp_batch_from_trainer_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
         docs = {"position_ids": pos} if pos is not None else {"cu_seqlens": inputs["cu_seq_lens_q"]}
         spec = PackSpec.from_documents((ids.shape[0], ids.shape[1]), **docs)
         batch["seq_lens"] = [list(row) for row in spec.doc_lens]
+        if pos is not None:  # the RoPE positions the model would see without CP
+            batch["position_ids"] = pos
         labels = given if given is not None else shift_labels_packed(cast(torch.Tensor, raw), spec)
     else:
         pad = None if mask is None else mask == 0
