@@ -26,6 +26,7 @@ from _trainer_fns import (
     ddp_over_a_subgroup_raises,
     in_one_process,
     on_ranks,
+    scored_pads_raise_on_every_rank,
 )
 
 pytestmark = pytest.mark.multirank
@@ -88,10 +89,25 @@ def test_grpo_matches_one_process(ranks: Ranks, world: int) -> None:
     _same(cp, ref)
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_trainer_padded_rows_match_one_process(ranks: Ranks, side: str) -> None:
-    cp = ranks(2, on_ranks, "trainer", 2, 2, STEPS, 1, side, timeout=600)[0]
-    _same(cp, in_one_process("trainer", 2, STEPS, 1, side))
+def test_trainer_padded_rows_match_one_process(ranks: Ranks) -> None:
+    cp = ranks(2, on_ranks, "trainer", 2, 2, STEPS, 1, timeout=600)[0]
+    _same(cp, in_one_process("trainer", 2, STEPS, 1))
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
+def test_trainer_left_padded_rows_match_one_process(ranks: Ranks, world: int) -> None:
+    """Left padding whose collator gives no pad a target: 3 steps exact."""
+    cp = ranks(world, on_ranks, "trainer", 2, 2, 3, 1, "left", False, timeout=600)[0]
+    _same(cp, in_one_process("trainer", 2 * world // 2, 3, 1, "left", False), steps=3)
+
+
+def test_trainer_scored_pads_raise_on_every_rank(ranks: Ranks) -> None:
+    """Left padding with transformers' own collator scores the pad before each row's first
+    token (its logits depend on the attention implementation): refused on every rank, also on
+    replica 1, whose batch has no such pad, before the first step."""
+    out = ranks(4, scored_pads_raise_on_every_rank, timeout=600)
+    assert len({msg for msg, _ in out}) == 1 and "labels[:, 1:][attention_mask" in out[0][0]
+    assert [n > 0 for _, n in out] == [True, True, False, False]
 
 
 def test_bad_settings_raise_on_every_rank_before_a_step(ranks: Ranks) -> None:

@@ -58,14 +58,26 @@ def test_padding_free_rows_become_a_packed_batch_with_document_labels() -> None:
     assert sharder.layout == "balanced" and local["input_ids"].shape == (1, 9)
 
 
-def test_padded_rows_keep_their_mask_and_shift_inside_the_row() -> None:
+def test_padded_rows_keep_their_mask_and_shift_like_the_model() -> None:
+    """The targets are the model's shift over the row, so their count is the Trainer's
+    num_items_in_batch (labels[:, 1:] != -100); a pad whose target is scored is refused."""
     ids = torch.tensor([[5, 6, 7, 0], [0, 8, 9, 10]])
     mask = (ids != 0).long()
     labels = ids.masked_fill(mask == 0, -100)
+    with pytest.raises(ValueError, match=r"score 1 padded position.*\(row 1, position 0\).*-100"):
+        cp_batch_from_trainer_inputs({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    fixed = labels.clone()
+    fixed[:, 1:][mask[:, :-1] == 0] = -100  # the fix the error names
     batch = cp_batch_from_trainer_inputs({"input_ids": ids, "attention_mask": mask,
-                                          "labels": labels})  # fmt: skip
+                                          "labels": fixed})  # fmt: skip
     assert set(batch) == {"input_ids", "labels", "attention_mask"}
     assert batch["labels"].tolist() == [[6, 7, -100, -100], [-100, 9, 10, -100]]
+    assert cpshard.loss.count_tokens(batch["labels"]) == int((fixed[:, 1:] != -100).sum())
+    # right padding whose pads keep their labels: the first pad would predict the second
+    right = torch.tensor([[5, 6, 0, 0]])
+    with pytest.raises(ValueError, match=r"score 1 padded position.*\(row 0, position 2\)"):
+        cp_batch_from_trainer_inputs({"input_ids": right, "labels": right,
+                                      "attention_mask": (right != 0).long()})  # fmt: skip
     given = torch.full_like(ids, -100)
     out = cp_batch_from_trainer_inputs({"input_ids": ids, "shift_labels": given})
     assert out["labels"] is given  # pre-shifted labels are taken as they are
