@@ -360,8 +360,11 @@ def _bad_packed_batches() -> dict[str, tuple[dict[str, object], str, str]]:
             r"exactly one of 'seq_lens'.*got both",
         ),
         "positions_with_inner_padding": (  # documents from positions, pads not a row suffix
-            {"input_ids": two, "position_ids": torch.tensor([[0, 2, 3, 4], [0, 1, 0, 1]]),
-             "padding_mask": torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)},
+            {
+                "input_ids": two,
+                "position_ids": torch.tensor([[0, 2, 3, 4], [0, 1, 0, 1]]),
+                "padding_mask": torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool),
+            },
             "",
             r"padding_mask row 0: must mark a suffix of the row",
         ),
