@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -123,10 +124,13 @@ def _restarting_positions(batch: Mapping[str, Any]) -> bool:
     """Whether a batch without ``seq_lens`` / ``cu_seqlens`` declares documents the way HF does:
     ``[B, S]`` ``position_ids`` that do not step by +1 inside a row, and no mask.
 
-    That is padding-free packing as TRL's collator emits it. HF's own masks then read the rows
-    as documents (block-diagonal; only when no ``attention_mask`` is given), so a dense layout
-    would let them attend to each other: silently unlike one process. With an
-    ``attention_mask`` (or ``padding_mask``) HF keeps the rows dense, and so does cpshard.
+    transformers' eager / sdpa / flex masks (``find_packed_sequence_indices``) then start a new
+    document at every such step: a restart at 0 (padding-free packing as TRL's collator emits
+    it), a gap or a repeat, and attention stays inside documents, so a dense layout would let
+    them attend to each other: silently unlike one process. With an ``attention_mask`` (or
+    ``padding_mask``) HF keeps the rows dense (``position_ids`` are then RoPE positions only),
+    and so does cpshard. The documents: :meth:`~cpshard.layouts.documents.PackSpec.
+    from_position_ids`.
     """
     pos = batch.get("position_ids")
     if batch.get("attention_mask") is not None or batch.get("padding_mask") is not None:
@@ -134,6 +138,31 @@ def _restarting_positions(batch: Mapping[str, Any]) -> bool:
     if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.is_floating_point():
         return False
     return bool((pos.detach().diff(dim=1) != 1).any())
+
+
+def _warn_if_a_cache_reads_one_row(model: nn.Module | None, batch: object) -> None:
+    """Warn when the documents come from ``position_ids`` but the model's config builds a cache.
+
+    transformers reads non-+1 steps of ``position_ids`` as document starts only when its forward
+    builds no KV cache (``use_cache=False``, as trainers run); with one (``config.use_cache``,
+    the default of most configs) its masks stay causal over the whole row. cpshard reads the
+    documents (the training reading), so a forward that builds a cache without CP would differ.
+    """
+    cfg = getattr(model, "config", None)
+    if not isinstance(batch, Mapping) or getattr(cfg, "use_cache", None) is not True:
+        return
+    if any(batch.get(k) is not None for k in _PACK_KEYS) or not _restarting_positions(batch):
+        return
+    warnings.warn(
+        "cpshard reads this batch's position_ids (steps other than +1, no attention_mask) as "
+        "packed documents, as transformers does without a KV cache (use_cache=False, as in "
+        f"training); {type(model).__name__}.config.use_cache=True, and a forward that builds a "
+        "cache reads each row as one causal sequence instead. Fix: set "
+        "model.config.use_cache=False (documents), or pass an attention_mask of ones (one causal "
+        "row per batch row, position_ids as RoPE positions only), or seq_lens / cu_seqlens",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _resolve(
@@ -150,12 +179,13 @@ def _resolve(
         return packed_sharder(layout, extra_token_keys=extra_token_keys)
     if packed:
         keys = [k for k in _PACK_KEYS if batch.get(k) is not None] or [
-            "position_ids that restart inside a row, without a mask"
+            "position_ids that do not step by +1 inside a row, without a mask"
         ]
         raise ValueError(
             f"the batch describes packed documents ({keys}), which layout={layout!r} cannot "
             "express (its documents would attend to each other); use layout='balanced' or "
-            "'packed', or pass position_ids that run 0..S-1 per row for one sequence per row"
+            "'packed'; or, for one causal sequence per row whose position_ids are RoPE positions "
+            "only (as transformers reads them with a mask), pass an attention_mask (all ones)"
         )
     closed: ClosedFormLayout
     if layout == "contiguous":
@@ -463,6 +493,7 @@ def _validate(
         install_model_guard(prepared, cp_size)  # sharded batches run inside ctx(), no labels
     mixers = MixerPlan(layout=options.layout)
     inner = None if model is None else unwrap_model(model)
+    _warn_if_a_cache_reads_one_row(inner, batch)
     if inner is not None and not hasattr(inner, "prepare_model_inputs_for_cp"):
         # A model that owns its CP owns its mixers too. Else the verdict (or the error) on every
         # rank, before any collective; ctx then runs them exactly (cpshard.mixers).

@@ -359,10 +359,14 @@ def _bad_packed_batches() -> dict[str, tuple[dict[str, object], str, str]]:
             "",
             r"exactly one of 'seq_lens'.*got both",
         ),
-        "positions_not_restarting": (
-            {"input_ids": two, "position_ids": torch.tensor([[0, 2, 3, 4], [0, 1, 0, 1]])},
+        "positions_with_inner_padding": (  # documents from positions, pads not a row suffix
+            {
+                "input_ids": two,
+                "position_ids": torch.tensor([[0, 2, 3, 4], [0, 1, 0, 1]]),
+                "padding_mask": torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool),
+            },
             "",
-            r"position_ids\[0, 1\]: must restart at 0 or continue",
+            r"padding_mask row 0: must mark a suffix of the row",
         ),
         **{
             f"{key}_to_{lay}": (batch, lay, rf"which layout='{lay}' cannot express")

@@ -111,11 +111,13 @@ def run_sft(
     steps: int,
     ga: int,
     packed: bool = True,
+    n: int = 24,
     *,
     bf16: bool = False,
 ) -> dict[str, Any]:
-    """SFT (TRL) with padding-free packing (or padded rows); ``cp_size=None``: stock trainer.
-    ``bf16``: ``SFTConfig``'s default precision (``bf16=True``), else fp32."""
+    """SFT (TRL) with padding-free packing (or padded rows) on ``n`` documents; ``steps=-1``:
+    one whole epoch (its last batch partial when the rows do not fill it); ``cp_size=None``: the
+    stock trainer. ``bf16``: ``SFTConfig``'s default precision (``bf16=True``), else fp32."""
     from trl import SFTConfig, SFTTrainer
 
     from cpshard.integrations.trl_trainers import CPSFTTrainer
@@ -123,30 +125,69 @@ def run_sft(
     with tempfile.TemporaryDirectory() as out:
         pack = {"packing": True, "max_length": 24} if packed else {"max_length": 24}
         args = SFTConfig(**_common_args(out, steps, per_device, ga, None if bf16 else False),
-                         **pack)  # fmt: skip
+                         num_train_epochs=1, **pack)  # fmt: skip
         assert args.bf16 is bf16
-        kw = {"model": model(), "args": args, "train_dataset": sft_dataset(),
+        kw = {"model": model(), "args": args, "train_dataset": sft_dataset(n),
               "processing_class": tokenizer()}  # fmt: skip
         trainer = SFTTrainer(**kw) if cp_size is None else CPSFTTrainer(**kw, cp_size=cp_size)
         trainer.train()
         return _result(trainer)
 
 
-def run_trainer(
-    cp_size: int | None, per_device: int, steps: int, ga: int, *, bf16: bool = False
-) -> dict[str, Any]:
-    """Plain ``transformers.Trainer`` on padded rows (right padding, labels -100 at pads);
+def uneven_dataset() -> Any:
+    """8 rows: rows 0 and 1 of different lengths, rows 2..7 all of 9 tokens (seeded); in
+    sequential batches of 2, only the first batch needs padding."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 9, 9, 9, 9, 9, 9, 9]
+    rows = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    return datasets.Dataset.from_dict({"input_ids": rows})
+
+
+def _lm_collator(tok: Any, scored_pads: bool) -> Any:
+    """transformers' causal-LM collator; ``scored_pads=False``: no pad has a target (the label
+    of the first token after left padding set to -100, the fix the CP trainer names)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    base = DataCollatorForLanguageModeling(tok, mlm=False)
+    if scored_pads:
+        return base
+
+    def collate(rows: list[Any]) -> dict[str, Any]:
+        out = base(rows)
+        out["labels"][:, 1:][out["attention_mask"][:, :-1] == 0] = -100
+        return dict(out)
+
+    return collate
+
+
+def trainer_for(
+    cp_size: int | None, per_device: int, steps: int, ga: int, out: str, side: str = "right",
+    scored_pads: bool = True, data: str = "sft", bf16: bool = False,
+) -> Any:  # fmt: skip
+    """Plain ``transformers.Trainer`` (or ``CPTrainer``) on padded rows (``side`` padding,
+    labels -100 at pads); ``data="uneven"``: :func:`uneven_dataset` in sequential order;
     ``bf16``: ``TrainingArguments(bf16=True)``."""
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from cpshard.integrations.hf_trainer import CPTrainer
 
+    order = {"train_sampling_strategy": "sequential"} if data == "uneven" else {}
+    args = TrainingArguments(**_common_args(out, steps, per_device, ga, bf16), **order)
+    tok = tokenizer()
+    tok.padding_side = side
+    kw = {"model": model(), "args": args,
+          "train_dataset": uneven_dataset() if data == "uneven" else sft_dataset(),
+          "data_collator": _lm_collator(tok, scored_pads)}  # fmt: skip
+    return Trainer(**kw) if cp_size is None else CPTrainer(**kw, cp_size=cp_size)
+
+
+def run_trainer(cp_size: int | None, per_device: int, steps: int, ga: int, side: str = "right",
+                scored_pads: bool = True, *, bf16: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Train :func:`trainer_for` and return its losses and weights."""
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(**_common_args(out, steps, per_device, ga, bf16))
-        tok = tokenizer()
-        kw = {"model": model(), "args": args, "train_dataset": sft_dataset(),
-              "data_collator": DataCollatorForLanguageModeling(tok, mlm=False)}  # fmt: skip
-        trainer = Trainer(**kw) if cp_size is None else CPTrainer(**kw, cp_size=cp_size)
+        trainer = trainer_for(cp_size, per_device, steps, ga, out, side, scored_pads, bf16=bf16)
         trainer.train()
         return _result(trainer)
 
@@ -301,3 +342,28 @@ def ddp_over_a_subgroup_raises(mesh: DeviceMesh) -> str:
     with pytest.raises(ValueError, match="model wrapper.*DistributedDataParallel over the world"):
         check_ddp_over_world(torch.nn.Linear(2, 2), cp)
     return "ok"
+
+
+def scored_pads_raise_on_every_rank(mesh: DeviceMesh) -> tuple[str, int]:
+    """dp=2 x cp=2, left padding with the stock collator: only replica 0's first batch has a
+    scored pad (replica 1's rows are equally long), yet every rank raises the same error
+    before the first optimizer step, the weights untouched.
+
+    Returns:
+        ``(message, scored pads in this rank's first batch)``.
+    """
+    import pytest
+
+    from cpshard.integrations.hf_trainer import scored_pad_positions
+
+    with accelerate_on_this_group(mesh), tempfile.TemporaryDirectory() as out:
+        trainer = trainer_for(2, 2, 3, 1, out, "left", True, "uneven")
+        first = next(iter(trainer.get_train_dataloader()))
+        with pytest.raises(ValueError, match="would score .* padded position") as info:
+            trainer.train()
+        assert any(f.name == "get_batch_samples" for f in info.traceback)  # before the step
+        assert trainer.state.global_step == 0
+        init = model().state_dict()
+        for name, w in trainer.model.state_dict().items():
+            assert torch.equal(w, init[name]), name
+    return str(info.value), len(scored_pad_positions(first))

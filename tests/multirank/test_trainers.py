@@ -34,6 +34,7 @@ from _trainer_fns import (
     ddp_over_a_subgroup_raises,
     in_one_process,
     on_ranks,
+    scored_pads_raise_on_every_rank,
 )
 
 pytestmark = pytest.mark.multirank
@@ -104,6 +105,38 @@ def test_bf16_defaults_match_one_process_in_bf16(ranks: Ranks, what: str, world:
     cp = ranks(world, on_ranks, f"{what}:bf16", world, *BF16_ARGS[what], timeout=600)[0]
     ref = in_one_process(f"{what}:bf16", *BF16_ARGS[what])
     _same(cp, ref, BF16_STEPS, LOSS_TOL, WEIGHT_TOL)
+
+
+def test_sft_epoch_with_a_partial_last_batch_matches_one_process(ranks: Ranks) -> None:
+    """18 documents pack into 9 rows: at cp=2 (one replica) the epoch's 5th batch holds one row,
+    as in one process (accelerate, which sharded for 2 processes, would complete it with repeated
+    rows)."""
+    cp = ranks(2, on_ranks, "sft", 2, 2, -1, 1, True, 18, timeout=600)[0]
+    _same(cp, in_one_process("sft", 2, -1, 1, True, 18), steps=5)
+
+
+def test_sft_epoch_at_dp2xcp2_matches_dp2_without_cp(ranks: Ranks) -> None:
+    """With 2 replicas accelerate completes the last global batch (9 rows = 4 + 4 + 1) with
+    repeated rows, in a run without CP too: dp=2 x cp=2 matches stock SFT on 2 ranks, which
+    is what one replica per process gives (not one process with the replicas' batches)."""
+    cp = ranks(4, on_ranks, "sft", 2, 2, -1, 1, True, 18, timeout=600)[0]
+    _same(cp, ranks(2, on_ranks, "sft", None, 2, -1, 1, True, 18, timeout=600)[0], steps=3)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
+def test_trainer_left_padded_rows_match_one_process(ranks: Ranks, world: int) -> None:
+    """Left padding whose collator gives no pad a target: 3 steps exact."""
+    cp = ranks(world, on_ranks, "trainer", 2, 2, 3, 1, "left", False, timeout=600)[0]
+    _same(cp, in_one_process("trainer", 2 * world // 2, 3, 1, "left", False), steps=3)
+
+
+def test_trainer_scored_pads_raise_on_every_rank(ranks: Ranks) -> None:
+    """Left padding with transformers' own collator scores the pad before each row's first
+    token (its logits depend on the attention implementation): refused on every rank, also on
+    replica 1, whose batch has no such pad, before the first step."""
+    out = ranks(4, scored_pads_raise_on_every_rank, timeout=600)
+    assert len({msg for msg, _ in out}) == 1 and "labels[:, 1:][attention_mask" in out[0][0]
+    assert [n > 0 for _, n in out] == [True, True, False, False]
 
 
 def test_bad_settings_raise_on_every_rank_before_a_step(ranks: Ranks) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -228,7 +230,7 @@ def test_restarting_position_ids_are_documents() -> None:
     )
     assert sh_pos.layout == sh_len.layout == "balanced"
     assert torch.equal(by_pos["position_ids"], by_len["position_ids"])
-    with pytest.raises(ValueError, match="restart inside a row"):
+    with pytest.raises(ValueError, match="do not step by \\+1 inside a row.*attention_mask"):
         cpshard.make_cp_batch_and_ctx(
             None, {"input_ids": ids, "position_ids": restart}, layout="round_robin"
         )
@@ -241,3 +243,25 @@ def test_restarting_position_ids_are_documents() -> None:
     plain = {"input_ids": ids, "position_ids": torch.arange(10).reshape(1, 10)}
     _, _, sh_plain = cpshard.make_cp_batch_and_ctx(None, plain)
     assert sh_left.layout == sh_plain.layout == "none"
+
+
+def test_documents_from_positions_warn_when_the_model_builds_a_cache() -> None:
+    """transformers reads non-+1 position steps as documents only without a KV cache: a model
+    whose config builds one (use_cache=True) would read the row as one causal sequence, so the
+    documents reading is named with its fixes; not with a mask, seq_lens or use_cache=False."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, use_cache=True,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.arange(1, 7).reshape(1, 6)
+    gaps = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 5, 6, 7]])}
+    with pytest.warns(RuntimeWarning, match="use_cache=True.*attention_mask of ones"):
+        cpshard.prepare_cp_forward(model, None, gaps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpshard.prepare_cp_forward(model, None, {**gaps, "attention_mask": torch.ones(1, 6)})
+        cpshard.prepare_cp_forward(model, None, {"input_ids": ids, "seq_lens": [[3, 3]]})
+        model.config.use_cache = False
+        cpshard.prepare_cp_forward(model, None, gaps)

@@ -44,8 +44,8 @@ def test_padding_free_rows_become_a_packed_batch_with_document_labels() -> None:
               "cu_seq_lens_k": torch.tensor([0, 3, 5, 9], dtype=torch.int32),
               "max_length_q": 4, "max_length_k": 4, "seq_idx": torch.zeros(1, 9)}  # fmt: skip
     batch = cp_batch_from_trainer_inputs(inputs)
-    assert set(batch) == {"input_ids", "labels", "seq_lens"}
-    assert batch["seq_lens"] == [[3, 2, 4]]
+    assert set(batch) == {"input_ids", "labels", "seq_lens", "position_ids"}
+    assert batch["seq_lens"] == [[3, 2, 4]] and batch["position_ids"] is pos
     assert batch["labels"].tolist() == [[11, 12, -100, 14, -100, 16, 17, 18, -100]]
     assert torch.equal(inputs["labels"], labels)  # not modified
     # The count the Trainer makes on the unshifted labels is the count of the shifted ones.
@@ -58,14 +58,26 @@ def test_padding_free_rows_become_a_packed_batch_with_document_labels() -> None:
     assert sharder.layout == "balanced" and local["input_ids"].shape == (1, 9)
 
 
-def test_padded_rows_keep_their_mask_and_shift_inside_the_row() -> None:
+def test_padded_rows_keep_their_mask_and_shift_like_the_model() -> None:
+    """The targets are the model's shift over the row, so their count is the Trainer's
+    num_items_in_batch (labels[:, 1:] != -100); a pad whose target is scored is refused."""
     ids = torch.tensor([[5, 6, 7, 0], [0, 8, 9, 10]])
     mask = (ids != 0).long()
     labels = ids.masked_fill(mask == 0, -100)
+    with pytest.raises(ValueError, match=r"score 1 padded position.*\(row 1, position 0\).*-100"):
+        cp_batch_from_trainer_inputs({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    fixed = labels.clone()
+    fixed[:, 1:][mask[:, :-1] == 0] = -100  # the fix the error names
     batch = cp_batch_from_trainer_inputs({"input_ids": ids, "attention_mask": mask,
-                                          "labels": labels})  # fmt: skip
+                                          "labels": fixed})  # fmt: skip
     assert set(batch) == {"input_ids", "labels", "attention_mask"}
     assert batch["labels"].tolist() == [[6, 7, -100, -100], [-100, 9, 10, -100]]
+    assert cpshard.loss.count_tokens(batch["labels"]) == int((fixed[:, 1:] != -100).sum())
+    # right padding whose pads keep their labels: the first pad would predict the second
+    right = torch.tensor([[5, 6, 0, 0]])
+    with pytest.raises(ValueError, match=r"score 1 padded position.*\(row 0, position 2\)"):
+        cp_batch_from_trainer_inputs({"input_ids": right, "labels": right,
+                                      "attention_mask": (right != 0).long()})  # fmt: skip
     given = torch.full_like(ids, -100)
     out = cp_batch_from_trainer_inputs({"input_ids": ids, "shift_labels": given})
     assert out["labels"] is given  # pre-shifted labels are taken as they are
@@ -140,6 +152,21 @@ def test_the_dataloader_shard_follows_the_dp_replicas() -> None:
         assert (shard.num_processes, shard.process_index) == (2, rank // 2)
         want = [[0, 1], [4, 5]] if rank < 2 else [[2, 3], [6, 7]]
         assert list(shard)[:2] == want
+
+
+def test_one_replica_keeps_the_epochs_partial_last_batch() -> None:
+    """cp=2 on 2 ranks is one replica: 5 samples in batches of 2 end with [4], as in one
+    process; accelerate's shard (made for 2 processes) would complete it as [4, 0]. Two
+    replicas keep accelerate's completion, as a run without CP on 2 processes does."""
+    base = torch.utils.data.BatchSampler(range(5), batch_size=2, drop_last=False)
+    for rank in range(2):
+        shard = BatchSamplerShard(base, num_processes=2, process_index=rank)
+        shard_dataloader_by_dp(SimpleNamespace(batch_sampler=shard), _cp(2, rank, 2))
+        assert list(shard) == [[0, 1], [2, 3], [4]] and len(shard) == 3
+    two = BatchSamplerShard(base, num_processes=4, process_index=3)
+    shard_dataloader_by_dp(SimpleNamespace(batch_sampler=two), _cp(4, 3, 2))
+    assert list(two) == list(BatchSamplerShard(base, num_processes=2, process_index=1))
+    assert len(list(two)[-1]) == 2  # completed with repeated samples
 
 
 def test_a_rank_aware_sampler_or_an_unsharded_loader_is_refused() -> None:

@@ -91,16 +91,50 @@ def test_position_ids_with_padding_mask() -> None:
     pos = torch.tensor([[0, 1, 2, 0, 1, 9, 9], [0, 0, 1, 2, 3, 4, 5]])
     pad = torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0] * 7], dtype=torch.bool)
     assert PackSpec.from_position_ids(pos, pad).doc_lens == ((3, 2), (1, 6))
-    # without a mask every token is real: the 9s are not a valid continuation
-    with pytest.raises(ValueError, match=r"position_ids\[0, 5\]: must restart at 0.*9 after 1"):
-        PackSpec.from_position_ids(pos)
+    # without a mask every token is real: the jump to 9 and the repeated 9 start documents
+    assert PackSpec.from_position_ids(pos).doc_lens == ((3, 2, 1, 1), (1, 6))
+
+
+@pytest.mark.parametrize(
+    ("pos", "lens"),
+    [
+        ([[1, 2, 3]], ((3,),)),  # one document whose positions start at 1
+        ([[0, 1, 3, 4]], ((2, 2),)),  # a gap
+        ([[0, 1, 1, 2]], ((2, 2),)),  # a repeat
+        ([[3, 4, 0, 1, 2]], ((2, 3),)),  # a 0 mid-row
+        ([[2, 0, 0, 5]], ((1, 1, 1, 1),)),
+    ],
+)
+def test_position_ids_start_a_document_at_every_step_but_plus_one(
+    pos: list[list[int]], lens: tuple[tuple[int, ...], ...]
+) -> None:
+    assert PackSpec.from_position_ids(torch.tensor(pos)).doc_lens == lens
+
+
+def test_position_ids_read_as_transformers_reads_them() -> None:
+    """Random rows (gaps, repeats, restarts at 0 anywhere, arbitrary values): the documents are
+    the sequences transformers' masks find (``find_packed_sequence_indices``), no refusal."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        rows, seq = (
+            int(torch.randint(1, 4, (1,), generator=gen)),
+            int(torch.randint(1, 12, (1,), generator=gen)),
+        )
+        steps = torch.randint(-3, 4, (rows, seq), generator=gen)
+        steps[torch.rand(rows, seq, generator=gen) < 0.6] = 1  # mostly runs of +1
+        pos = (steps.cumsum(1) + torch.randint(0, 5, (rows, 1), generator=gen)).clamp(min=0)
+        pos[torch.rand(rows, seq, generator=gen) < 0.1] = 0  # restarts at 0, mid-row too
+        hf = masking_utils.find_packed_sequence_indices(pos)
+        hf = torch.zeros_like(pos) if hf is None else hf
+        doc = PackSpec.from_position_ids(pos).document_ids()
+        first = doc - doc[:, :1]  # per-row document index, as transformers numbers them
+        assert torch.equal(first, hf), pos
 
 
 @pytest.mark.parametrize(
     ("pos", "pad", "match"),
     [
-        ([[1, 2, 3]], None, r"position_ids\[0, 0\].*1 after -1"),
-        ([[0, 1, 3]], None, r"position_ids\[0, 2\].*3 after 1"),
         ([[0, 1, 2]], [[1, 0, 0]], r"padding_mask row 0: must mark a suffix"),
         ([[0, 1, 2]], [[0, 0]], r"must match position_ids' shape"),
         ([0, 1, 2], None, r"position_ids: must be \[B, S\]"),

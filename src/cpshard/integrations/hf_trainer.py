@@ -19,7 +19,9 @@ processes without collectives. The mixin overrides public methods only:
    ``r, r + W, ...``); the mixin re-points the shard of the dataloader it returns at
    ``dp = W / C`` replicas (``process_index = r // C``), the same attributes transformers itself
    resets for its rank-aware sampler. So the sampler, the epoch length and gradient accumulation
-   all see ``dp`` replicas.
+   all see ``dp`` replicas. The epoch's last partial batch is what a run without CP on ``dp``
+   processes gets: kept partial for one replica (as in one process), completed with repeated
+   samples by accelerate's ``even_batches`` for ``dp > 1`` (as in any multi-process run).
 2. **Token count** (``get_cp_size``): ``num_items_in_batch`` is counted on the unsharded batches
    of every rank and summed over the world, so every token is counted ``C`` times; the Trainer
    divides by ``get_cp_size()``, which returns ``C`` (a Trainer that does not call it, e.g.
@@ -27,9 +29,13 @@ processes without collectives. The mixin overrides public methods only:
    :func:`trainer_count_divides_by_cp_size`).
 3. **Forward and loss** (``compute_loss``): the batch (dense rows with ``attention_mask``, or
    TRL's padding-free rows with ``position_ids`` restarting per document) is labelled on the
-   global sequence (``shift_labels`` / ``shift_labels_packed``), sharded with
+   global sequence as the model's own loss shifts it (target of ``t`` = ``labels[t + 1]`` over
+   the row, so the targets are the ones ``num_items_in_batch`` counts), sharded with
    :func:`cpshard.prepare_cp_forward`, run under its ``ctx()``, and each rank returns its share
-   of the global mean: ``sum over its tokens / num_items_in_batch * W``.
+   of the global mean: ``sum over its tokens / num_items_in_batch * W``. A target at a padded
+   position (left padding whose first token keeps its label: the pad before it would predict
+   it, with logits that depend on the attention implementation) has no CP-exact loss: every
+   rank raises before the step (``get_batch_samples``, one all-reduce of the count).
 4. **Gradients**: the Trainer's DDP averages over all ``W`` ranks; with the ``* W`` above that
    average is exactly the CP *sum* and the dp *mean* (:func:`cpshard.sync_grads` followed by a
    dp mean gives the same numbers; DDP does it in one all-reduce). The DDP group must be the
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -63,7 +70,7 @@ from cpshard.attention import checkpoint_context_fn
 from cpshard.dispatch import prepare_cp_forward
 from cpshard.layouts.documents import PackSpec
 from cpshard.loss import count_tokens, cp_cross_entropy
-from cpshard.sharding.labels import shift_labels, shift_labels_packed
+from cpshard.sharding.labels import shift_labels
 
 __all__ = [
     "CPDataMixin",
@@ -286,7 +293,59 @@ def shard_dataloader_by_dp(dataloader: Any, cp: CPSetup) -> Any:
         )
     shard.num_processes = cp.dp_size
     shard.process_index = cp.dp_rank
+    if cp.dp_size == 1:
+        # accelerate shards a sampler only for several processes; its `even_batches` completes
+        # the epoch's last partial batch with repeated samples so every process gets one. One
+        # replica is one process: its last batch stays partial, as without a shard.
+        shard.even_batches = False
     return dataloader
+
+
+def _shifted_targets(inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """``[B, S]``: the target of every position, as transformers' causal-LM loss takes it.
+
+    ``shift_labels`` when the collator gives them, else ``labels[:, t + 1]`` (``-100`` at the
+    row end): the model shifts the labels over the whole row, whatever the attention mask or the
+    documents say, and the Trainer counts ``num_items_in_batch`` on exactly these targets.
+    """
+    given = inputs.get("shift_labels")
+    if given is not None:
+        return cast(torch.Tensor, given)
+    raw = inputs.get("labels")
+    return None if raw is None else shift_labels(cast(torch.Tensor, raw))
+
+
+def scored_pad_positions(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """``[N, 2]`` (row, position) of the padded positions that the loss would score.
+
+    transformers shifts the labels over the row, so the pad just before a left-padded row's
+    first token has that token as its target (the row's label there is not ``-100``). That
+    pad's query attends to no token: its logits depend on the attention implementation (sdpa and
+    flash attention give it a zero attention output, eager a uniform average of the row), and
+    under CP a pad attends to itself. Such a batch has no CP-exact loss.
+
+    Returns:
+        The positions (empty without an ``attention_mask`` or without labels).
+    """
+    mask = inputs.get("attention_mask")
+    targets = _shifted_targets(inputs)
+    if not isinstance(mask, torch.Tensor) or targets is None or mask.shape != targets.shape:
+        return torch.zeros(0, 2, dtype=torch.long)
+    return ((mask == 0) & (targets != -100)).nonzero()
+
+
+def _scored_pads_error(count: int, example: str) -> ValueError:
+    return ValueError(
+        f"CP trainer: the loss would score {count} padded position(s) of this step's batches"
+        f"{example}. transformers' causal-LM loss shifts the labels itself (the target of "
+        "position t is labels[t + 1]), so a pad followed by a labelled token is scored: the pad "
+        "just before a left-padded row's first token, or right pads whose labels are not -100. "
+        "Such a pad attends to no real token before it: its logits depend on the attention "
+        "implementation (sdpa/flash: zero attention output, eager: a uniform average), and under "
+        "CP a pad attends to itself, so that loss cannot be reproduced. Fix: in the collator, "
+        "labels[:, 1:][attention_mask[:, :-1] == 0] = -100 (no pad has a target), or pad on the "
+        "right with labels -100 at the pads"
+    )
 
 
 def cp_batch_from_trainer_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -295,15 +354,21 @@ def cp_batch_from_trainer_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     Dense rows: ``input_ids`` ``[B, S]``, ``labels`` (unshifted, as HF models take them) or
     ``shift_labels``, optional ``attention_mask`` (any padding side). Padding-free rows (TRL's
     ``padding_free`` / packing collator): ``input_ids`` ``[1, T]`` with ``position_ids``
-    restarting at 0 per document and no ``attention_mask``; the ``cu_seq_lens_*`` /
-    ``max_length_*`` / ``seq_idx`` keys describe the same documents and are dropped.
+    restarting at 0 per document (any step other than +1 starts one, as transformers reads
+    them) and no ``attention_mask``; the ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx``
+    keys describe the same documents and are dropped.
+
+    The targets are the model's own: ``labels`` shifted over the whole row (a document's last
+    token gets the next label, as without CP: ``-100`` there when the collator masks document
+    starts, as TRL's does), so their count is the Trainer's ``num_items_in_batch``.
 
     Returns:
-        ``{"input_ids", "labels" (pre-shifted), "attention_mask" | "seq_lens"}`` (plus given
-        dense ``position_ids``); the caller's tensors are not modified.
+        ``{"input_ids", "labels" (pre-shifted), "attention_mask" | "seq_lens"}`` (plus the
+        given ``position_ids``); the caller's tensors are not modified.
 
     Raises:
-        ValueError: no ``input_ids`` or labels, or keys cpshard cannot shard.
+        ValueError: no ``input_ids`` or labels, keys cpshard cannot shard, or a padded position
+            the loss would score (:func:`scored_pad_positions`).
     """
     unknown = sorted(
         k
@@ -322,27 +387,23 @@ def cp_batch_from_trainer_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     mask = inputs.get("attention_mask")
     pos = inputs.get("position_ids")
     packed = mask is None and (pos is not None or inputs.get("cu_seq_lens_q") is not None)
-    given = inputs.get("shift_labels")
-    raw = inputs.get("labels")
-    if given is None and raw is None:
+    labels = _shifted_targets(inputs)
+    if labels is None:
         raise ValueError("CP trainer: the batch has neither labels nor shift_labels")
+    scored = scored_pad_positions(inputs)
+    if len(scored):
+        b, t = (int(v) for v in scored[0])
+        raise _scored_pads_error(len(scored), f" (row {b}, position {t})")
     batch: dict[str, Any] = {"input_ids": ids}
     if packed:
-        # The documents as seq_lens: the dispatcher then picks a packed layout (restarting
-        # position_ids alone would read as one dense row) and numbers positions per document.
+        # The documents as seq_lens: the dispatcher then picks a packed layout.
         docs = {"position_ids": pos} if pos is not None else {"cu_seqlens": inputs["cu_seq_lens_q"]}
         spec = PackSpec.from_documents((ids.shape[0], ids.shape[1]), **docs)
         batch["seq_lens"] = [list(row) for row in spec.doc_lens]
-        labels = given if given is not None else shift_labels_packed(cast(torch.Tensor, raw), spec)
-    else:
-        pad = None if mask is None else mask == 0
-        if mask is not None:
-            batch["attention_mask"] = mask
-        if pos is not None:
-            batch["position_ids"] = pos
-        labels = (
-            given if given is not None else shift_labels(cast(torch.Tensor, raw), padding_mask=pad)
-        )
+    elif mask is not None:
+        batch["attention_mask"] = mask
+    if pos is not None:  # the RoPE positions the model would see without CP
+        batch["position_ids"] = pos
     batch["labels"] = labels
     return batch
 
@@ -440,6 +501,16 @@ class CPTrainerMixin(CPDataMixin):
     Keywords as :class:`CPDataMixin`; the loss is cpshard's (see the module docstring).
     """
 
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list[Any], torch.Tensor | int | None]:
+        """The Trainer's batches of one optimizer step; a batch whose loss would score a padded
+        position (:func:`scored_pad_positions`) is refused on every rank before the step."""
+        samples, count = cast(Any, super()).get_batch_samples(epoch_iterator, num_batches, device)
+        if self.cp is not None:
+            check_no_scored_pads(samples, self.cp)
+        return samples, count
+
     def compute_loss(
         self,
         model: nn.Module,
@@ -506,6 +577,23 @@ def trainer_count_divides_by_cp_size() -> bool:
                 f"it divides num_items_in_batch by get_cp_size() ({e})"
             ) from e
     return any("get_cp_size()" in src for src in sources)
+
+
+def check_no_scored_pads(samples: list[Any], cp: CPSetup) -> None:
+    """Refuse, on every rank, a step whose batches would score a padded position.
+
+    Each rank counts :func:`scored_pad_positions` in its own batches; one all-reduce of the
+    count over the world (the data-parallel replicas hold different batches) lets every rank
+    raise together instead of leaving the others in the step's gradient all-reduce.
+
+    Raises:
+        ValueError: some rank's batches would score a padded position.
+    """
+    local = sum(len(scored_pad_positions(s)) for s in samples if isinstance(s, Mapping))
+    total = torch.tensor([local], dtype=torch.int64)
+    _comm.all_reduce_sum_mesh_(total, cp.mesh)
+    if int(total):  # every CP rank of a replica counted the replica's batches
+        raise _scored_pads_error(max(int(total) // cp.cp_size, 1), "")
 
 
 def check_ddp_over_world(model: nn.Module, cp: CPSetup) -> None:

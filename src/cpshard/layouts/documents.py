@@ -12,7 +12,8 @@ document ids* used by CP attention masks. Three spellings parse into a spec:
 * :meth:`PackSpec.from_seq_lens`: per row, the document lengths; the rest of the row is padding.
 * :meth:`PackSpec.from_cu_seqlens`: flash-attn / TransformerEngine offsets of one ``[1, T]``
   stream; must start at 0, increase strictly (no empty documents) and end at ``T`` exactly.
-* :meth:`PackSpec.from_position_ids`: positions that restart at 0 at every document start.
+* :meth:`PackSpec.from_position_ids`: a document starts wherever the position does not
+  continue the previous one by +1 (a restart at 0, a gap, a repeat), as transformers reads them.
   Padding is never inferred from token values (a pad id can be real content); pass an explicit
   ``padding_mask`` (``True`` = pad), which must mark a suffix of each row.
 
@@ -189,17 +190,22 @@ class PackSpec:
     def from_position_ids(
         cls, position_ids: torch.Tensor, padding_mask: torch.Tensor | None = None
     ) -> PackSpec:
-        """Spec from per-document positions that restart at 0 at each document start.
+        """Spec from per-document positions: a document starts wherever the position does not
+        continue the previous token's by +1.
+
+        That is transformers' own reading of ``position_ids`` without an attention mask
+        (``masking_utils.find_packed_sequence_indices``, used by its eager / sdpa / flex masks):
+        a restart at 0 starts a document, and so does a gap (``0, 1, 2, 5, 6``) or a repeat
+        (``0, 1, 1, 2``); the positions themselves stay the RoPE positions. So ``0, 1, 2, 0, 1``
+        is two documents of 3 and 2 tokens, ``4, 5, 6`` one document.
 
         Args:
-            position_ids: Int tensor ``[B, S]``. Real tokens of a row read ``0, 1, ..., n0-1,
-                0, 1, ..., n1-1, ...``.
+            position_ids: Int tensor ``[B, S]``.
             padding_mask: Bool tensor ``[B, S]`` (``True`` = pad) marking a suffix of each row,
                 or ``None`` when there is no padding. Pads are never inferred from values.
 
         Raises:
-            ValueError: wrong shapes, pads that are not a row suffix, or real positions that
-                neither restart at 0 nor continue the previous token by +1.
+            ValueError: wrong shapes, or pads that are not a row suffix.
         """
         if position_ids.dim() != 2:
             raise _fix(
@@ -231,21 +237,12 @@ class PackSpec:
                 pad[b].int().tolist()[:32],
                 "move padding to the row end or split the row",
             )
-        prev = torch.cat([torch.full((n_rows, 1), -1, dtype=torch.long), pos[:, :-1]], dim=1)
-        ok = (pos == 0) | (pos == prev + 1)
-        bad = ~ok & ~pad
-        if bool(bad.any()):
-            b, s = (int(v) for v in bad.nonzero()[0])
-            raise _fix(
-                f"position_ids[{b}, {s}]",
-                "must restart at 0 or continue the previous position by +1",
-                f"{int(pos[b, s])} after {int(prev[b, s])}",
-                "pass per-document positions 0..n-1, or use from_seq_lens",
-            )
+        start = torch.ones_like(pad)
+        start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
         rows = []
         for b in range(n_rows):
             n = int(n_real[b])
-            starts = [*(pos[b, :n] == 0).nonzero().flatten().tolist(), n]
+            starts = [*start[b, :n].nonzero().flatten().tolist(), n]
             rows.append(tuple(e - s for s, e in itertools.pairwise(starts)))
         return cls(int(row_len), tuple(rows))
 
@@ -262,7 +259,7 @@ class PackSpec:
     ) -> PackSpec:
         """The spec of a ``[B, S]`` batch from whichever spelling the caller holds.
 
-        The same spellings a packed batch accepts (``seq_lens``, ``cu_seqlens`` or restarting
+        The same spellings a packed batch accepts (``seq_lens``, ``cu_seqlens`` or
         ``position_ids``), or a ready :class:`PackSpec`; exactly one of them.
 
         Args:
@@ -271,7 +268,7 @@ class PackSpec:
             seq_lens: Per-row document lengths (lists or an int tensor ``[B, n]``; a flat list
                 is one row); the rest of each row is padding.
             cu_seqlens: Offsets ``[D + 1]`` (list or tensor) of one ``[1, T]`` stream.
-            position_ids: ``[B, S]`` positions restarting at 0 per document.
+            position_ids: ``[B, S]`` positions; documents start where they do not step by +1.
             padding_mask: With ``position_ids`` only: ``[B, S]`` bool, ``True`` = pad (suffix).
 
         Raises:

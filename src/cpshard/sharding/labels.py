@@ -76,8 +76,9 @@ def shift_labels_packed(
 
     The documents are given as the batch gives them (exactly one spelling): a
     :class:`~cpshard.layouts.documents.PackSpec` or per-row ``seq_lens`` (second argument or
-    keyword), ``cu_seqlens`` offsets of a ``[1, T]`` stream, or ``position_ids`` restarting at 0
-    per document (with an optional ``padding_mask``, ``True`` = pad).
+    keyword), ``cu_seqlens`` offsets of a ``[1, T]`` stream, or ``position_ids`` (a document
+    starts wherever they do not step by +1, as transformers reads them; with an optional
+    ``padding_mask``, ``True`` = pad).
 
     Args:
         labels: Tensor ``[B, S]`` (e.g. ``input_ids``), caller coordinates.

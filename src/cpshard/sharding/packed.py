@@ -56,8 +56,9 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
 
     Args:
         batch: Holds ``seq_lens`` (per row document lengths), ``cu_seqlens`` (1-D offsets of
-            a ``[1, T]`` stream), or else ``position_ids`` ``[B, S]`` that restart at 0 per
-            document (padding then only from ``padding_mask`` / ``attention_mask``).
+            a ``[1, T]`` stream), or else ``position_ids`` ``[B, S]`` (or ``[1, S]`` for every
+            row) whose steps other than +1 start documents (padding then only from
+            ``padding_mask`` / ``attention_mask``).
         row_shape: ``(B, S)`` of the primary input.
 
     Raises:
@@ -66,11 +67,14 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
     has_lens = batch.get("seq_lens") is not None
     has_cu = batch.get("cu_seqlens") is not None
     if not has_lens and not has_cu and batch.get("position_ids") is not None:
-        # Documents from positions that restart at 0; padding only from an explicit mask.
+        # Documents start where positions do not step by +1; padding only from an explicit mask.
         pad = batch.get("padding_mask")
         if pad is None and batch.get("attention_mask") is not None:
             pad = attention_mask_to_padding_mask(batch["attention_mask"])
-        return PackSpec.from_position_ids(batch["position_ids"], pad)
+        pos = batch["position_ids"]
+        if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1:
+            pos = pos.expand(row_shape[0], -1)  # one row of positions for every row, as HF
+        return PackSpec.from_position_ids(pos, pad)
     if has_lens == has_cu:
         raise ValueError(
             "a packed batch needs exactly one of 'seq_lens' (document lengths per row), "
