@@ -705,6 +705,12 @@ def ring_shift_start(
     while the caller computes; call :meth:`Transfer.wait` before using the received tensors or
     writing to ``xs``.
 
+    Under ``torch.compile`` each tensor moves by a synchronous uneven all-to-all instead (all of
+    its elements to rank ``r + 1``, nothing to the others: the same bytes on the wire). Dynamo
+    does not trace point-to-point ops by default (a graph break, so ``fullgraph=True`` fails), and
+    with ``TORCHDYNAMO_ENABLE_P2P_COMPILATION=1`` the traced ring hung on gloo (torch 2.13); the
+    all-to-all is a traced collective like the other methods' (exact compiled, fullgraph too).
+
     Args:
         xs: The tensors to send (each made contiguous here).
         group: The CP process group, ``C >= 2``.
@@ -717,6 +723,8 @@ def ring_shift_start(
     if len(xs) != len(tags):
         raise ValueError(f"one tag per tensor, got {len(xs)} tensors and {len(tags)} tags")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if torch.compiler.is_compiling():
+        return Transfer([], [_ring_shift_traced(x, group, rank, world) for x in xs], [])
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
     sends = [x.contiguous() for x in xs]
@@ -733,6 +741,18 @@ def ring_shift_start(
         ops.append(dist.P2POp(dist.irecv, recv, prv, group, tag))
     works = dist.batch_isend_irecv(ops)
     return Transfer(list(works), recvs, sends, targets)
+
+
+def _ring_shift_traced(x: torch.Tensor, group: ProcessGroup, rank: int, world: int) -> torch.Tensor:
+    """``x`` of rank ``r - 1``, by one synchronous uneven all-to-all (traceable by dynamo)."""
+    flat = x.contiguous().view(-1)
+    n = flat.shape[0]
+    in_splits = [n if j == (rank + 1) % world else 0 for j in range(world)]
+    out_splits = [n if j == (rank - 1) % world else 0 for j in range(world)]
+    out = torch.empty_like(flat)
+    direct = functools.partial(_all_to_all_split_direct, in_splits=in_splits, out_splits=out_splits)
+    _into(direct, out, flat, group)
+    return out.view(x.shape)
 
 
 # --- counting collectives (tests, benchmarks) -------------------------------------------------

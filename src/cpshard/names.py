@@ -19,8 +19,8 @@ from typing import Literal, get_args
 
 __all__ = [
     "ATTENTION_CHOICES",
+    "COMPILED_FROM_2_13",
     "DENSE_LAYOUTS",
-    "GATHERING_METHODS",
     "LAYOUT_NAMES",
     "METHOD_NAMES",
     "PACKED_LAYOUTS",
@@ -39,10 +39,11 @@ AttentionMethod = Literal["all_gather", "ring", "ulysses", "selective"]
 METHOD_NAMES: tuple[AttentionMethod, ...] = get_args(AttentionMethod)
 """The concrete CP attention methods (one strategy object each in ``cpshard.attention.methods``)."""
 
-GATHERING_METHODS: tuple[AttentionMethod, ...] = ("all_gather", "selective")
-"""Methods that collect the K/V a rank needs in one exchange before its kernels (and return the
-K/V gradients in one exchange after): under ``torch.compile`` on torch < 2.13 their compiled
-backward gave wrong gradients, so :func:`cpshard.attention.core.cp_sdpa` refuses them there."""
+COMPILED_FROM_2_13: tuple[AttentionMethod, ...] = ("all_gather", "ring", "selective")
+"""Methods :func:`cpshard.attention.core.cp_sdpa` refuses inside ``torch.compile`` on torch < 2.13.
+all_gather and selective (one K/V exchange before their kernels, the K/V gradients in one after)
+gave wrong compiled gradients on 2.11; the ring runs traced collectives under compile too (an
+uneven all-to-all per hop, ``cpshard._comm.ring_shift_start``), checked exact on 2.13 only."""
 
 AttentionChoice = Literal["auto", "all_gather", "ring", "ulysses", "selective"]
 ATTENTION_CHOICES: tuple[AttentionChoice, ...] = get_args(AttentionChoice)

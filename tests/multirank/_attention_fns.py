@@ -277,11 +277,78 @@ def hf_public_case(
     }
 
 
-def compiled_module_case(cp_mesh: DeviceMesh | None, method: str, fullgraph: bool) -> Any:
-    """:class:`TinyAttention` under ``ctx()``: eager vs ``torch.compile`` output and grads.
+class SelfAttentionOnly(TinyAttention):
+    """:class:`TinyAttention`'s self-attention alone: ``cp_attention`` (default ``"auto"``) with
+    a sharder, plain causal SDPA without one (the one-process reference)."""
 
-    The batch is sharded by :func:`cpshard.prepare_cp_forward`'s machinery (the plan is built at
-    shard time), then the compiled module runs twice (the second call must reuse the graph).
+    def __init__(self, sharder: Any = None) -> None:
+        super().__init__(16, 4, 2)
+        self.sharder = sharder
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        from cpshard.attention import cp_attention
+
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.hd).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.sharder is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            y = cp_attention(q, k, v, sharder=self.sharder)
+        return y.transpose(1, 2).reshape(b, n, -1)
+
+
+COMPILE_STEPS = 3
+
+
+def _compile_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [2, 20, 16]`` (20 tokens: no pad rows under round_robin at cp=2), ``memory``."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 20, 16, dtype=torch.float64, generator=g)
+    return x, torch.randn(2, 5, 4, dtype=torch.float64, generator=g)
+
+
+def _sgd_steps(
+    model: torch.nn.Module, step: Any, group: Any = None
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """:data:`COMPILE_STEPS` SGD steps; per step ``step()``'s output and the (CP-summed) grads."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out = []
+    for _ in range(COMPILE_STEPS):
+        opt.zero_grad()
+        y, loss = step()
+        loss.backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            if group is not None:
+                dist.all_reduce(p.grad, group=group)
+        out.append((y, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return out
+
+
+def compiled_reference(explicit: bool) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """One process, no CP: the steps of :func:`compiled_steps_case` with plain SDPA."""
+    torch.manual_seed(0)
+    model = SelfAttentionOnly() if explicit else TinyAttention(16, 4, 2)
+    x, memory = _compile_inputs()
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        y = model(x, memory)
+        return y.detach(), y.pow(2).sum() / y.numel()
+
+    return _sgd_steps(model, step)
+
+
+def compiled_steps_case(
+    cp_mesh: DeviceMesh, method: str, fullgraph: bool, explicit: bool = False
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``torch.compile`` of a model under ``ctx()``: its first compiled step and two later ones
+    (SGD between them), the gathered output and the CP-summed parameter grads of each step.
+
+    ``explicit``: the model calls ``cp_attention`` (default ``"auto"``) instead of SDPA, first
+    met inside the compiled region (nothing planned eagerly before).
     """
     import torch._dynamo
 
@@ -289,23 +356,18 @@ def compiled_module_case(cp_mesh: DeviceMesh | None, method: str, fullgraph: boo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    # torch < 2.13 (2.11 seen) cannot compile its own fp64 CPU SDPA backward ("expected scalar
-    # type Double but found Float"), which the cross-attention here runs untouched: fp32 there.
-    old = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
-    dtype = torch.float32 if old else torch.float64
-    model = TinyAttention(16, 4, 2).to(dtype)
-    x = torch.randn(2, 21, 16, dtype=dtype)
-    memory = torch.randn(2, 5, 4, dtype=dtype)
-    ctx, batch, _ = make_cp_batch_and_ctx(
+    x, memory = _compile_inputs()
+    ctx, batch, sharder = make_cp_batch_and_ctx(
         cp_mesh, {"inputs_embeds": x}, attention=method, layout="round_robin"
     )
+    model = SelfAttentionOnly(sharder) if explicit else TinyAttention(16, 4, 2)
+    fn = torch.compile(model, fullgraph=fullgraph, dynamic=False)
     xl = batch["inputs_embeds"]
-    results = []
-    for fn in (model, torch.compile(model, fullgraph=fullgraph, dynamic=False)):
-        for _ in range(2):
-            model.zero_grad()
-            with ctx():
-                y = fn(xl, memory)
-            y.pow(2).sum().backward()
-        results.append((y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    return results
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        with ctx():
+            y = fn(xl, memory)
+        # the mean over the global tokens: each rank's sum over its own, divided by the total
+        return sharder.gather_token_tensor(y.detach(), trim=True), y.pow(2).sum() / x.numel()
+
+    return _sgd_steps(model, step, cp_group(cp_mesh))

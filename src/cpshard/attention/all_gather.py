@@ -176,6 +176,12 @@ class AllGatherMethod:
         """``(local, remote)`` of :meth:`~cpshard.attention.plan.AttentionPlan.all_gather_split`."""
         return plan.all_gather_split(causal, window, device)
 
+    def planned(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> bool:
+        """Whether :meth:`plans` would only read cached plans (no host work)."""
+        return plan.planned(self.name, causal, window, device)
+
     def apply(
         self,
         q: torch.Tensor,

@@ -14,7 +14,8 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from cpshard.attention.kernels import COMPILE_BEFORE_2_13, KernelBackend
 from cpshard.attention.methods import METHODS, method_named, servable
 from cpshard.attention.plan import AttentionPlan, attention_plan, check_window
 from cpshard.attention.softcap import check_softcap
-from cpshard.names import ATTENTION_CHOICES, GATHERING_METHODS, AttentionMethod
+from cpshard.names import ATTENTION_CHOICES, COMPILED_FROM_2_13, AttentionMethod
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["AttentionMethod", "CPAttentionSharder", "cp_attention", "cp_sdpa"]
@@ -159,23 +160,10 @@ def resolve_method(
         return method
     # the choice is host work (numpy over the token meta): made once per batch, call shape and
     # cost model, and read back from the meta's cache by later calls (and compiled regions)
-    # (the shape's fields, not the dataclass: torch 2.11's dynamo cannot format a dataclass into
-    # a string, so a compiled region could not even read an eagerly cached choice)
-    key = (
-        f"auto|{shape.batch}|{shape.q_heads}|{shape.kv_heads}|{shape.head_dim}|"
-        f"{shape.itemsize}|{shape.causal}|{shape.window}|{world}|{outer}|{cost_model!r}"
-    )
+    key = _auto_key(shape, world, cost_model, outer)
     hit = plan.meta.plan_cache.get(key)
     if isinstance(hit, str):
         return hit
-    if torch.compiler.is_compiling():
-        raise ValueError(
-            f"CP attention with causal={shape.causal}, window={shape.window} (method 'auto') was "
-            "first met inside a torch.compile'd region: choosing the method is host work (once "
-            "per batch) that dynamo cannot trace. Pass an explicit method (attention='ring', "
-            "'all_gather', 'ulysses' or 'selective' to prepare_cp_forward / "
-            "make_cp_batch_and_ctx), or run one eager step of this batch first"
-        )
     facts = plan_facts(plan.meta, shape.causal, shape.window)
     model = CostModel() if cost_model is None else cost_model
     candidates = servable(shape.q_heads, shape.kv_heads, world)
@@ -184,6 +172,88 @@ def resolve_method(
     best, _ = choose_method(facts, shape, model, candidates)
     plan.meta.plan_cache[key] = best
     return best
+
+
+def _auto_key(
+    shape: CallShape, world: int, cost_model: CostModel | None, outer: bool = False
+) -> str:
+    # the shape's fields, not the dataclass: torch 2.11's dynamo cannot format a dataclass into
+    # a string, so a compiled region could not even read an eagerly cached choice
+    return (
+        f"auto|{shape.batch}|{shape.q_heads}|{shape.kv_heads}|{shape.head_dim}|"
+        f"{shape.itemsize}|{shape.causal}|{shape.window}|{world}|{outer}|{cost_model!r}"
+    )
+
+
+def _host_planning(
+    method: str,
+    plan: AttentionPlan,
+    shape: CallShape,
+    world: int,
+    device: torch.device,
+    outer: bool = False,
+) -> tuple[str, Any]:
+    """The method's name (``"auto"`` resolved) and its plans: host work, cached per batch."""
+    name = resolve_method(method, plan, shape, world, outer=outer)
+    return name, method_named(name).plans(plan, shape.causal, shape.window, device)
+
+
+_FIRST_MET_IN_COMPILE = (
+    "CP attention with a method choice ('auto') or a mask (causal / window) first met inside a "
+    "torch.compile'd region: choosing the method and building its plan is host work (once per "
+    "batch) that dynamo cannot trace. Under torch.compile(fullgraph=False) cpshard runs it "
+    "outside the graph (one graph break); for fullgraph=True pass an explicit method "
+    "(attention='ring', 'all_gather', 'ulysses' or 'selective' to prepare_cp_forward / "
+    "make_cp_batch_and_ctx) and build its plan before the compiled call "
+    "(cpshard.attention.plan.attention_plan(meta).for_method(method, causal, window, device) "
+    "with the sharder's token_meta), or run one eager step of this batch first"
+)
+
+# Outside the trace: under fullgraph=False a graph break runs it eagerly (same result as an
+# eager call); under fullgraph=True dynamo refuses it, its message carrying the reason.
+_host_planning_outside_graph: Callable[..., tuple[str, Any]] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _host_planning, reason=_FIRST_MET_IN_COMPILE
+)
+
+
+def _planned(
+    method: str,
+    plan: AttentionPlan,
+    shape: CallShape,
+    world: int,
+    device: torch.device,
+    outer: bool = False,
+) -> bool:
+    """Whether :func:`_host_planning` would only read caches (nothing for the host to do)."""
+    name = method
+    if method == "auto":
+        hit = plan.meta.plan_cache.get(_auto_key(shape, world, None, outer))
+        if not isinstance(hit, str):
+            return False
+        name = hit
+    return method_named(name).planned(plan, shape.causal, shape.window, device)
+
+
+def method_and_plans(
+    method: str,
+    plan: AttentionPlan,
+    shape: CallShape,
+    world: int,
+    device: torch.device,
+    *,
+    outer: bool = False,
+) -> tuple[str, Any]:
+    """The method's name (``"auto"`` resolved, same on every rank) and the plans it runs.
+
+    Both are host work, cached per batch. Inside a ``torch.compile``'d region that finds them
+    not cached yet, the work runs outside the graph (``torch.compiler.disable``): under
+    ``fullgraph=False`` one graph break with the eager result, under ``fullgraph=True`` dynamo's
+    refusal carrying the fix (:data:`_FIRST_MET_IN_COMPILE`). ``outer``: the method runs across
+    the outer group of a 2-D CP mesh (``auto`` never picks ulysses there).
+    """
+    if torch.compiler.is_compiling() and not _planned(method, plan, shape, world, device, outer):
+        return _host_planning_outside_graph(method, plan, shape, world, device, outer)
+    return _host_planning(method, plan, shape, world, device, outer)
 
 
 def _check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
@@ -332,38 +402,25 @@ def run_sdpa(
         shape = CallShape(
             q.shape[0], q.shape[1] // u, hkv // u, q.shape[-1], q.element_size(), causal, window
         )
-    name = resolve_method(method, plan, shape, run_world, outer=grid is not None)
+    name, plans = method_and_plans(method, plan, shape, run_world, q.device, outer=grid is not None)
     chosen = method_named(name)
-    # selective caches its own plans on the token meta; the others' live in the AttentionPlan
-    if (
-        torch.compiler.is_compiling()
-        and name != "selective"
-        and not plan.planned(name, causal, window, q.device)
-    ):
-        raise ValueError(
-            f"CP attention with causal={causal}, window={window} ({name}) was first met inside "
-            "a torch.compile'd region: its plan is host work (built once per batch) that dynamo "
-            "cannot trace. Build it before the compiled call, e.g. "
-            f"cpshard.attention.plan.attention_plan(meta).for_method({name!r}, {causal}, "
-            f"{window}, device) with the sharder's token_meta, or run one eager step first"
-        )
     # torch < 2.13 (seen on 2.11): torch.compile(fullgraph=True) of the gathering methods gives
     # the right output but wrong q/k/v gradients (root cause not isolated: not the attention
-    # kernel, not the collectives' staging buffers); eager is exact
+    # kernel, not the collectives' staging buffers); eager is exact. The ring's compiled path
+    # (traced all-to-all hops) is checked on 2.13 only: refused there too (names.py)
     if (
         COMPILE_BEFORE_2_13
         and torch.compiler.is_compiling()
         and group is not None
-        and name in GATHERING_METHODS
+        and name in COMPILED_FROM_2_13
     ):
         raise ValueError(
             f"CP attention ({name}) inside torch.compile on torch {torch.__version__}: its "
-            "compiled backward gives wrong gradients on torch < 2.13 (seen on 2.11: the output is "
+            "compiled backward is not exact on torch < 2.13 (seen on 2.11: the output is "
             "right, the q/k/v gradients are not; exact on torch 2.13). Under torch.compile on "
-            "this torch use attention='ulysses' or 'ring' (prepare_cp_forward / "
+            "this torch use attention='ulysses' (prepare_cp_forward / "
             "make_cp_batch_and_ctx), run this model eagerly, or upgrade torch to 2.13"
         )
-    plans = chosen.plans(plan, causal, window, q.device)
     cap = None if softcap is None else float(softcap)
     with autocast_off(q.device):  # the methods' fp32 accumulation stays fp32
         if hybrid:

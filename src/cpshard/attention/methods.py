@@ -7,6 +7,8 @@ Each method (``all_gather``, ``ring``, ``ulysses``, ``selective``:
   collective (only ``ulysses`` refuses anything: head counts not divisible by the CP size);
 * ``plans(plan, causal, window, device)``: the kernel and exchange plans it runs, built from the
   batch's :class:`~cpshard.attention.plan.AttentionPlan` once and cached;
+* ``planned(plan, causal, window, device)``: whether those plans are cached already (inside
+  ``torch.compile`` the host work of building them runs outside the graph);
 * ``apply(q, k, v, plans, group, *, scale, backend, softcap, sinks)``: the differentiable
   forward (an autograd Function whose backward is the method's own).
 
@@ -50,6 +52,11 @@ class CPMethod(Protocol):
         self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
     ) -> Any:
         """The plans :meth:`apply` runs (cached per batch)."""
+
+    def planned(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> bool:
+        """Whether :meth:`plans` would only read cached plans (no host work to build them)."""
 
     def apply(
         self,

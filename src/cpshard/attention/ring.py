@@ -188,6 +188,12 @@ class RingMethod:
         """Local queries against each rank's block (:meth:`~AttentionPlan.ring`)."""
         return plan.ring(causal, window, device)
 
+    def planned(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> bool:
+        """Whether :meth:`plans` would only read cached plans (no host work)."""
+        return plan.planned(self.name, causal, window, device)
+
     def apply(
         self,
         q: torch.Tensor,

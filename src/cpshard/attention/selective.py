@@ -36,7 +36,7 @@ from cpshard.attention.blockwise import attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
 from cpshard.attention.plan import AttentionPlan
-from cpshard.attention.selective_plan import SelectivePlan, selective_plan
+from cpshard.attention.selective_plan import SelectivePlan, selective_plan, selective_planned
 
 __all__ = ["SelectiveMethod", "selective_attention"]
 
@@ -164,6 +164,12 @@ class SelectiveMethod:
     ) -> SelectivePlan:
         """This rank's :class:`SelectivePlan` (cached on the batch's token meta)."""
         return selective_plan(plan.meta, causal, window, device)
+
+    def planned(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> bool:
+        """Whether :meth:`plans` would only read the plan cached on the token meta."""
+        return selective_planned(plan.meta, causal, window, device)
 
     def apply(
         self,

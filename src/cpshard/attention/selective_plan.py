@@ -44,6 +44,7 @@ __all__ = [
     "meta_arrays",
     "needed_slots",
     "selective_plan",
+    "selective_planned",
     "wanted_of",
 ]
 
@@ -242,6 +243,17 @@ class SelectivePlan:
         return sum(self.recv_splits)
 
 
+def _key(causal: bool, window: int | None, device: torch.device) -> str:
+    return f"selective|{causal}|{window}|{device}"
+
+
+def selective_planned(
+    meta: TokenMeta, causal: bool, window: int | None, device: torch.device
+) -> bool:
+    """Whether :func:`selective_plan` would return a cached plan (no host work)."""
+    return isinstance(meta.plan_cache.get(_key(causal, window, device)), SelectivePlan)
+
+
 def selective_plan(
     meta: TokenMeta, causal: bool, window: int | None, device: torch.device
 ) -> SelectivePlan:
@@ -256,7 +268,7 @@ def selective_plan(
     Returns:
         The same plan object for every call with these arguments.
     """
-    key = f"selective|{causal}|{window}|{device}"
+    key = _key(causal, window, device)
     hit = meta.plan_cache.get(key)
     if isinstance(hit, SelectivePlan):
         return hit

@@ -172,6 +172,12 @@ class UlyssesMethod:
         """The whole stream against itself (:meth:`~AttentionPlan.ulysses`)."""
         return plan.ulysses(causal, window, device)
 
+    def planned(
+        self, plan: AttentionPlan, causal: bool, window: int | None, device: torch.device
+    ) -> bool:
+        """Whether :meth:`plans` would only read cached plans (no host work)."""
+        return plan.planned(self.name, causal, window, device)
+
     def apply(
         self,
         q: torch.Tensor,
