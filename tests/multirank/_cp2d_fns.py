@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _attention_fns import _backward_and_reduce, hf_padded_batch, tiny_hf_model
+from _attention_fns import TinyAttention, _backward_and_reduce, hf_padded_batch, tiny_hf_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from _attention_common import DTYPES, inputs, make_case, make_meta
@@ -195,7 +195,25 @@ def one_process_logits(padding: str) -> torch.Tensor:
 
 
 def compiled_2d_case(cp_mesh: DeviceMesh, method: str, fullgraph: bool) -> Any:
-    """:func:`_attention_fns.compiled_module_case` on the 2 x 2 CP mesh: eager vs compiled."""
-    from _attention_fns import compiled_module_case
+    """:class:`TinyAttention` under ``ctx()`` on the 2 x 2 CP mesh: eager vs ``torch.compile``
+    output and grads (the compiled module runs twice: the second call must reuse the graph)."""
+    import torch._dynamo
 
-    return compiled_module_case(grid_mesh(2, 2), method, fullgraph)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyAttention(16, 4, 2).to(torch.float64)
+    x = torch.randn(2, 21, 16, dtype=torch.float64)
+    memory = torch.randn(2, 5, 4, dtype=torch.float64)
+    ctx, batch, _ = make_cp_batch_and_ctx(
+        grid_mesh(2, 2), {"inputs_embeds": x}, attention=method, layout="round_robin"
+    )
+    xl = batch["inputs_embeds"]
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=fullgraph, dynamic=False)):
+        for _ in range(2):
+            model.zero_grad()
+            with ctx():
+                y = fn(xl, memory)
+            y.pow(2).sum().backward()
+        results.append((y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results
