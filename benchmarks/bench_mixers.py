@@ -22,11 +22,14 @@ Usage: ``python benchmarks/bench_mixers.py [--seq 16384] [--repeat 3] [--worlds 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import statistics
 import time
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cpshard
 from cpshard.launch import run_local_ranks
@@ -60,6 +63,56 @@ def _mixer(kind: str) -> torch.nn.Module:
     return site.module.float()
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+class _PeakHeap(TorchDispatchMode):
+    """Samples the bytes the C heap has handed out and not taken back after every torch op.
+
+    glibc's ``mallinfo2``: ``uordblks`` (in use in the heap arenas) + ``hblkhd`` (in use in
+    ``mmap``-ed blocks, where large tensors live). Every tensor torch's CPU allocator makes is in
+    it, freed memory leaves it at once (no allocator cache, unlike the resident size), and the
+    autograd engine's backward ops on this thread are seen too. The maximum over op ends misses
+    only buffers an op frees before it returns.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+        self._mallinfo2.restype = _MallInfo2
+        self.start = self.peak = self.live()
+
+    def live(self) -> int:
+        info = self._mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def _peak_bytes(fn: Any) -> int:
+    """Peak heap bytes ``fn()`` holds above what was in use when it started (glibc, Linux).
+
+    Counts what the call allocates (activations, saved tensors, gradients, communication
+    buffers), not what existed before it (module, inputs). (The profiler's allocation records
+    count the same, but holding them took gigabytes for the Gated DeltaNet's chunk loop; the
+    resident size keeps freed heap and moved by 5% between identical runs.)
+    """
+    gc.collect()
+    with _PeakHeap() as mode:
+        fn()
+    return mode.peak - mode.start
+
+
 def _time(fn: Any, repeat: int) -> float:
     fn()  # warmup
     times = []
@@ -70,19 +123,37 @@ def _time(fn: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _one_process(kind: str, seq: int, repeat: int) -> float:
-    torch.set_num_threads(1)
+def _measure(step: Any, what: str, repeat: int, module: torch.nn.Module) -> float:
+    """``what="time"``: median seconds of ``step``; ``"memory"``: its peak MiB (one run).
+
+    Parameter gradients are dropped before each run, so every run allocates them afresh.
+    """
+
+    def fresh() -> None:
+        module.zero_grad(set_to_none=True)
+        step()
+
+    if what == "time":
+        return _time(fresh, repeat)
+    fresh()  # warmup
+    module.zero_grad(set_to_none=True)
+    return _peak_bytes(step) / 2**20
+
+
+def _one_process(_mesh: Any, kind: str, seq: int, repeat: int, what: str) -> float:
+    """One process over the whole sequence (run as a one-rank pool: a fresh process)."""
     module = _mixer(kind)
     x = torch.randn(1, seq, _HIDDEN, generator=torch.Generator().manual_seed(1))
+    xi = x.clone().requires_grad_()
 
     def step() -> None:
-        xi = x.clone().requires_grad_()
+        xi.grad = None
         module(xi).sum().backward()
 
-    return _time(step, repeat)
+    return _measure(step, what, repeat, module)
 
 
-def _cp_rank(cp_mesh: Any, kind: str, seq: int, repeat: int, path: str) -> float:
+def _cp_rank(cp_mesh: Any, kind: str, seq: int, repeat: int, path: str, what: str) -> float:
     module = _mixer(kind)
     ids = torch.randint(1, 64, (1, seq), generator=torch.Generator().manual_seed(2))
     ctx, _, sharder = cpshard.make_cp_batch_and_ctx(
@@ -96,15 +167,20 @@ def _cp_rank(cp_mesh: Any, kind: str, seq: int, repeat: int, path: str) -> float
     assert all(s in gdn or is_native_mamba2(s.module) for s in native)
     ctx = with_token_mixers(ctx, MixerPlan(sites, native, "contiguous", gdn), cp_mesh)
     x = torch.randn(1, seq, _HIDDEN, generator=torch.Generator().manual_seed(1))
-    local = sharder.shard_token_tensor(x, fill=0.0)
+    xi = sharder.shard_token_tensor(x, fill=0.0).clone().requires_grad_()
 
     def step() -> None:
-        xi = local.clone().requires_grad_()
+        xi.grad = None
         with ctx():
             out = module(xi)
         out.sum().backward()
 
-    return _time(step, repeat)
+    return _measure(step, what, repeat, module)
+
+
+# goals per rank at cp=2, as a fraction of one process: time (issue 15), peak memory (issue 25)
+_GOALS = {"time": 0.65, "memory": 0.55}
+_UNITS = {"time": "s", "memory": "MiB"}
 
 
 def main() -> None:
@@ -114,21 +190,32 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kinds", nargs="+", default=["mamba2", "gdn"])
     parser.add_argument("--paths", nargs="+", default=["native", "generic"])
+    parser.add_argument("--measure", nargs="+", default=["time"], choices=["time", "memory"])
     args = parser.parse_args()
-    print(
-        f"S={args.seq} fp32, hidden {_HIDDEN}, fwd+bwd of one mixer module, median of {args.repeat}"
-    )
-    print("| mixer | one process (s) | path | cp | per rank (s, max over ranks) | ratio |")
-    print("|---|---|---|---|---|---|")
-    for kind in args.kinds:
-        base = _one_process(kind, args.seq, args.repeat)
-        for path in args.paths:
-            for world in args.worlds:
-                per_rank = run_local_ranks(
-                    world, _cp_rank, kind, args.seq, args.repeat, path, timeout_s=3600
-                )
-                t = max(per_rank)
-                print(f"| {kind} | {base:.3f} | {path} | {world} | {t:.3f} | {t / base:.2f} |")
+    print(f"S={args.seq} fp32, hidden {_HIDDEN}, fwd+bwd of one mixer module")
+    for what in args.measure:
+        unit = _UNITS[what]
+        how = f"median of {args.repeat}" if what == "time" else "peak above the start, one run"
+        print(f"\n{what} ({how}); goal for native at cp=2: ratio <= {_GOALS[what]}")
+        print(f"| mixer | one process ({unit}) | path | cp | per rank ({unit}) | ratio | goal |")
+        print("|---|---|---|---|---|---|---|")
+        for kind in args.kinds:
+            (base,) = run_local_ranks(
+                1, _one_process, kind, args.seq, args.repeat, what, timeout_s=3600
+            )
+            for path in args.paths:
+                for world in args.worlds:
+                    per_rank = run_local_ranks(
+                        world, _cp_rank, kind, args.seq, args.repeat, path, what, timeout_s=3600
+                    )
+                    v = max(per_rank)
+                    r = v / base
+                    goal = "-"
+                    if path == "native" and world == 2:
+                        verdict = "met" if r <= _GOALS[what] else "NOT met"
+                        goal = f"<= {_GOALS[what]} ({verdict})"
+                    row = f"| {kind} | {base:.3f} | {path} | {world} | {v:.3f} | {r:.2f} |"
+                    print(f"{row} {goal} |")
 
 
 if __name__ == "__main__":
