@@ -30,6 +30,7 @@ __all__ = [
     "hybrid_dense",
     "hybrid_packed",
     "hybrid_refusals",
+    "mamba2_module_alone",
     "mamba_without_prepare",
 ]
 
@@ -316,3 +317,149 @@ def gdn_module_alone(cp_mesh: DeviceMesh, arch: str, seq: int) -> None:
             dist.all_reduce(g, group=group)
         _close(g, ref_grads[name], f"{arch} grad {name}", split)
     assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+def _mamba2_with_a_long_tail(chunk: int) -> Any:
+    """One fp32 ``Mamba2Mixer`` whose time step follows input channel 0 alone.
+
+    ``dt = softplus(x[..., 0])``: the caller makes it large on a rank's first tokens (their
+    decays sum to ``~1e3``) and small after them (a memory of ~100 tokens), the case where a
+    state summary taking differences of cumulative decay sums over a whole rank loses digits
+    (``A dt ~ 1e3``: ``ulp = 6e-5``).
+    """
+    import transformers as tf
+
+    cfg = tf.Mamba2Config(
+        vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+        num_heads=4, head_dim=8, n_groups=2, chunk_size=chunk, conv_kernel=4, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    (site,) = cpshard.mixers.find_token_mixers(tf.Mamba2ForCausalLM(cfg))
+    module: Any = site.module.float()
+    heads = module.num_heads
+    with torch.no_grad():
+        module.in_proj.weight[:, 0] = 0.0  # channel 0 drives nothing but dt
+        module.in_proj.weight[-heads:] = 0.0
+        module.in_proj.weight[-heads:, 0] = 1.0
+        module.dt_bias.zero_()
+        module.A_log.copy_(torch.linspace(-1.0, 0.5, heads))  # A in [-1.6, -0.37]
+    return module
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, in fp64)."""
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm())
+
+
+def mamba2_module_alone(cp_mesh: DeviceMesh, seq: int, chunk: int) -> dict[str, float]:
+    """One Mamba2 module, ``[1, seq, 16]`` fp32, native and generic CP vs one process.
+
+    An eighth of each rank's tokens, after its first quarter, has a large time step (``A dt``
+    sums to ~1e3 - 5e3 over them), the rest a small one (a memory of ~30-140 tokens: the state
+    handed over reaches far into the next rank).
+    Returns the relative errors (per tensor: output, input gradient, every parameter gradient
+    summed over the CP group) of the native and the generic path against the one-process fp32
+    run: ``"native out"``, ``"generic dx"``, ``"native grad <name>"``, ...
+    """
+    from torch import nn
+
+    ref = _mamba2_with_a_long_tail(chunk)
+    world = cp_mesh.size()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, seq, ref.hidden_size, generator=gen)
+    per = -(-seq // world)
+    at = torch.arange(seq) % per
+    big = (at >= per // 4) & (at < per // 4 + per // 8)
+    x[0, :, 0] = torch.where(big, 100.0, -4.0)  # dt = 100 (A dt ~ -37 .. -160), else 0.018
+    weight = torch.randn(1, seq, ref.hidden_size, generator=gen)
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    (want * weight).sum().backward()
+    assert xr.grad is not None
+    errors: dict[str, float] = {}
+    group = cp_group(cp_mesh)
+    for path in ("native", "generic"):
+        module = copy.deepcopy(ref)
+        module.zero_grad(set_to_none=True)
+        holder = nn.Module()
+        holder.layers = nn.ModuleList([module])
+        plan = check_token_mixers(holder, world, strict=path == "native", packed=False)
+        if path == "generic":  # the same module through the generic exact path
+            plan = cpshard.mixers.MixerPlan(plan.sites, (), "contiguous")
+        else:
+            assert len(plan.native) == 1 and plan.layout == "contiguous", plan
+        ids = torch.ones(1, seq, dtype=torch.long)
+        ctx, _, sharder = cpshard.make_cp_batch_and_ctx(
+            cp_mesh, {"input_ids": ids}, layout="contiguous"
+        )
+        ctx = with_token_mixers(ctx, plan, cp_mesh)
+        local = sharder.shard_token_tensor(x, fill=0.0).requires_grad_()
+        with ctx():
+            out = module(local)
+        (out * sharder.shard_token_tensor(weight, fill=0.0)).sum().backward()
+        assert local.grad is not None
+        errors[f"{path} out"] = _rel(sharder.gather_token_tensor(out.detach(), trim=True), want)
+        errors[f"{path} dx"] = _rel(sharder.gather_token_tensor(local.grad, trim=True), xr.grad)
+        for name, p in module.named_parameters():
+            assert p.grad is not None, name
+            g = p.grad.clone()
+            assert group is not None
+            dist.all_reduce(g, group=group)
+            ref_grad = dict(ref.named_parameters())[name].grad
+            assert ref_grad is not None
+            errors[f"{path} grad {name}"] = _rel(g, ref_grad)
+    return errors
+
+
+def _saved_bytes(run: Any) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward while ``run()`` runs
+    forward (``saved_tensors_hooks``: every tensor an op or a Function saves)."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def native_saved_bytes(cp_mesh: DeviceMesh, arch: str, seq: int) -> tuple[int, int]:
+    """``(one process, this rank native)``: the bytes one natively served mixer keeps for its
+    backward, on ``[1, seq, D]`` in one process and on this rank's contiguous shard.
+
+    Deterministic (what autograd saves, not a measured peak): a rank keeps the module's own
+    activations for its ``seq / C`` tokens plus the small state hand-off, not a state summary's
+    intermediates beside them.
+    """
+    from torch import nn
+
+    if arch == "mamba2":
+        module: Any = _mamba2_with_a_long_tail(64)
+    else:
+        module = cpshard.mixers.find_token_mixers(tiny_hybrid(arch))[0].module
+    x = torch.randn(1, seq, module.hidden_size, generator=torch.Generator().manual_seed(3))
+    x = x.to(next(module.parameters()).dtype)
+    one = _saved_bytes(lambda: module(x.clone().requires_grad_()))
+    holder = nn.Module()
+    holder.layers = nn.ModuleList([module])
+    plan = check_token_mixers(holder, cp_mesh.size(), strict=True, packed=False)
+    assert len(plan.native) == 1, plan
+    ids = torch.ones(1, seq, dtype=torch.long)
+    ctx, _, sharder = cpshard.make_cp_batch_and_ctx(
+        cp_mesh, {"input_ids": ids}, layout="contiguous"
+    )
+    ctx = with_token_mixers(ctx, plan, cp_mesh)
+    local = sharder.shard_token_tensor(x, fill=0.0).requires_grad_()
+    out: list[torch.Tensor] = []
+
+    def native() -> None:
+        with ctx():
+            out.append(module(local))
+
+    mine = _saved_bytes(native)
+    out[0].sum().backward()  # every rank runs the gathers' backward
+    return one, mine

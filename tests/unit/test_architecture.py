@@ -74,6 +74,7 @@ LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("cpshard.attention.visibility", ("cpshard.attention.pieces",), "the run table only"),
     ("cpshard.layouts.documents", (), "PackSpec parses the document structure, torch only"),
     ("cpshard.layouts.index", (), "index helpers every layout shares, torch and numpy only"),
+    ("cpshard.mixers.recompute", (), "torch only: a function recomputed in its backward"),
     ("cpshard.mixers.segments", ("cpshard.sharding.meta",), "the token meta only"),
     ("cpshard.models.decoder", (), "torch only"),
     ("cpshard.sharding.gather", ("cpshard._comm",), "the token gather's one collective"),

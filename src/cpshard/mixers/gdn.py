@@ -26,9 +26,14 @@ convolution input exists: the cache hands out a zero state tensor first, and fil
 (``copy_``, as transformers' own cache stores states) when the convolution asks for its halo,
 from the captured ``b, a`` projections and the convolution this file recomputes from the halo.
 Both gathers are differentiable (their backward reduce-scatters the gradient), so the backward
-is exact too. Per rank: the module's own work on ``L = S / C`` tokens, plus one depthwise
-convolution and one kernel run with ``d_v + d_k`` value columns; communication independent of
-``L`` except the halo (``C * B * H_v * d_k * (d_k + d_v)`` summary elements received).
+is exact too. The summary is computed one key head (with its value heads) at a time, and keeps
+nothing for the backward but its inputs (the module's convolution input, its ``b, a``
+projections, parameters; :func:`cpshard.mixers.recompute.recomputed` runs each part again
+there): a rank holds the module's activations for its ``L = S / C`` tokens and one head's
+summary intermediates at most. Per rank: the module's own work on ``L`` tokens, plus one
+depthwise convolution and one kernel run with ``d_v + d_k`` value columns (twice: forward, and
+again in the backward); communication independent of ``L`` except the halo
+(``C * B * H_v * d_k * (d_k + d_v)`` summary elements received).
 
 Used only where the module's pure-torch path runs (``fla`` and ``causal_conv1d`` not
 importable): the CUDA kernels manage the cache differently and are not verified here; there the
@@ -63,6 +68,7 @@ from cpshard.mixers.mamba2 import (
     source_ast,
     torch_path,
 )
+from cpshard.mixers.recompute import recomputed
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["NativeGatedDeltaNet", "gdn_form", "is_native_gdn", "serves_native_gdn"]
@@ -197,31 +203,24 @@ class _Call:
             n: Local tokens ``L``.
         """
         m = self.module
-        weight = m.conv1d.weight.squeeze(1)
-        conv = self.file.causal_conv1d_fn(ext, weight, m.conv1d.bias, activation=m.activation)
-        conv = conv[:, :, -n:].transpose(1, 2)  # [B, L, cd]
-        q, k, v = conv.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        rows, dk, dv, hv = q.shape[0], m.head_k_dim, m.head_v_dim, m.num_v_heads
-        q = q.reshape(rows, n, -1, dk)
-        k = k.reshape(rows, n, -1, dk)
-        v = v.reshape(rows, n, hv, dv)
         b, a = self._b_a()
-        beta = b.sigmoid()
-        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
-        # values [v | 0] from state [0 | I] end in [F | M]: the rule acts per value column
-        wide = torch.cat([v, v.new_zeros(rows, n, hv, dk)], dim=-1)
-        eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(rows, hv, dk, dk)
-        start = torch.cat([eye.new_zeros(rows, hv, dk, dv), eye], dim=-1)
-        _, summary = self.file.torch_chunk_gated_delta_rule(
-            q,
-            k,
-            wide,
-            g=g,
-            beta=beta,
-            initial_state=start,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
+        # one key head (and its value heads) at a time: each part's recomputation in the
+        # backward holds one part's kernel intermediates, not all heads' at once
+        parts = [
+            recomputed(
+                functools.partial(_summary, m, self.file, n, head),
+                ext,
+                b,
+                a,
+                m.conv1d.weight,
+                m.conv1d.bias,
+                m.A_log,
+                m.dt_bias,
+            )[0]
+            for head in range(m.num_k_heads)
+        ]
+        summary = torch.cat(parts, dim=1)  # [B, H_v, d_k, d_v + d_k]
+        rows, hv, dk, dv = summary.shape[0], m.num_v_heads, m.head_k_dim, m.head_v_dim
         gathered = all_gather_dim0(summary.unsqueeze(0).contiguous(), self.group, "sum")
         h: torch.Tensor = summary.new_zeros(rows, hv, dk, dv)
         for j in range(self.rank):
@@ -230,6 +229,75 @@ class _Call:
             h = m_j @ h + f_j
         # every rank's gathers stay in its graph, so every rank runs their backward
         return h + 0.0 * gathered.sum()
+
+
+def _summary(
+    m: Any,
+    file: Any,
+    n: int,
+    head: int,
+    ext: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor]:
+    """Key head ``head``'s part of a rank's summary ``[F | M]``: ``[B, r, d_k, d_v + d_k]``
+    (fp32) for its ``r = H_v / H_k`` value heads, from the module's own chunked kernel: values
+    ``[v | 0]`` from state ``[0 | I]`` end in ``[F | M]`` (the rule acts on each value column,
+    and each head, separately).
+
+    Args:
+        m: The Gated DeltaNet module (sizes, activation).
+        file: Its modeling file (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``).
+        n: Local tokens ``L``.
+        head: The key head.
+        ext: The convolution input with its halo, ``[B, conv_dim, k - 1 + L]``.
+        b: ``[B, L, H_v]``, before the sigmoid (``beta``).
+        a: ``[B, L, H_v]``, before ``dt_bias`` and softplus (the log decay ``g``).
+        conv_weight: ``[conv_dim, 1, k]``.
+        conv_bias: ``[conv_dim]`` or ``None``.
+        a_log: ``[H_v]``.
+        dt_bias: ``[H_v]``.
+    """
+    dk, dv = m.head_k_dim, m.head_v_dim
+    r = m.num_v_heads // m.num_k_heads
+    heads = slice(head * r, (head + 1) * r)
+    # this head's q, k and v channels of the convolution (q | k | v, head-major in each)
+    chans = torch.cat(
+        [
+            torch.arange(head * dk, (head + 1) * dk),
+            torch.arange(m.key_dim + head * dk, m.key_dim + (head + 1) * dk),
+            torch.arange(2 * m.key_dim + head * r * dv, 2 * m.key_dim + (head + 1) * r * dv),
+        ]
+    ).to(ext.device)
+    weight = conv_weight.squeeze(1)[chans]
+    bias = None if conv_bias is None else conv_bias[chans]
+    conv = file.causal_conv1d_fn(ext[:, chans], weight, bias, activation=m.activation)
+    conv = conv[:, :, -n:].transpose(1, 2)  # [B, L, 2 d_k + r d_v]
+    q, k, v = conv.split([dk, dk, r * dv], dim=-1)
+    rows = q.shape[0]
+    q = q.reshape(rows, n, 1, dk)
+    k = k.reshape(rows, n, 1, dk)
+    v = v.reshape(rows, n, r, dv)
+    beta = b[..., heads].sigmoid()
+    g = -a_log[heads].float().exp() * F.softplus(a[..., heads].float() + dt_bias[heads])
+    wide = torch.cat([v, v.new_zeros(rows, n, r, dk)], dim=-1)
+    eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(rows, r, dk, dk)
+    start = torch.cat([eye.new_zeros(rows, r, dk, dv), eye], dim=-1)
+    _, summary = file.torch_chunk_gated_delta_rule(
+        q,
+        k,
+        wide,
+        g=g,
+        beta=beta,
+        initial_state=start,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return (summary,)
 
 
 class NativeGatedDeltaNet:

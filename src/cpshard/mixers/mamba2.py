@@ -10,12 +10,17 @@ a cache object for that one call, the two things that cross ranks:
   (one all-gather of ``[B, conv_dim, k - 1]``; zeros on rank 0);
 * the **incoming state** ``h0 [B, H, P, N]``: the SSD recurrence is linear in its initial
   state, so each rank computes from a zero state its final state ``S_r`` and its decay
-  ``M_r = exp(sum_t A dt_t)`` (one weighted sum over its tokens, no scan), all ranks all-gather
-  ``(M, S)``, and rank ``r`` folds ``h0 = sum_{j<r} (prod_{j<i<r} M_i) S_j``.
+  ``M_r = exp(sum_t A dt_t)`` (:func:`summary`: chunk end states and chunk decays as the
+  module's chunked scan computes its final state, no output), all ranks all-gather ``(M, S)``,
+  and rank ``r`` folds ``h0 = sum_{j<r} (prod_{j<i<r} M_i) S_j``.
 
 Both gathers are differentiable (their backward reduce-scatters the gradient), so the backward is
-exact too. Per rank: the module's own work on ``L = S / C`` tokens, plus a depthwise
-convolution and one ``O(L H P N)`` sum; communication independent of ``L`` except the halo.
+exact too. The summary keeps nothing for the backward but its inputs (the module's own
+convolution input and projection; :func:`cpshard.mixers.recompute.recomputed` runs it again
+there), so a rank holds the module's activations for its ``L = S / C`` tokens and little more.
+Per rank: the module's own work on ``L`` tokens, plus a depthwise convolution and one
+``O(L H P N)`` sum (twice: forward, and again in the backward); communication independent of
+``L`` except the halo.
 
 Used only where the module's pure-torch path runs (``mamba_ssm`` and ``causal_conv1d`` not
 importable): the CUDA kernels manage the cache differently and are not verified here; there the
@@ -28,11 +33,13 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
 import textwrap
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,9 +51,11 @@ from torch.utils.hooks import RemovableHandle
 from cpshard._comm import all_gather_dim0
 from cpshard.attention.context import active_mode
 from cpshard.mixers.detect import MixerSite, hooks_on
+from cpshard.mixers.recompute import recomputed
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
+    "Geometry",
     "NativeMamba2",
     "SeedCache",
     "conv_width",
@@ -55,6 +64,7 @@ __all__ = [
     "native_kwargs",
     "serves_native",
     "source_ast",
+    "summary",
     "torch_path",
 ]
 
@@ -158,23 +168,17 @@ class _Call:
         m = self.module
         assert self.ext is not None
         assert self.proj is not None
-        weight = m.conv1d.weight
-        conv = F.conv1d(self.ext.to(weight.dtype), weight, m.conv1d.bias, groups=m.conv_dim)
-        conv = m.act(conv).to(self.ext.dtype).transpose(1, 2)  # [B, L, cd]
-        heads, groups, state = m.num_heads, m.n_groups, m.ssm_state_size
-        x, b, _ = conv.split([m.intermediate_size, groups * state, groups * state], dim=-1)
-        rows, n = x.shape[0], x.shape[1]
-        dt = self.proj[..., self.proj.shape[-1] - heads :]
-        dt = F.softplus(dt + m.dt_bias.to(dt.dtype))
-        low, high = m.time_step_limit
-        dt = torch.clamp(dt, min=low, max=high).float()  # [B, L, H]
-        decay = torch.cumsum(-torch.exp(m.A_log.float()) * dt, dim=1)
-        to_end = torch.exp(decay[:, -1:] - decay)  # [B, L, H]
-        xdt = x.float().reshape(rows, n, heads, m.head_dim) * dt[..., None]
-        bh = b.float().reshape(rows, n, groups, state)
-        bh = bh.repeat_interleave(heads // groups, dim=2, output_size=heads)
-        s_own = torch.einsum("blh,blhp,blhn->bhpn", to_end, xdt, bh)
-        m_own = torch.exp(decay[:, -1])  # [B, H]
+        dt = self.proj[..., self.proj.shape[-1] - m.num_heads :]
+        conv = m.conv1d
+        s_own, m_own = recomputed(
+            functools.partial(summary, Geometry.of(m)),
+            self.ext,
+            dt,
+            conv.weight,
+            conv.bias,
+            m.dt_bias,
+            m.A_log,
+        )
         s_all = all_gather_dim0(s_own.unsqueeze(0).contiguous(), self.group, "sum")
         m_all = all_gather_dim0(m_own.unsqueeze(0).contiguous(), self.group, "sum")
         h = torch.zeros_like(s_own)
@@ -182,6 +186,96 @@ class _Call:
             h = m_all[j][..., None, None] * h + s_all[j]
         # every rank's gathers stay in its graph, so every rank runs their backward
         return h + 0.0 * (s_all.sum() + m_all.sum())
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes and settings of a Mamba2 mixer that its state summary needs."""
+
+    inner: int  # I = H * P
+    groups: int  # G
+    state: int  # N
+    heads: int  # H
+    head_dim: int  # P
+    chunk: int  # Q, the module's chunk size
+    limit: tuple[float, float]  # time_step_limit
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, module: Any) -> Geometry:
+        """The geometry of a Mamba2 mixer."""
+        low, high = module.time_step_limit
+        return cls(
+            module.intermediate_size,
+            module.n_groups,
+            module.ssm_state_size,
+            module.num_heads,
+            module.head_dim,
+            module.chunk_size,
+            (float(low), float(high)),
+            module.act,
+        )
+
+
+def summary(
+    geo: Geometry,
+    ext: torch.Tensor,
+    dt: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's state summary: its zero-start final state and its total decay.
+
+    Computed as transformers' chunked scan (``mamba2_chunk_scan``) computes a final state, in
+    the module's chunks of ``Q`` tokens from the rank's first token: the decay of a token to its
+    chunk's end from a cumulative sum inside the chunk, the chunks' end states combined with
+    decays summed over whole chunks (the masked cumulative sum of ``segment_sum``). A cumulative
+    sum over all ``L`` tokens instead (``exp(cs[L] - cs[t])``) subtracts two sums of size
+    ``~L |A dt|``: their fp32 rounding (``ulp(L |A dt|)``, 1e-4 at ``L = 8192``) became a
+    relative error of the state.
+
+    Args:
+        geo: The mixer's geometry.
+        ext: The convolution input with the previous rank's halo, ``[B, conv_dim, k - 1 + L]``.
+        dt: The time step projection, before ``dt_bias`` and softplus, ``[B, L, H]``.
+        weight: The depthwise convolution weight ``[conv_dim, 1, k]``.
+        bias: Its bias ``[conv_dim]`` or ``None``.
+        dt_bias: ``[H]``.
+        a_log: ``[H]`` (``A = -exp(A_log)``).
+
+    Returns:
+        ``S [B, H, P, N]`` (fp32): the final state from a zero start; ``M [B, H]`` (fp32): the
+        factor the incoming state is carried to the end with.
+    """
+    conv = F.conv1d(ext.to(weight.dtype), weight, bias, groups=weight.shape[0])
+    conv = geo.act(conv).to(ext.dtype).transpose(1, 2)  # [B, L, conv_dim]
+    size = geo.groups * geo.state
+    x, b, _ = torch.split(conv, [geo.inner, size, size], dim=-1)
+    rows, n, q = x.shape[0], x.shape[1], geo.chunk
+    dt = torch.clamp(F.softplus(dt + dt_bias.to(dt.dtype)), min=geo.limit[0], max=geo.limit[1])
+    a = -torch.exp(a_log.float()) * dt.float()  # [B, L, H]
+    xdt = x.float().reshape(rows, n, geo.heads, geo.head_dim) * dt[..., None].float()
+    bh = b.float().reshape(rows, n, geo.groups, geo.state)
+    bh = bh.repeat_interleave(geo.heads // geo.groups, dim=2, output_size=geo.heads)
+    pad = (q - n % q) % q  # padded steps: A dt = 0, x = 0, B = 0 (they change nothing)
+    c = (n + pad) // q
+    a = F.pad(a, (0, 0, 0, pad)).reshape(rows, c, q, geo.heads).permute(0, 3, 1, 2)
+    xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad)).reshape(rows, c, q, geo.heads, geo.head_dim)
+    bh = F.pad(bh, (0, 0, 0, 0, 0, pad)).reshape(rows, c, q, geo.heads, geo.state)
+    cs = torch.cumsum(a, dim=-1)  # [B, H, c, Q], inside each chunk
+    to_end = torch.exp(cs[..., -1:] - cs)  # a token's decay to its chunk's end
+    b_decay = bh * to_end.permute(0, 2, 3, 1)[..., None]
+    ends = torch.einsum("bclhn,bclhp->bchpn", b_decay, xdt)  # each chunk's own end state
+    # decay from each chunk's end (and from the start: index 0) to the rank's end, as
+    # segment_sum sums it: a masked cumulative sum over exactly the later chunks
+    totals = F.pad(cs[..., -1], (1, 0))  # [B, H, c + 1]
+    later = torch.ones(c + 1, c + 1, dtype=torch.bool, device=a.device).tril(-1)
+    spans = totals[..., None].expand(*totals.shape, c + 1).masked_fill(~later, 0.0)
+    carry = torch.exp(torch.cumsum(spans, dim=-2)[..., -1, :])  # [B, H, c + 1]
+    s = torch.einsum("bhc,bchpn->bhpn", carry[..., 1:], ends)
+    return s, carry[..., 0]
 
 
 class SeedCache:
