@@ -26,6 +26,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -324,28 +325,97 @@ def _split_ident(p: Pieces) -> Pieces:
     return Pieces.concat([p.take(~long), cut])
 
 
+def _row_spans(p: Pieces, idx: _I64, window: int | None) -> tuple[_I64, _I64, _I64, _I64]:
+    """The visible key columns of every query row of the pieces ``idx``, as intervals.
+
+    Every piece's pattern is one interval of key columns per query row: ``FULL`` all ``nk``,
+    ``IDENT`` the diagonal, ``CAUSAL`` / ``EDGE`` the keys at or before the row's position (and
+    inside the window). Returns ``(member, row, lo, hi)``: per query row, the index into ``idx``
+    of its piece, the row within the piece and the columns ``[lo, hi)`` (``hi <= lo``: none).
+    """
+    nq = p.nq[idx]
+    member = np.repeat(np.arange(idx.size, dtype=np.int64), nq)
+    row = np.arange(member.size, dtype=np.int64) - np.repeat(np.cumsum(nq) - nq, nq)
+    j = idx[member]
+    kind, nk = p.kind[j], p.nk[j]
+    last = p.qp[j] - p.kp[j] + row  # the key column at the row's own position
+    lo = np.zeros(row.size, dtype=np.int64)
+    if window is not None:
+        lo = np.maximum(last - window + 1, 0)
+    hi = np.minimum(last + 1, nk)
+    full, ident = kind == FULL, kind == IDENT
+    lo = np.where(full, 0, np.where(ident, row, lo))
+    hi = np.where(full, nk, np.where(ident, np.minimum(row + 1, nk), hi))
+    return member, row, lo, hi
+
+
 def _pairs(p: Pieces, window: int | None) -> _I64:
     """Visible pairs of every piece (closed forms; EDGE pieces are at most TILE square)."""
     out = np.where(
         p.kind == FULL, p.nq * p.nk, np.where(p.kind == CAUSAL, p.nq * (p.nq + 1) // 2, p.nq)
     )
-    for j in np.flatnonzero(p.kind == EDGE).tolist():
-        out[j] = int(_pattern(p, j, window).sum())
+    edge = np.flatnonzero(p.kind == EDGE)
+    if edge.size:
+        member, _, lo, hi = _row_spans(p, edge, window)
+        out[edge] = np.bincount(member, weights=np.maximum(hi - lo, 0), minlength=edge.size)
     return out
 
 
-def _pattern(p: Pieces, j: int, window: int | None) -> npt.NDArray[np.bool_]:
-    """Bool ``[nq, nk]`` visibility of piece ``j``."""
-    nq, nk, kind = int(p.nq[j]), int(p.nk[j]), int(p.kind[j])
-    if kind == FULL:
-        return np.ones((nq, nk), dtype=bool)
-    if kind == IDENT:
-        return np.eye(nq, dtype=bool)
-    diff = (int(p.qp[j]) + np.arange(nq))[:, None] - (int(p.kp[j]) + np.arange(nk))[None, :]
-    vis = diff >= 0
-    if window is not None:
-        vis &= diff < window
-    return vis
+def _masks(
+    p: Pieces, idx: _I64, slot: _I64, r0: _I64, c0: _I64, shape: tuple[_I64, _I64],
+    window: int | None, device: torch.device,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Bool masks ``[1, h[m], w[m]]`` (``shape = (h, w)``): mask ``slot[i]`` holds piece
+    ``idx[i]``'s pattern at row ``r0[i]``, column ``c0[i]`` (the union where several pieces
+    share a mask).
+
+    Vectorized over the pieces' rows: a mask row is at most :data:`TILE` = 64 columns, so each
+    row of each mask is one ``uint64`` word, the OR of its pieces' column intervals; the words
+    are unpacked into one flat host buffer (masks laid out by shape, each contiguous), moved to
+    ``device`` in one transfer, and each shape's masks are views of it from one ``unbind``.
+    """
+    h, w = shape
+    member, row, lo, hi = _row_spans(p, idx, window)
+    keep = hi > lo
+    member, row, lo, hi = member[keep], row[keep], lo[keep], hi[keep]
+    order = np.lexsort((h, w))  # masks of one width are consecutive lines
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    hs, ws = h[order], w[order]
+    line0 = np.cumsum(hs) - hs  # first line of each mask, in layout order
+    n_lines = int(hs.sum())
+    m = slot[member]
+    line = line0[rank[m]] + r0[member] + row
+    a, b = (c0[member] + lo).astype(np.uint64), (c0[member] + hi).astype(np.uint64)
+    one, full = np.uint64(1), np.uint64(0xFFFFFFFFFFFFFFFF)
+    upper = np.where(b >= TILE, full, np.left_shift(one, np.minimum(b, TILE - 1)) - one)
+    bits = upper & ~(np.left_shift(one, a) - one)
+    words = np.zeros(n_lines, dtype="<u8")
+    np.bitwise_or.at(words, line, bits)
+    flat = np.empty(int((hs * ws).sum()), dtype=bool)
+    wl = np.repeat(ws, hs)  # width of every line
+    cuts = np.flatnonzero(np.diff(wl)) + 1
+    bounds = np.concatenate([[0], cuts, [n_lines]]).tolist()
+    at = 0
+    for s, e in itertools.pairwise(bounds):
+        width = int(wl[s])
+        unpacked = np.unpackbits(words[s:e].view(np.uint8).reshape(-1, 8), axis=1,
+                                 bitorder="little")  # fmt: skip
+        flat[at : at + (e - s) * width] = unpacked[:, :width].reshape(-1).view(bool)
+        at += (e - s) * width
+    big = torch.from_numpy(flat).to(device)
+    views: list[torch.Tensor] = [big] * h.size
+    sizes = hs * ws
+    start = np.cumsum(sizes) - sizes
+    shape_cut = np.flatnonzero((np.diff(hs) != 0) | (np.diff(ws) != 0)) + 1
+    groups = np.concatenate([[0], shape_cut, [h.size]]).tolist()
+    ids = order.tolist()
+    for s, e in itertools.pairwise(groups):
+        hh, ww, o = int(hs[s]), int(ws[s]), int(start[s])
+        block = big[o : o + (e - s) * hh * ww].view(e - s, 1, hh, ww).unbind(0)
+        for i, v in zip(ids[s:e], block, strict=True):
+            views[i] = v
+    return views
 
 
 KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
@@ -367,8 +437,9 @@ def tasks_by_key(
     slots are those of that pair's tensors. Large FULL / CAUSAL pieces are direct calls; the
     small ones, window borders and pad diagonals of one aligned :data:`TILE` cell of one pair
     become one masked tile (a lone small FULL / CAUSAL piece stays a direct call; a lone pad
-    diagonal shares one identity mask). Every mask is made in one host buffer and moved to
-    ``device`` in one transfer; tasks hold views of it.
+    diagonal shares one identity mask). Every mask is made in one host buffer, vectorized over
+    the pieces (:func:`_masks`), and moved to ``device`` in one transfer; tasks hold views
+    of it. No Python step per piece or tile, one per kernel call (its :class:`Task`).
     """
     p = _split_ident(pieces)
     if p.qi.size != pieces.qi.size:  # pad diagonals were cut: their keys repeat
@@ -395,58 +466,55 @@ def tasks_by_key(
     dq, dk = p.nq[direct], p.nk[direct]
     computed_k = np.bincount(
         tkeys, weights=np.where(kinds == CAUSAL, dq * (dq + 1) // 2, dq * dk), minlength=n_keys
-    )
-    masks: list[npt.NDArray[np.bool_]] = []
-    mask_of: dict[int, int] = {}
-    for i in np.flatnonzero(kinds == EDGE).tolist():
-        mask_of[i] = len(masks)
-        masks.append(_pattern(p, int(direct[i]), window))
-    # masked tiles: the cells holding several pieces
+    ).astype(np.float64)  # empty input: bincount gives int64
+    # masks: the direct window borders (their own pattern), then the masked tiles (the cells
+    # holding several pieces; the union of their patterns)
+    edge = np.flatnonzero(kinds == EDGE)
     members = fit_idx[grouped[fit_idx]]
-    tiles: list[tuple[int, int, int, int, int]] = []
+    n_tiles = 0
+    m_idx, m_slot, m_r, m_c = [direct[edge]], [np.arange(edge.size)], [0 * edge], [0 * edge]
+    m_h, m_w = [dq[edge]], [dk[edge]]
     if members.size:
         cells = cell[members]
         order = np.argsort(cells, kind="stable")
         members, cells = members[order], cells[order]
         heads = np.append(0, np.flatnonzero(np.diff(cells)) + 1)
-        g_q0 = np.minimum.reduceat(p.qi[members], heads).tolist()
-        g_q1 = np.maximum.reduceat(p.qi[members] + p.nq[members], heads).tolist()
-        g_k0 = np.minimum.reduceat(p.ki[members], heads).tolist()
-        g_k1 = np.maximum.reduceat(p.ki[members] + p.nk[members], heads).tolist()
-        for i, grp in enumerate(np.split(members, heads[1:])):
-            q0, q1, k0, k1 = g_q0[i], g_q1[i], g_k0[i], g_k1[i]
-            mask = np.zeros((q1 - q0, k1 - k0), dtype=bool)
-            for j in grp.tolist():
-                r, c = int(p.qi[j]) - q0, int(p.ki[j]) - k0
-                part = mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])]
-                if p.kind[j] == FULL:  # the most common member: no pattern to build
-                    part[...] = True
-                else:
-                    part |= _pattern(p, j, window)
-            key = int(keys[grp[0]])
-            computed_k[key] += mask.size
-            mask_of[direct.size + len(tiles)] = len(masks)
-            masks.append(mask)
-            tiles.append((q0, q1, k0, k1, key))
-    if tiles:
-        t = np.array(tiles, dtype=np.int64)
-        q0s, q1s = np.concatenate([q0s, t[:, 0]]), np.concatenate([q1s, t[:, 1]])
-        k0s, k1s = np.concatenate([k0s, t[:, 2]]), np.concatenate([k1s, t[:, 3]])
-        tkeys = np.concatenate([tkeys, t[:, 4]])
-        kinds = np.concatenate([kinds, np.full(len(tiles), -1, dtype=np.int64)])
+        n_tiles = heads.size
+        tile = np.zeros(members.size, dtype=np.int64)
+        tile[heads[1:]] = 1
+        np.cumsum(tile, out=tile)  # the tile of every member
+        g_q0 = np.minimum.reduceat(p.qi[members], heads)
+        g_q1 = np.maximum.reduceat(p.qi[members] + p.nq[members], heads)
+        g_k0 = np.minimum.reduceat(p.ki[members], heads)
+        g_k1 = np.maximum.reduceat(p.ki[members] + p.nk[members], heads)
+        t_keys = keys[members[heads]]
+        computed_k += np.bincount(t_keys, weights=(g_q1 - g_q0) * (g_k1 - g_k0), minlength=n_keys)
+        m_idx.append(members)
+        m_slot.append(edge.size + tile)
+        m_r.append(p.qi[members] - g_q0[tile])
+        m_c.append(p.ki[members] - g_k0[tile])
+        m_h.append(g_q1 - g_q0)
+        m_w.append(g_k1 - g_k0)
+        q0s, q1s = np.concatenate([q0s, g_q0]), np.concatenate([q1s, g_q1])
+        k0s, k1s = np.concatenate([k0s, g_k0]), np.concatenate([k1s, g_k1])
+        tkeys = np.concatenate([tkeys, t_keys])
+        kinds = np.concatenate([kinds, np.full(n_tiles, -1, dtype=np.int64)])
     dev_masks: list[torch.Tensor | None] = [None] * q0s.size
-    if masks:
-        buf = np.zeros((len(masks), TILE, TILE), dtype=bool)
-        for i, m in enumerate(masks):
-            buf[i, : m.shape[0], : m.shape[1]] = m
-        big = torch.from_numpy(buf).to(device)
-        for i, m_i in mask_of.items():
-            dev_masks[i] = big[m_i : m_i + 1, : masks[m_i].shape[0], : masks[m_i].shape[1]]
+    n_masks = edge.size + n_tiles
+    if n_masks:
+        cat = np.concatenate
+        where = (cat(m_idx), cat(m_slot), cat(m_r), cat(m_c))
+        views = _masks(p, *where, (cat(m_h), cat(m_w)), window, device)
+        at = np.concatenate([edge, direct.size + np.arange(n_tiles)]).tolist()
+        for i, v in zip(at, views, strict=True):
+            dev_masks[i] = v
     ident = np.flatnonzero(kinds == IDENT)
     if ident.size:
         eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
-        for i in ident.tolist():
-            dev_masks[i] = eye[:, : int(q1s[i] - q0s[i]), : int(k1s[i] - k0s[i])]
+        sizes = (q1s[ident] - q0s[ident]).tolist()
+        eyes = {n: eye[:, :n, :n] for n in set(sizes)}  # IDENT pieces are square
+        for i, n in zip(ident.tolist(), sizes, strict=True):
+            dev_masks[i] = eyes[n]
     # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
     order = np.lexsort((k0s, q0s, tkeys))
     shift = (int(q1s.max()) + 1) * tkeys[order]  # pairs never see each other's rows
@@ -455,11 +523,13 @@ def tasks_by_key(
     firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
     sorted_keys = tkeys[order]
     cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
+    make = tuple.__new__
     tasks = [
-        Task(a, b, c, d, kind == CAUSAL, dev_masks[i], f)
-        for i, a, b, c, d, kind, f in zip(
-            order.tolist(), q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(),
-            k1s[order].tolist(), kinds[order].tolist(), firsts.tolist(), strict=True,
+        make(Task, t)
+        for t in zip(
+            q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
+            (kinds[order] == CAUSAL).tolist(), [dev_masks[i] for i in order.tolist()],
+            firsts.tolist(), strict=True,
         )
     ]  # fmt: skip
     for key in range(n_keys):
