@@ -136,14 +136,24 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
         dest = to[run]
         cuts = np.searchsorted(dest, np.arange(c + 1))
         return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
+    if all(runs.blocked for runs in a.runs):  # every row group at once per group, then union
+        need = np.zeros((c, n), dtype=bool)
+        for runs in a.runs:
+            own = runs.of(rank)
+            peers = np.delete(np.arange(c), rank)
+            reps = own.take(np.tile(np.arange(own.n.size), peers.size))
+            to = np.repeat(peers, own.n.size)
+            slots, run = runs.block_seen(causal, window).covered_slots(reps, runs.shift(to))
+            need[to[run], slots - rank * n] = True
+        return [np.flatnonzero(row) for row in need]
     out = []
     for t in range(c):
-        need = np.zeros(n, dtype=bool)
+        need_t = np.zeros(n, dtype=bool)
         for runs in a.runs:
             if t != rank:
                 slots = runs.seen(t, causal, window).covered_slots(runs.of(rank))[0]
-                need[slots - rank * n] = True
-        out.append(np.flatnonzero(need))
+                need_t[slots - rank * n] = True
+        out.append(np.flatnonzero(need_t))
     return out
 
 
@@ -160,10 +170,30 @@ def exchange_counts(a: MetaArrays, causal: bool, window: int | None) -> np.ndarr
     for runs in a.runs:
         keys = runs.real
         out[np.arange(c), np.arange(c)] += runs.pad_tokens
+        if runs.blocked:  # every rank's union at once, in its rank block
+            out += _block_counts(runs, causal, window)
+            continue
         for t in range(c):
             inside = runs.seen(t, causal, window).count(keys.code, keys.code + keys.n)
             out[t] += per_rank(keys.rank, inside, c)
     return np.minimum(out, n)
+
+
+def _block_counts(runs: RankRuns, causal: bool, window: int | None) -> np.ndarray:
+    """``[C, C]``: key slots of rank ``o`` (real runs) that some query of rank ``t`` sees, for
+    one row group in rank blocks: every key run is counted against every rank's block of
+    :meth:`RankRuns.block_seen`, a few ranks per pass (at most ~2**21 queries at once)."""
+    c, keys = runs.world, runs.real
+    u = runs.block_seen(causal, window)
+    out = np.zeros(c * c, dtype=np.int64)
+    step = max(1, (1 << 21) // max(keys.n.size, 1))
+    for t0 in range(0, c, step):
+        ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
+        lo = (keys.code[None, :] + runs.shift(ts)[:, None]).reshape(-1)
+        inside = u.count(lo, lo + np.tile(keys.n, ts.size))
+        cell = (ts[:, None] * c + keys.rank[None, :]).reshape(-1)
+        np.add.at(out, cell, inside)
+    return out.reshape(c, c)
 
 
 def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:

@@ -108,8 +108,8 @@ class StreamRuns:
     pad: npt.NDArray[np.bool_]
     code: _I64
 
-    def take(self, sel: npt.NDArray[np.bool_] | slice) -> StreamRuns:
-        """The runs where ``sel`` holds (a bool mask or a slice)."""
+    def take(self, sel: npt.NDArray[np.bool_] | _I64 | slice) -> StreamRuns:
+        """The runs where ``sel`` holds (a bool mask, indices or a slice)."""
         return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
 
 
@@ -159,6 +159,11 @@ def per_rank(rank: _I64, values: _I64, world: int) -> _I64:
     return out
 
 
+def _is_sorted(x: _I64) -> bool:
+    """Whether ``x`` is non-decreasing (one pass; then no sort is needed)."""
+    return x.size < 2 or bool((x[1:] >= x[:-1]).all())
+
+
 def _prefix(x: _U64) -> _U64:
     out = np.zeros(x.size + 1, dtype=np.uint64)
     np.cumsum(x, out=out[1:])
@@ -176,8 +181,9 @@ class KeyCounts:
     def __init__(self, lo: _I64, hi: _I64) -> None:
         self._ends = []
         for e in (lo, hi):
-            s = np.sort(e).astype(np.uint64)
-            self._ends.append((np.sort(e), _prefix(s), _prefix(s * s)))
+            e_sorted = e if _is_sorted(e) else np.sort(e)
+            s = e_sorted.astype(np.uint64)
+            self._ends.append((e_sorted, _prefix(s), _prefix(s * s)))
 
     def below(self, x: _I64) -> _I64:
         """``[N]``: keys with a code ``< x`` (a key run contributes its part below ``x``)."""
@@ -368,12 +374,22 @@ class RankRuns:
         self.stride = max(frame.docs.size, 1) * frame.span
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
+        self._by_code: StreamRuns | None = None
         self._block_keys: KeyCounts | None = None
         self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
 
     def of(self, rank: int) -> StreamRuns:
         """The real runs of ``rank``."""
         return self.real.take(slice(int(self._bounds[rank]), int(self._bounds[rank + 1])))
+
+    def by_code(self) -> StreamRuns:
+        """The real runs sorted by code (stable): queries in this order make the binary searches
+        of :class:`KeyCounts` walk their sorted ends forward (each rank's runs are mostly sorted
+        already, so the sort merges ``C`` sorted blocks)."""
+        if self._by_code is None:
+            order = np.argsort(self.real.code, kind="stable")
+            self._by_code = self.real.take(order)
+        return self._by_code
 
     def keys(self, rank: int | None = None) -> KeyCounts:
         """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's)."""
