@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.plan import PairPlan, host_rows, pair_plan
+from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
 from cpshard.attention.visibility import Depth, Frame, RankRuns, coded, per_rank, raw_runs
 from cpshard.sharding.meta import TokenMeta
 
@@ -86,7 +86,8 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
-    raw = raw_runs(p, d, n, host.merge and _pads_unique(p, d))
+    merge = host.merge and _pads_unique(p, d)
+    raw = raw_runs(p, d, n, merge, stream_table(meta, merge))
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
     lo_pos = int(p.min()) if p.size else 0
     frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from cpshard.attention.pieces import PAD_CLASS, run_table
+from cpshard.attention.pieces import PAD_CLASS, RunTable, run_table
 
 __all__ = [
     "Depth",
@@ -113,7 +113,9 @@ class StreamRuns:
         return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
 
 
-def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> list[StreamRuns]:
+def raw_runs(
+    pos: _I64, doc: _I64, local_len: int, merge_pads: bool, table: RunTable | None = None
+) -> list[StreamRuns]:
     """The runs of every stream row, with their document *ids* and no codes yet (see
     :func:`coded`).
 
@@ -123,11 +125,13 @@ def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> list[Str
         local_len: Tokens per rank ``L``.
         merge_pads: Every negative id is a pad of the convention ``-1 - position``: such slots
             form pad runs. Otherwise every id, negative or not, is a document.
+        table: ``run_table(pos, doc, merge_pads, breaks=max(local_len, 1))`` if already made.
 
     Returns:
         One :class:`StreamRuns` per row (slots relative to the row).
     """
-    table = run_table(pos, doc, merge_pads, breaks=max(local_len, 1))  # one pass, every row
+    if table is None:  # one pass, every row
+        table = run_table(pos, doc, merge_pads, breaks=max(local_len, 1))
     width = pos.shape[1]
     start = table.start - table.grp * width
     pad = table.cls == PAD_CLASS
