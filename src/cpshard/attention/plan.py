@@ -181,7 +181,9 @@ def host_rows(meta: TokenMeta) -> HostRows:
         pos, doc = np.broadcast_arrays(pos, doc)
     groups = [list(range(pos.shape[0]))]
     if pos.shape[0] > 1:
-        same_pos = bool((pos == pos[:1]).all())
+        # one row of positions expanded over the batch (every built-in layout): equal rows by
+        # construction, no compare
+        same_pos = pos.strides[0] == 0 or bool((pos == pos[:1]).all())
         if not (same_pos and bool((doc == doc[:1]).all())):
             groups = _row_groups(None if same_pos else pos, doc)
     firsts = [g[0] for g in groups]
