@@ -104,7 +104,7 @@ def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
         makers.append(("dense padded", lambda r, d=dense: d(r), dense(0).positions[0]))
         for name, make, rank_map in makers:
             order = rank_map.reshape(-1).clamp(max=tokens - 1)
-            t_bare = fastest_cpu_wall(lambda: None, lambda _: ids.index_select(1, order), 5)[0]
+            t_bare = fastest_cpu_wall(lambda o=order: o, lambda o: ids.index_select(1, o), 5)[0]
             t_sel = t_auto = 0.0
             chosen = set()
             for r in sorted({0, c // 2, c - 1}):
@@ -135,8 +135,9 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int) -> list[dict[str, Any]
     rank process only, and removed after)."""
     import importlib
 
-    import cpshard
     from bench_shard_batch import _batches
+
+    import cpshard
     from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
 
     torch.set_num_threads(1)
