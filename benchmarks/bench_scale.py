@@ -14,8 +14,9 @@ counts), on a fresh token meta each time (built outside the timer, as the sharde
   chosen method;
 
 process CPU time, fastest of ``--repeat``; goal <= 0.1 s each. ``bare`` is one ``index_select``
-of the ``[1, tokens]`` int64 row by the layout's whole rank map (a permutation), timed in the
-same run: the ratio ``plan / bare`` is the figure a loaded machine does not move much.
+of the batch's int64 ids (``[1, tokens]``, or the dense ``[rows, tokens / rows]``) by the
+layout's whole rank map (a permutation), timed in the same run: the ratio ``plan / bare`` is the
+figure a loaded machine does not move much.
 
 Part ``prepare`` (``--ranks`` gloo ranks, 1 thread each): ``prepare_cp_forward`` of a tiny
 decoder at ``[--batch, --seq]`` (``input_ids`` + ``labels`` int64; ``dense padded``: real
@@ -83,7 +84,7 @@ def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
     spec = PackSpec.from_seq_lens([lens], tokens)
     ids = torch.from_numpy(np.random.default_rng(0).integers(1, 32000, size=(1, tokens)))
     print(
-        "| layout | C | selective CPU s (/ goal, / bare) | auto CPU s (/ goal, / bare) | auto "
+        "| layout | C | selective CPU s (x goal, x bare) | auto CPU s (x goal, x bare) | auto "
         "chose | bare index_select CPU ms | goal |"
     )
     print("|---|---|---|---|---|---|---|")
@@ -103,8 +104,11 @@ def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
         dense = functools.partial(_dense_meta, c, rows=rows, seq=tokens // rows)
         makers.append(("dense padded", lambda r, d=dense: d(r), dense(0).positions[0]))
         for name, make, rank_map in makers:
-            order = rank_map.reshape(-1).clamp(max=tokens - 1)
-            t_bare = fastest_cpu_wall(lambda o=order: o, lambda o: ids.index_select(1, o), 5)[0]
+            order = rank_map.reshape(-1)  # packed: [tokens]; dense padded: [tokens / rows]
+            rows_ids = ids.reshape(-1, order.numel())
+            t_bare = fastest_cpu_wall(
+                lambda o=order, x=rows_ids: (x, o), lambda xo: xo[0].index_select(1, xo[1]), 5
+            )[0]
             t_sel = t_auto = 0.0
             chosen = set()
             for r in sorted({0, c // 2, c - 1}):
