@@ -409,12 +409,12 @@ def _masks(
     big = torch.from_numpy(flat).to(device)
     views: list[torch.Tensor] = [big] * h.size
     sizes = hs * ws
-    start = np.cumsum(sizes) - sizes
     shape_cut = np.flatnonzero((np.diff(hs) != 0) | (np.diff(ws) != 0)) + 1
     groups = np.concatenate([[0], shape_cut, [h.size]]).tolist()
-    ids = order.tolist()
+    ids, h_of, w_of = order.tolist(), hs.tolist(), ws.tolist()
+    start = (np.cumsum(sizes) - sizes).tolist()
     for s, e in itertools.pairwise(groups):
-        hh, ww, o = int(hs[s]), int(ws[s]), int(start[s])
+        hh, ww, o = h_of[s], w_of[s], start[s]
         block = big[o : o + (e - s) * hh * ww].view(e - s, 1, hh, ww).unbind(0)
         for i, v in zip(ids[s:e], block, strict=True):
             views[i] = v
