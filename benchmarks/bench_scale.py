@@ -104,8 +104,9 @@ def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
         dense = functools.partial(_dense_meta, c, rows=rows, seq=tokens // rows)
         makers.append(("dense padded", lambda r, d=dense: d(r), dense(0).positions[0]))
         for name, make, rank_map in makers:
-            order = rank_map.reshape(-1)  # packed: [tokens]; dense padded: [tokens / rows]
-            rows_ids = ids.reshape(-1, order.numel())
+            order = rank_map.reshape(-1)  # the padded stream; dense padded: one row's
+            rows_ids = ids.reshape(rows, -1) if name == "dense padded" else ids
+            order = order.clamp(max=rows_ids.shape[1] - 1)
             t_bare = fastest_cpu_wall(
                 lambda o=order, x=rows_ids: (x, o), lambda xo: xo[0].index_select(1, xo[1]), 5
             )[0]
