@@ -28,10 +28,15 @@ steps): the fingerprint (content hash of the batch), the step header's exchange,
 facts and the chosen method's plan. Goal <= 5 ms; ``bare`` = one ``index_select`` per batch
 tensor with precomputed indices.
 
+Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
+padded batch, and the batch fingerprint of its three tensors, fastest of 15 each: the parts of
+the prepare this work changed, without a competing rank's noise.
+
 Usage::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_scale.py --part plans
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_scale.py --part prepare
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_scale.py --part host
 """
 
 from __future__ import annotations
@@ -214,9 +219,51 @@ def _prepare_part(b: int, s: int, ranks: int, repeat: int) -> None:
             print(f"| {k} | {v:.2f} | {v / bare:.1f}x |")
 
 
+def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
+    """One process, no second rank: rank 0's host work of the prepare's attention and the batch
+    fingerprint of the dense padded batch, each fastest of ``repeat`` on a fresh meta."""
+    from bench_shard_batch import _batches
+
+    from cpshard.attention.auto import choose_for_batch
+    from cpshard.attention.cost import plan_facts
+    from cpshard.attention.methods import method_named
+    from cpshard.attention.plan import AttentionPlan
+    from cpshard.sharding.consistency import batch_fingerprint
+
+    cpu = torch.device("cpu")
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        meta = _dense_meta(ranks, 0, b, s)
+        t0 = time.process_time()
+        plan_facts(meta)
+        t1 = time.process_time()
+        method = choose_for_batch(meta, None)
+        t2 = time.process_time()
+        method_named(method).plans(AttentionPlan(meta), True, None, cpu)
+        t3 = time.process_time()
+        for k, v in (("cost facts", t1 - t0), ("choice", t2 - t1), (f"plan ({method})", t3 - t2),
+                     ("facts + choice + plan", t3 - t0)):  # fmt: skip
+            best[k] = min(best.get(k, float("inf")), v)
+    batch = {k: v for k, v in _batches(b, s)["dense padded"].items()}
+    fp = fastest_cpu_wall(
+        lambda: batch,
+        lambda x: batch_fingerprint(x, layout="auto", attention="auto", padding_token_id=0),
+        repeat,
+    )[0]
+    ids = batch["input_ids"]
+    local = _dense_meta(ranks, 0, b, s).positions[0, : s // ranks]
+    bare = fastest_cpu_wall(lambda: local, lambda i: ids.index_select(1, i), repeat)[0]
+    print(f"one process, dense padded [{b}, {s}], cp={ranks} rank 0, fastest of {repeat}")
+    print("| host work | CPU ms | / bare index_select |")
+    print("|---|---|---|")
+    for k, v in (*best.items(), ("batch fingerprint (ids, labels, mask)", fp),
+                 ("bare index_select of input_ids", bare)):  # fmt: skip
+        print(f"| {k} | {v * 1e3:.2f} | {v / bare:.1f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("plans", "prepare", "all"), default="all")
+    p.add_argument("--part", choices=("plans", "prepare", "host", "all"), default="all")
     p.add_argument("--tokens", type=int, default=1 << 20)
     p.add_argument("--cp", default="8,16,32,64")
     p.add_argument("--rows", type=int, default=32, help="rows of the dense padded 1M batch")
@@ -234,6 +281,8 @@ def main() -> None:
         _plans_part(a.tokens, [int(x) for x in a.cp.split(",")], a.rows, a.repeat)
     if a.part in ("prepare", "all"):
         _prepare_part(a.batch, a.seq, a.ranks, a.prepare_repeat)
+    if a.part in ("host", "all"):
+        _host_part(a.batch, a.seq, a.ranks, 15)
     print(f"load average after: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
