@@ -374,8 +374,8 @@ def _masks(
 
     Vectorized over the pieces' rows: a mask row is at most :data:`TILE` = 64 columns, so each
     row of each mask is one ``uint64`` word, the OR of its pieces' column intervals; the words
-    are unpacked into one flat host buffer (masks laid out by shape, each contiguous), moved to
-    ``device`` in one transfer, and each shape's masks are views of it from one ``unbind``.
+    are unpacked into one flat host buffer (masks laid out by width, each contiguous), moved to
+    ``device`` in one transfer, and each width's masks are views of it from one ``split``.
     """
     h, w = shape
     member, row, lo, hi = _row_spans(p, idx, window)
@@ -407,18 +407,20 @@ def _masks(
         flat[at : at + (e - s) * width] = unpacked[:, :width].reshape(-1).view(bool)
         at += (e - s) * width
     big = torch.from_numpy(flat).to(device)
-    views: list[torch.Tensor] = [big] * h.size
-    sizes = hs * ws
-    shape_cut = np.flatnonzero((np.diff(hs) != 0) | (np.diff(ws) != 0)) + 1
-    groups = np.concatenate([[0], shape_cut, [h.size]]).tolist()
-    ids, h_of, w_of = order.tolist(), hs.tolist(), ws.tolist()
-    start = (np.cumsum(sizes) - sizes).tolist()
+    views: list[torch.Tensor] = []
+    mask_cut = np.flatnonzero(np.diff(ws)) + 1  # masks of one width: one [1, sum h, w] block
+    groups = np.concatenate([[0], mask_cut, [h.size]]).tolist()
+    h_of, w_of = hs.tolist(), ws.tolist()
+    at = 0
     for s, e in itertools.pairwise(groups):
-        hh, ww, o = h_of[s], w_of[s], start[s]
-        block = big[o : o + (e - s) * hh * ww].view(e - s, 1, hh, ww).unbind(0)
-        for i, v in zip(ids[s:e], block, strict=True):
-            views[i] = v
-    return views
+        rows, width = sum(h_of[s:e]), w_of[s]
+        block = big[at : at + rows * width].view(1, rows, width)
+        views.extend(block.split_with_sizes(h_of[s:e], dim=1))
+        at += rows * width
+    out: list[torch.Tensor] = [big] * h.size
+    for i, v in zip(order.tolist(), views, strict=True):
+        out[i] = v
+    return out
 
 
 KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
