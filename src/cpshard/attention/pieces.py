@@ -364,6 +364,15 @@ def _pairs(p: Pieces, window: int | None) -> _I64:
     return out
 
 
+def _word(a: _I64, b: _I64) -> npt.NDArray[np.uint64]:
+    """``uint64`` words with bits ``[a, b)`` set (``0 <= a <= b <= 64``)."""
+    au, bu = a.astype(np.uint64), b.astype(np.uint64)
+    one, ones = np.uint64(1), np.uint64(0xFFFFFFFFFFFFFFFF)
+    upper = np.where(bu >= TILE, ones, np.left_shift(one, np.minimum(bu, TILE - 1)) - one)
+    out: npt.NDArray[np.uint64] = upper & ~(np.left_shift(one, au) - one)
+    return out
+
+
 def _masks(
     p: Pieces, idx: _I64, slot: _I64, r0: _I64, c0: _I64, shape: tuple[_I64, _I64],
     window: int | None, device: torch.device,
@@ -378,23 +387,29 @@ def _masks(
     ``device`` in one transfer, and each width's masks are views of it from one ``split``.
     """
     h, w = shape
-    member, row, lo, hi = _row_spans(p, idx, window)
-    keep = hi > lo
-    member, row, lo, hi = member[keep], row[keep], lo[keep], hi[keep]
     order = np.lexsort((h, w))  # masks of one width are consecutive lines
     rank = np.empty(order.size, dtype=np.int64)
     rank[order] = np.arange(order.size)
     hs, ws = h[order], w[order]
     line0 = np.cumsum(hs) - hs  # first line of each mask, in layout order
     n_lines = int(hs.sum())
-    m = slot[member]
-    line = line0[rank[m]] + r0[member] + row
-    a, b = (c0[member] + lo).astype(np.uint64), (c0[member] + hi).astype(np.uint64)
-    one, full = np.uint64(1), np.uint64(0xFFFFFFFFFFFFFFFF)
-    upper = np.where(b >= TILE, full, np.left_shift(one, np.minimum(b, TILE - 1)) - one)
-    bits = upper & ~(np.left_shift(one, a) - one)
+    first = line0[rank[slot]] + r0  # the line of each piece's first row
+    # a FULL piece has one interval for all its rows: its word is made once and repeated
+    full = p.kind[idx] == FULL
+    fi = np.flatnonzero(full & (p.nk[idx] > 0))
+    nq = p.nq[idx[fi]]
+    offset = np.arange(int(nq.sum()), dtype=np.int64) - np.repeat(np.cumsum(nq) - nq, nq)
+    lines = [np.repeat(first[fi], nq) + offset]
+    bits = [np.repeat(_word(c0[fi], c0[fi] + p.nk[idx[fi]]), nq)]
+    oi = np.flatnonzero(~full)
+    member, row, lo, hi = _row_spans(p, idx[oi], window)
+    keep = hi > lo
+    m = oi[member[keep]]
+    lines.append(first[m] + row[keep])
+    bits.append(_word(c0[m] + lo[keep], c0[m] + hi[keep]))
+    line, bits_all = np.concatenate(lines), np.concatenate(bits)
     words = np.zeros(n_lines, dtype="<u8")
-    np.bitwise_or.at(words, line, bits)
+    np.bitwise_or.at(words, line, bits_all)
     flat = np.empty(int((hs * ws).sum()), dtype=bool)
     wl = np.repeat(ws, hs)  # width of every line
     cuts = np.flatnonzero(np.diff(wl)) + 1
