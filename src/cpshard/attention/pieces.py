@@ -504,9 +504,16 @@ def _tasks_by_key(
     span_q = int(cq.max()) + 1
     cell = np.where(fits, (keys * span_q + cq) * span_k + ck, -1)
     fit_idx = np.flatnonzero(fits)
-    _, inverse, count = np.unique(cell[fit_idx], return_inverse=True, return_counts=True)
+    # the pieces that fit a cell, sorted by (cell, index) once; a cell with several is a tile
+    by_cell = fit_idx[np.argsort(cell[fit_idx], kind="stable")]
+    sorted_cells = cell[by_cell]
+    new_cell = np.ones(by_cell.size, dtype=bool)
+    new_cell[1:] = sorted_cells[1:] != sorted_cells[:-1]
+    cell_id = np.cumsum(new_cell) - 1
+    shared = np.bincount(cell_id)[cell_id] > 1 if by_cell.size else new_cell
+    members, cells = by_cell[shared], sorted_cells[shared]  # by (cell, index)
     grouped = np.zeros(p.qi.size, dtype=bool)
-    grouped[fit_idx] = count[inverse.reshape(-1)] > 1
+    grouped[members] = True
     # direct calls: every piece that is not in a cell with others
     direct = np.flatnonzero(~grouped)
     q0s, k0s = p.qi[direct], p.ki[direct]
@@ -519,14 +526,10 @@ def _tasks_by_key(
     # masks: the direct window borders (their own pattern), then the masked tiles (the cells
     # holding several pieces; the union of their patterns)
     edge = np.flatnonzero(kinds == EDGE)
-    members = fit_idx[grouped[fit_idx]]
     n_tiles = 0
     m_idx, m_slot, m_r, m_c = [direct[edge]], [np.arange(edge.size)], [0 * edge], [0 * edge]
     m_h, m_w = [dq[edge]], [dk[edge]]
     if members.size:
-        cells = cell[members]
-        order = np.argsort(cells, kind="stable")
-        members, cells = members[order], cells[order]
         heads = np.append(0, np.flatnonzero(np.diff(cells)) + 1)
         n_tiles = heads.size
         tile = np.zeros(members.size, dtype=np.int64)
