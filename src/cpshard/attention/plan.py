@@ -288,6 +288,7 @@ def pair_plan(
     window: int | None,
     device: torch.device,
     skip_keys: tuple[int, int] | None = None,
+    pads_by_convention: bool = False,
 ) -> PairPlan:
     """Plan one (query set, key set) pair from host arrays.
 
@@ -301,11 +302,14 @@ def pair_plan(
         window: Sliding window or ``None``.
         device: Device of the masks and row indices.
         skip_keys: Key slots ``[start, end)`` that no query attends to in this plan, or ``None``.
+        pads_by_convention: The caller knows every negative id of both sets is a pad of the
+            ``-1 - position`` convention (its slots are taken from a stream where that holds),
+            so the check is skipped; else it is made here.
 
     Returns:
         The :class:`PairPlan`.
     """
-    merge = _merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc)
+    merge = pads_by_convention or (_merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc))
     nq, nk = q_pos.shape[1], k_pos.shape[1]
     q = run_table(q_pos, q_doc, merge)
     k = run_table(k_pos, k_doc, merge)

@@ -299,6 +299,7 @@ def selective_plan(
     sends = wanted_of(a, rank, causal, window)
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
+    merge = host_rows(meta).merge  # holds for the whole stream: so for any of its slots
     k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
@@ -306,10 +307,26 @@ def selective_plan(
         recv_splits=recv_splits,
         recv_slots=recv_slots,
         local=pair_plan(
-            q_pos, q_doc, q_pos, q_doc, a.rows, causal=causal, window=window, device=device
+            q_pos,
+            q_doc,
+            q_pos,
+            q_doc,
+            a.rows,
+            causal=causal,
+            window=window,
+            device=device,
+            pads_by_convention=merge,
         ),
         remote=pair_plan(
-            q_pos, q_doc, k_pos, k_doc, a.rows, causal=causal, window=window, device=device
+            q_pos,
+            q_doc,
+            k_pos,
+            k_doc,
+            a.rows,
+            causal=causal,
+            window=window,
+            device=device,
+            pads_by_convention=merge,
         ),
     )
     meta.plan_cache[key] = plan
