@@ -1,6 +1,7 @@
 """Selective K/V exchange at cluster scale, from the plan (host only): bytes moved vs needed.
 
-For one packed batch of ``--tokens`` log-normal documents (``cpshard.tools.balance``'s sampler)
+For one packed batch of ``--tokens`` tokens (``--mix realistic``, the default: the ~1000-document
+mix of ``_mix.py``; ``--mix lognormal``: ``cpshard.tools.balance``'s sampler, ~280 documents)
 and each CP size and packed layout, from the global token meta every rank would hold:
 
 * **needed**: per rank, the remote key slots its queries can see (``exchange_counts``: binary
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _mix import describe, realistic_lens
 from _timing import fastest_cpu_wall
 from bench_packed_attention import _batch, _inputs
 
@@ -195,12 +197,18 @@ def _plan_row(plan: Any, tokens: int, ranks: list[int], repeat: int) -> str:
 
 
 def main() -> None:
+    from cpshard.layouts.documents import PackSpec
     from cpshard.tools.balance import all_plans, sample_packed_batch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1 << 20)
     p.add_argument("--cp", default="8,16,32,64")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mix", choices=("realistic", "lognormal"), default="realistic",
+        help="realistic: benchmarks/_mix.py (~1000 documents per 1M tokens, median ~460); "
+        "lognormal: cpshard balance's exp(N(7.5, 1.2)) (~280 documents per 1M tokens)",
+    )  # fmt: skip
     p.add_argument("--ranks", default="0,last", help="ranks whose selective plan is built")
     p.add_argument("--repeat", type=int, default=3, help="plan builds per rank (fastest counts)")
     p.add_argument("--part", choices=("plan", "cp", "ranks"), default="plan")
@@ -215,7 +223,12 @@ def main() -> None:
     if args.part == "ranks":
         _ranks_part([int(x) for x in args.worlds.split(",")], args.layout)
         return
-    spec = sample_packed_batch("lognormal", args.tokens, args.seed)
+    if args.mix == "realistic":  # ~1000 documents per 1M tokens (issue 25)
+        lens = realistic_lens(args.tokens, args.seed)
+        print(f"mix: {describe(lens)}")
+        spec = PackSpec.from_seq_lens([lens], args.tokens)
+    else:
+        spec = sample_packed_batch("lognormal", args.tokens, args.seed)
     print(
         "| tokens | C | layout | needed slots max/rank | selective moved / needed "
         "| all_gather moved / needed | selective plan CPU s (wall) | cost facts CPU s (wall) "

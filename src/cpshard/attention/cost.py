@@ -157,8 +157,9 @@ def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray,
         pairs += w * runs.pad_tokens  # a pad sees itself, on its own rank
         local += w * runs.pad_tokens
         real = runs.real
-        seen = visible_pairs(real, runs.keys(), a.frame, causal, window)
-        pairs += w * per_rank(real.rank, seen, c)
+        ordered = runs.by_code()  # the same runs, sorted: per-rank sums are order-free
+        seen = visible_pairs(ordered, runs.keys(), a.frame, causal, window)
+        pairs += w * per_rank(ordered.rank, seen, c)
         if runs.blocked:  # every rank's own keys at once, in its rank block
             mine = visible_pairs(real, runs.block_keys(), a.frame, causal, window, runs.shift())
             local += w * per_rank(real.rank, mine, c)

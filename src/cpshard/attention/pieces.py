@@ -26,6 +26,10 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -324,28 +328,114 @@ def _split_ident(p: Pieces) -> Pieces:
     return Pieces.concat([p.take(~long), cut])
 
 
+def _row_spans(p: Pieces, idx: _I64, window: int | None) -> tuple[_I64, _I64, _I64, _I64]:
+    """The visible key columns of every query row of the pieces ``idx``, as intervals.
+
+    Every piece's pattern is one interval of key columns per query row: ``FULL`` all ``nk``,
+    ``IDENT`` the diagonal, ``CAUSAL`` / ``EDGE`` the keys at or before the row's position (and
+    inside the window). Returns ``(member, row, lo, hi)``: per query row, the index into ``idx``
+    of its piece, the row within the piece and the columns ``[lo, hi)`` (``hi <= lo``: none).
+    """
+    nq = p.nq[idx]
+    member = np.repeat(np.arange(idx.size, dtype=np.int64), nq)
+    row = np.arange(member.size, dtype=np.int64) - np.repeat(np.cumsum(nq) - nq, nq)
+    j = idx[member]
+    kind, nk = p.kind[j], p.nk[j]
+    last = p.qp[j] - p.kp[j] + row  # the key column at the row's own position
+    lo = np.zeros(row.size, dtype=np.int64)
+    if window is not None:
+        lo = np.maximum(last - window + 1, 0)
+    hi = np.minimum(last + 1, nk)
+    full, ident = kind == FULL, kind == IDENT
+    lo = np.where(full, 0, np.where(ident, row, lo))
+    hi = np.where(full, nk, np.where(ident, np.minimum(row + 1, nk), hi))
+    return member, row, lo, hi
+
+
 def _pairs(p: Pieces, window: int | None) -> _I64:
     """Visible pairs of every piece (closed forms; EDGE pieces are at most TILE square)."""
     out = np.where(
         p.kind == FULL, p.nq * p.nk, np.where(p.kind == CAUSAL, p.nq * (p.nq + 1) // 2, p.nq)
     )
-    for j in np.flatnonzero(p.kind == EDGE).tolist():
-        out[j] = int(_pattern(p, j, window).sum())
+    edge = np.flatnonzero(p.kind == EDGE)
+    if edge.size:
+        member, _, lo, hi = _row_spans(p, edge, window)
+        out[edge] = np.bincount(member, weights=np.maximum(hi - lo, 0), minlength=edge.size)
     return out
 
 
-def _pattern(p: Pieces, j: int, window: int | None) -> npt.NDArray[np.bool_]:
-    """Bool ``[nq, nk]`` visibility of piece ``j``."""
-    nq, nk, kind = int(p.nq[j]), int(p.nk[j]), int(p.kind[j])
-    if kind == FULL:
-        return np.ones((nq, nk), dtype=bool)
-    if kind == IDENT:
-        return np.eye(nq, dtype=bool)
-    diff = (int(p.qp[j]) + np.arange(nq))[:, None] - (int(p.kp[j]) + np.arange(nk))[None, :]
-    vis = diff >= 0
-    if window is not None:
-        vis &= diff < window
-    return vis
+def _word(a: _I64, b: _I64) -> npt.NDArray[np.uint64]:
+    """``uint64`` words with bits ``[a, b)`` set (``0 <= a <= b <= 64``)."""
+    au, bu = a.astype(np.uint64), b.astype(np.uint64)
+    one, ones = np.uint64(1), np.uint64(0xFFFFFFFFFFFFFFFF)
+    upper = np.where(bu >= TILE, ones, np.left_shift(one, np.minimum(bu, TILE - 1)) - one)
+    out: npt.NDArray[np.uint64] = upper & ~(np.left_shift(one, au) - one)
+    return out
+
+
+def _masks(
+    p: Pieces, idx: _I64, slot: _I64, r0: _I64, c0: _I64, shape: tuple[_I64, _I64],
+    window: int | None, device: torch.device,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Bool masks ``[1, h[m], w[m]]`` (``shape = (h, w)``): mask ``slot[i]`` holds piece
+    ``idx[i]``'s pattern at row ``r0[i]``, column ``c0[i]`` (the union where several pieces
+    share a mask).
+
+    Vectorized over the pieces' rows: a mask row is at most :data:`TILE` = 64 columns, so each
+    row of each mask is one ``uint64`` word, the OR of its pieces' column intervals; the words
+    are unpacked into one flat host buffer (masks laid out by width, each contiguous), moved to
+    ``device`` in one transfer, and each width's masks are views of it from one ``split``.
+    """
+    h, w = shape
+    order = np.lexsort((h, w))  # masks of one width are consecutive lines
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    hs, ws = h[order], w[order]
+    line0 = np.cumsum(hs) - hs  # first line of each mask, in layout order
+    n_lines = int(hs.sum())
+    first = line0[rank[slot]] + r0  # the line of each piece's first row
+    # a FULL piece has one interval for all its rows: its word is made once and repeated
+    full = p.kind[idx] == FULL
+    fi = np.flatnonzero(full & (p.nk[idx] > 0))
+    nq = p.nq[idx[fi]]
+    offset = np.arange(int(nq.sum()), dtype=np.int64) - np.repeat(np.cumsum(nq) - nq, nq)
+    lines = [np.repeat(first[fi], nq) + offset]
+    bits = [np.repeat(_word(c0[fi], c0[fi] + p.nk[idx[fi]]), nq)]
+    oi = np.flatnonzero(~full)
+    member, row, lo, hi = _row_spans(p, idx[oi], window)
+    keep = hi > lo
+    m = oi[member[keep]]
+    lines.append(first[m] + row[keep])
+    bits.append(_word(c0[m] + lo[keep], c0[m] + hi[keep]))
+    line, bits_all = np.concatenate(lines), np.concatenate(bits)
+    words = np.zeros(n_lines, dtype="<u8")
+    np.bitwise_or.at(words, line, bits_all)
+    flat = np.empty(int((hs * ws).sum()), dtype=bool)
+    wl = np.repeat(ws, hs)  # width of every line
+    cuts = np.flatnonzero(np.diff(wl)) + 1
+    bounds = np.concatenate([[0], cuts, [n_lines]]).tolist()
+    at = 0
+    for s, e in itertools.pairwise(bounds):
+        width = int(wl[s])
+        unpacked = np.unpackbits(words[s:e].view(np.uint8).reshape(-1, 8), axis=1,
+                                 bitorder="little")  # fmt: skip
+        flat[at : at + (e - s) * width] = unpacked[:, :width].reshape(-1).view(bool)
+        at += (e - s) * width
+    big = torch.from_numpy(flat).to(device)
+    views: list[torch.Tensor] = []
+    mask_cut = np.flatnonzero(np.diff(ws)) + 1  # masks of one width: one [1, sum h, w] block
+    groups = np.concatenate([[0], mask_cut, [h.size]]).tolist()
+    h_of, w_of = hs.tolist(), ws.tolist()
+    at = 0
+    for s, e in itertools.pairwise(groups):
+        rows, width = sum(h_of[s:e]), w_of[s]
+        block = big[at : at + rows * width].view(1, rows, width)
+        views.extend(block.split_with_sizes(h_of[s:e], dim=1))
+        at += rows * width
+    out: list[torch.Tensor] = [big] * h.size
+    for i, v in zip(order.tolist(), views, strict=True):
+        out[i] = v
+    return out
 
 
 KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
@@ -367,9 +457,39 @@ def tasks_by_key(
     slots are those of that pair's tensors. Large FULL / CAUSAL pieces are direct calls; the
     small ones, window borders and pad diagonals of one aligned :data:`TILE` cell of one pair
     become one masked tile (a lone small FULL / CAUSAL piece stays a direct call; a lone pad
-    diagonal shares one identity mask). Every mask is made in one host buffer and moved to
-    ``device`` in one transfer; tasks hold views of it.
+    diagonal shares one identity mask). Every mask is made in one host buffer, vectorized over
+    the pieces (:func:`_masks`), and moved to ``device`` in one transfer; tasks hold views
+    of it. No Python step per piece or tile, one per kernel call (its :class:`Task`).
+
+    Python's cyclic garbage collector is paused while the tasks are made (:func:`_gc_paused`).
     """
+    with _gc_paused():
+        return _tasks_by_key(pieces, keys, n_keys, window, device)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a block that makes many objects without cycles.
+
+    A plan makes tens of thousands of tasks and mask views at once; each allocation counts
+    towards the collector's thresholds, so building one triggers dozens of young-generation
+    passes and, every few plans, a pass over the whole heap (half of the build time measured on
+    a 1M-token plan), none of which can free anything here. Only the collector's schedule
+    changes (the counts carry over; nothing is left uncollected); restored on exit, also on an
+    error, and left alone if it was off.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _tasks_by_key(
+    pieces: Pieces, keys: _I64, n_keys: int, window: int | None, device: torch.device
+) -> KeyedTasks:
     p = _split_ident(pieces)
     if p.qi.size != pieces.qi.size:  # pad diagonals were cut: their keys repeat
         keys = _split_keys(pieces, keys)
@@ -384,9 +504,16 @@ def tasks_by_key(
     span_q = int(cq.max()) + 1
     cell = np.where(fits, (keys * span_q + cq) * span_k + ck, -1)
     fit_idx = np.flatnonzero(fits)
-    _, inverse, count = np.unique(cell[fit_idx], return_inverse=True, return_counts=True)
+    # the pieces that fit a cell, sorted by (cell, index) once; a cell with several is a tile
+    by_cell = fit_idx[np.argsort(cell[fit_idx], kind="stable")]
+    sorted_cells = cell[by_cell]
+    new_cell = np.ones(by_cell.size, dtype=bool)
+    new_cell[1:] = sorted_cells[1:] != sorted_cells[:-1]
+    cell_id = np.cumsum(new_cell) - 1
+    shared = np.bincount(cell_id)[cell_id] > 1 if by_cell.size else new_cell
+    members, cells = by_cell[shared], sorted_cells[shared]  # by (cell, index)
     grouped = np.zeros(p.qi.size, dtype=bool)
-    grouped[fit_idx] = count[inverse.reshape(-1)] > 1
+    grouped[members] = True
     # direct calls: every piece that is not in a cell with others
     direct = np.flatnonzero(~grouped)
     q0s, k0s = p.qi[direct], p.ki[direct]
@@ -395,58 +522,51 @@ def tasks_by_key(
     dq, dk = p.nq[direct], p.nk[direct]
     computed_k = np.bincount(
         tkeys, weights=np.where(kinds == CAUSAL, dq * (dq + 1) // 2, dq * dk), minlength=n_keys
-    )
-    masks: list[npt.NDArray[np.bool_]] = []
-    mask_of: dict[int, int] = {}
-    for i in np.flatnonzero(kinds == EDGE).tolist():
-        mask_of[i] = len(masks)
-        masks.append(_pattern(p, int(direct[i]), window))
-    # masked tiles: the cells holding several pieces
-    members = fit_idx[grouped[fit_idx]]
-    tiles: list[tuple[int, int, int, int, int]] = []
+    ).astype(np.float64)  # empty input: bincount gives int64
+    # masks: the direct window borders (their own pattern), then the masked tiles (the cells
+    # holding several pieces; the union of their patterns)
+    edge = np.flatnonzero(kinds == EDGE)
+    n_tiles = 0
+    m_idx, m_slot, m_r, m_c = [direct[edge]], [np.arange(edge.size)], [0 * edge], [0 * edge]
+    m_h, m_w = [dq[edge]], [dk[edge]]
     if members.size:
-        cells = cell[members]
-        order = np.argsort(cells, kind="stable")
-        members, cells = members[order], cells[order]
         heads = np.append(0, np.flatnonzero(np.diff(cells)) + 1)
-        g_q0 = np.minimum.reduceat(p.qi[members], heads).tolist()
-        g_q1 = np.maximum.reduceat(p.qi[members] + p.nq[members], heads).tolist()
-        g_k0 = np.minimum.reduceat(p.ki[members], heads).tolist()
-        g_k1 = np.maximum.reduceat(p.ki[members] + p.nk[members], heads).tolist()
-        for i, grp in enumerate(np.split(members, heads[1:])):
-            q0, q1, k0, k1 = g_q0[i], g_q1[i], g_k0[i], g_k1[i]
-            mask = np.zeros((q1 - q0, k1 - k0), dtype=bool)
-            for j in grp.tolist():
-                r, c = int(p.qi[j]) - q0, int(p.ki[j]) - k0
-                part = mask[r : r + int(p.nq[j]), c : c + int(p.nk[j])]
-                if p.kind[j] == FULL:  # the most common member: no pattern to build
-                    part[...] = True
-                else:
-                    part |= _pattern(p, j, window)
-            key = int(keys[grp[0]])
-            computed_k[key] += mask.size
-            mask_of[direct.size + len(tiles)] = len(masks)
-            masks.append(mask)
-            tiles.append((q0, q1, k0, k1, key))
-    if tiles:
-        t = np.array(tiles, dtype=np.int64)
-        q0s, q1s = np.concatenate([q0s, t[:, 0]]), np.concatenate([q1s, t[:, 1]])
-        k0s, k1s = np.concatenate([k0s, t[:, 2]]), np.concatenate([k1s, t[:, 3]])
-        tkeys = np.concatenate([tkeys, t[:, 4]])
-        kinds = np.concatenate([kinds, np.full(len(tiles), -1, dtype=np.int64)])
+        n_tiles = heads.size
+        tile = np.zeros(members.size, dtype=np.int64)
+        tile[heads[1:]] = 1
+        np.cumsum(tile, out=tile)  # the tile of every member
+        g_q0 = np.minimum.reduceat(p.qi[members], heads)
+        g_q1 = np.maximum.reduceat(p.qi[members] + p.nq[members], heads)
+        g_k0 = np.minimum.reduceat(p.ki[members], heads)
+        g_k1 = np.maximum.reduceat(p.ki[members] + p.nk[members], heads)
+        t_keys = keys[members[heads]]
+        computed_k += np.bincount(t_keys, weights=(g_q1 - g_q0) * (g_k1 - g_k0), minlength=n_keys)
+        m_idx.append(members)
+        m_slot.append(edge.size + tile)
+        m_r.append(p.qi[members] - g_q0[tile])
+        m_c.append(p.ki[members] - g_k0[tile])
+        m_h.append(g_q1 - g_q0)
+        m_w.append(g_k1 - g_k0)
+        q0s, q1s = np.concatenate([q0s, g_q0]), np.concatenate([q1s, g_q1])
+        k0s, k1s = np.concatenate([k0s, g_k0]), np.concatenate([k1s, g_k1])
+        tkeys = np.concatenate([tkeys, t_keys])
+        kinds = np.concatenate([kinds, np.full(n_tiles, -1, dtype=np.int64)])
     dev_masks: list[torch.Tensor | None] = [None] * q0s.size
-    if masks:
-        buf = np.zeros((len(masks), TILE, TILE), dtype=bool)
-        for i, m in enumerate(masks):
-            buf[i, : m.shape[0], : m.shape[1]] = m
-        big = torch.from_numpy(buf).to(device)
-        for i, m_i in mask_of.items():
-            dev_masks[i] = big[m_i : m_i + 1, : masks[m_i].shape[0], : masks[m_i].shape[1]]
+    n_masks = edge.size + n_tiles
+    if n_masks:
+        cat = np.concatenate
+        where = (cat(m_idx), cat(m_slot), cat(m_r), cat(m_c))
+        views = _masks(p, *where, (cat(m_h), cat(m_w)), window, device)
+        at = np.concatenate([edge, direct.size + np.arange(n_tiles)]).tolist()
+        for i, v in zip(at, views, strict=True):
+            dev_masks[i] = v
     ident = np.flatnonzero(kinds == IDENT)
     if ident.size:
         eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
-        for i in ident.tolist():
-            dev_masks[i] = eye[:, : int(q1s[i] - q0s[i]), : int(k1s[i] - k0s[i])]
+        sizes = (q1s[ident] - q0s[ident]).tolist()
+        eyes = {n: eye[:, :n, :n] for n in set(sizes)}  # IDENT pieces are square
+        for i, n in zip(ident.tolist(), sizes, strict=True):
+            dev_masks[i] = eyes[n]
     # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
     order = np.lexsort((k0s, q0s, tkeys))
     shift = (int(q1s.max()) + 1) * tkeys[order]  # pairs never see each other's rows
@@ -455,11 +575,13 @@ def tasks_by_key(
     firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
     sorted_keys = tkeys[order]
     cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
+    make = tuple.__new__
     tasks = [
-        Task(a, b, c, d, kind == CAUSAL, dev_masks[i], f)
-        for i, a, b, c, d, kind, f in zip(
-            order.tolist(), q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(),
-            k1s[order].tolist(), kinds[order].tolist(), firsts.tolist(), strict=True,
+        make(Task, t)
+        for t in zip(
+            q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
+            (kinds[order] == CAUSAL).tolist(), [dev_masks[i] for i in order.tolist()],
+            firsts.tolist(), strict=True,
         )
     ]  # fmt: skip
     for key in range(n_keys):

@@ -65,9 +65,11 @@ __all__ = [
     "PairPlan",
     "Task",
     "attention_plan",
+    "block_table",
     "check_window",
     "host_rows",
     "pair_plan",
+    "stream_table",
 ]
 
 
@@ -179,7 +181,9 @@ def host_rows(meta: TokenMeta) -> HostRows:
         pos, doc = np.broadcast_arrays(pos, doc)
     groups = [list(range(pos.shape[0]))]
     if pos.shape[0] > 1:
-        same_pos = bool((pos == pos[:1]).all())
+        # one row of positions expanded over the batch (every built-in layout): equal rows by
+        # construction, no compare
+        same_pos = pos.strides[0] == 0 or bool((pos == pos[:1]).all())
         if not (same_pos and bool((doc == doc[:1]).all())):
             groups = _row_groups(None if same_pos else pos, doc)
     firsts = [g[0] for g in groups]
@@ -188,6 +192,38 @@ def host_rows(meta: TokenMeta) -> HostRows:
     host = HostRows(p, d, None if len(groups) == 1 else groups, weights, _merge_pads(p, d))
     meta.plan_cache["host_rows"] = host
     return host
+
+
+def stream_table(meta: TokenMeta, merge: bool) -> RunTable:
+    """The runs of the whole stream of every row group, cut at the rank blocks (one per-token
+    pass per batch, cached on the meta: the attention plan's keys and the selective plan's and
+    cost model's runs are this table).
+
+    Args:
+        meta: The token meta.
+        merge: Stretches of padding form pad runs (see :func:`~cpshard.attention.pieces.
+            run_table`).
+    """
+    key = f"stream_table|{merge}"
+    hit = meta.plan_cache.get(key)
+    if isinstance(hit, RunTable):
+        return hit
+    host = host_rows(meta)
+    table = run_table(host.pos, host.doc, merge, breaks=max(meta.local_len, 1))
+    meta.plan_cache[key] = table
+    return table
+
+
+def block_table(stream: RunTable, width: int, local_len: int, rank: int) -> RunTable:
+    """The runs of ``rank``'s local slots (``[G, L]``, numbered row-major) taken from the
+    stream's table (``[G, width]``, cut at the rank blocks): the same table as
+    :func:`~cpshard.attention.pieces.run_table` of the local slots, without a per-token pass."""
+    row = stream.grp
+    off = stream.start - row * width
+    sel = off // local_len == rank
+    row = row[sel]
+    start = row * local_len + off[sel] - rank * local_len
+    return RunTable(start, stream.n[sel], stream.pos[sel], stream.cls[sel], row)
 
 
 def _sort_order(pos: np.ndarray) -> np.ndarray:
@@ -252,6 +288,7 @@ def pair_plan(
     window: int | None,
     device: torch.device,
     skip_keys: tuple[int, int] | None = None,
+    pads_by_convention: bool = False,
 ) -> PairPlan:
     """Plan one (query set, key set) pair from host arrays.
 
@@ -265,11 +302,14 @@ def pair_plan(
         window: Sliding window or ``None``.
         device: Device of the masks and row indices.
         skip_keys: Key slots ``[start, end)`` that no query attends to in this plan, or ``None``.
+        pads_by_convention: The caller knows every negative id of both sets is a pad of the
+            ``-1 - position`` convention (its slots are taken from a stream where that holds),
+            so the check is skipped; else it is made here.
 
     Returns:
         The :class:`PairPlan`.
     """
-    merge = _merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc)
+    merge = pads_by_convention or (_merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc))
     nq, nk = q_pos.shape[1], k_pos.shape[1]
     q = run_table(q_pos, q_doc, merge)
     k = run_table(k_pos, k_doc, merge)
@@ -342,8 +382,12 @@ class AttentionPlan:
         def build() -> tuple[Pieces, np.ndarray]:
             n, r = self.local_len, self.rank
             pos, doc = self._pos, self._doc
-            q = run_table(pos[:, r * n : (r + 1) * n], doc[:, r * n : (r + 1) * n], self._merge)
-            k = run_table(pos, doc, self._merge, breaks=n)
+            if n:  # the stream's table (shared with the cost facts), and rank r's part of it
+                k = stream_table(self.meta, self._merge)
+                q = block_table(k, pos.shape[1], n, r)
+            else:
+                q = run_table(pos[:, :0], doc[:, :0], self._merge)
+                k = run_table(pos, doc, self._merge)
             pieces = _pieces(q, k, causal, window)
             group = pieces.qi // max(n, 1)
             stream = pos.shape[1]

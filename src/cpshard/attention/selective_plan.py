@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.plan import PairPlan, host_rows, pair_plan
+from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
 from cpshard.attention.visibility import Depth, Frame, RankRuns, coded, per_rank, raw_runs
 from cpshard.sharding.meta import TokenMeta
 
@@ -87,7 +87,8 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
-    raw = raw_runs(p, d, n, host.merge and _pads_unique(p, d))
+    merge = host.merge and _pads_unique(p, d)
+    raw = raw_runs(p, d, n, merge, stream_table(meta, merge))
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
     lo_pos = int(p.min()) if p.size else 0
     frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)
@@ -137,14 +138,24 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
         dest = to[run]
         cuts = np.searchsorted(dest, np.arange(c + 1))
         return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
+    if all(runs.blocked for runs in a.runs):  # every row group at once per group, then union
+        need = np.zeros((c, n), dtype=bool)
+        for runs in a.runs:
+            own = runs.of(rank)
+            peers = np.delete(np.arange(c), rank)
+            reps = own.take(np.tile(np.arange(own.n.size), peers.size))
+            to = np.repeat(peers, own.n.size)
+            slots, run = runs.block_seen(causal, window).covered_slots(reps, runs.shift(to))
+            need[to[run], slots - rank * n] = True
+        return [np.flatnonzero(row) for row in need]
     out = []
     for t in range(c):
-        need = np.zeros(n, dtype=bool)
+        need_t = np.zeros(n, dtype=bool)
         for runs in a.runs:
             if t != rank:
                 slots = runs.seen(t, causal, window).covered_slots(runs.of(rank))[0]
-                need[slots - rank * n] = True
-        out.append(np.flatnonzero(need))
+                need_t[slots - rank * n] = True
+        out.append(np.flatnonzero(need_t))
     return out
 
 
@@ -161,10 +172,30 @@ def exchange_counts(a: MetaArrays, causal: bool, window: int | None) -> np.ndarr
     for runs in a.runs:
         keys = runs.real
         out[np.arange(c), np.arange(c)] += runs.pad_tokens
+        if runs.blocked:  # every rank's union at once, in its rank block
+            out += _block_counts(runs, causal, window)
+            continue
         for t in range(c):
             inside = runs.seen(t, causal, window).count(keys.code, keys.code + keys.n)
             out[t] += per_rank(keys.rank, inside, c)
     return np.minimum(out, n)
+
+
+def _block_counts(runs: RankRuns, causal: bool, window: int | None) -> np.ndarray:
+    """``[C, C]``: key slots of rank ``o`` (real runs) that some query of rank ``t`` sees, for
+    one row group in rank blocks: every key run is counted against every rank's block of
+    :meth:`RankRuns.block_seen`, a few ranks per pass (at most ~2**21 queries at once)."""
+    c, keys = runs.world, runs.real
+    u = runs.block_seen(causal, window)
+    out = np.zeros(c * c, dtype=np.int64)
+    step = max(1, (1 << 21) // max(keys.n.size, 1))
+    for t0 in range(0, c, step):
+        ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
+        lo = (keys.code[None, :] + runs.shift(ts)[:, None]).reshape(-1)
+        inside = u.count(lo, lo + np.tile(keys.n, ts.size))
+        cell = (ts[:, None] * c + keys.rank[None, :]).reshape(-1)
+        np.add.at(out, cell, inside)
+    return out.reshape(c, c)
 
 
 def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -280,6 +311,7 @@ def selective_plan(
     sends = wanted_of(a, rank, causal, window)
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
+    merge = host_rows(meta).merge  # holds for the whole stream: so for any of its slots
     k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
@@ -287,10 +319,26 @@ def selective_plan(
         recv_splits=recv_splits,
         recv_slots=recv_slots,
         local=pair_plan(
-            q_pos, q_doc, q_pos, q_doc, a.rows, causal=causal, window=window, device=device
+            q_pos,
+            q_doc,
+            q_pos,
+            q_doc,
+            a.rows,
+            causal=causal,
+            window=window,
+            device=device,
+            pads_by_convention=merge,
         ),
         remote=pair_plan(
-            q_pos, q_doc, k_pos, k_doc, a.rows, causal=causal, window=window, device=device
+            q_pos,
+            q_doc,
+            k_pos,
+            k_doc,
+            a.rows,
+            causal=causal,
+            window=window,
+            device=device,
+            pads_by_convention=merge,
         ),
     )
     meta.plan_cache[key] = plan

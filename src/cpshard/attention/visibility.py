@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from cpshard.attention.pieces import PAD_CLASS, run_table
+from cpshard.attention.pieces import PAD_CLASS, RunTable, run_table
 
 __all__ = [
     "Depth",
@@ -108,12 +108,14 @@ class StreamRuns:
     pad: npt.NDArray[np.bool_]
     code: _I64
 
-    def take(self, sel: npt.NDArray[np.bool_] | slice) -> StreamRuns:
-        """The runs where ``sel`` holds (a bool mask or a slice)."""
+    def take(self, sel: npt.NDArray[np.bool_] | _I64 | slice) -> StreamRuns:
+        """The runs where ``sel`` holds (a bool mask, indices or a slice)."""
         return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
 
 
-def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> list[StreamRuns]:
+def raw_runs(
+    pos: _I64, doc: _I64, local_len: int, merge_pads: bool, table: RunTable | None = None
+) -> list[StreamRuns]:
     """The runs of every stream row, with their document *ids* and no codes yet (see
     :func:`coded`).
 
@@ -123,11 +125,13 @@ def raw_runs(pos: _I64, doc: _I64, local_len: int, merge_pads: bool) -> list[Str
         local_len: Tokens per rank ``L``.
         merge_pads: Every negative id is a pad of the convention ``-1 - position``: such slots
             form pad runs. Otherwise every id, negative or not, is a document.
+        table: ``run_table(pos, doc, merge_pads, breaks=max(local_len, 1))`` if already made.
 
     Returns:
         One :class:`StreamRuns` per row (slots relative to the row).
     """
-    table = run_table(pos, doc, merge_pads, breaks=max(local_len, 1))  # one pass, every row
+    if table is None:  # one pass, every row
+        table = run_table(pos, doc, merge_pads, breaks=max(local_len, 1))
     width = pos.shape[1]
     start = table.start - table.grp * width
     pad = table.cls == PAD_CLASS
@@ -159,6 +163,11 @@ def per_rank(rank: _I64, values: _I64, world: int) -> _I64:
     return out
 
 
+def _is_sorted(x: _I64) -> bool:
+    """Whether ``x`` is non-decreasing (one pass; then no sort is needed)."""
+    return x.size < 2 or bool((x[1:] >= x[:-1]).all())
+
+
 def _prefix(x: _U64) -> _U64:
     out = np.zeros(x.size + 1, dtype=np.uint64)
     np.cumsum(x, out=out[1:])
@@ -176,8 +185,9 @@ class KeyCounts:
     def __init__(self, lo: _I64, hi: _I64) -> None:
         self._ends = []
         for e in (lo, hi):
-            s = np.sort(e).astype(np.uint64)
-            self._ends.append((np.sort(e), _prefix(s), _prefix(s * s)))
+            e_sorted = e if _is_sorted(e) else np.sort(e)
+            s = e_sorted.astype(np.uint64)
+            self._ends.append((e_sorted, _prefix(s), _prefix(s * s)))
 
     def below(self, x: _I64) -> _I64:
         """``[N]``: keys with a code ``< x`` (a key run contributes its part below ``x``)."""
@@ -368,6 +378,7 @@ class RankRuns:
         self.stride = max(frame.docs.size, 1) * frame.span
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
+        self._by_code: StreamRuns | None = None
         self._block_keys: KeyCounts | None = None
         self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
 
@@ -375,12 +386,31 @@ class RankRuns:
         """The real runs of ``rank``."""
         return self.real.take(slice(int(self._bounds[rank]), int(self._bounds[rank + 1])))
 
+    def by_code(self) -> StreamRuns:
+        """The real runs sorted by code (stable): queries in this order make the binary searches
+        of :class:`KeyCounts` walk their sorted ends forward (each rank's runs are mostly sorted
+        already, so the sort merges ``C`` sorted blocks)."""
+        if self._by_code is None:
+            order = np.argsort(self.real.code, kind="stable")
+            self._by_code = self.real.take(order)
+        return self._by_code
+
     def keys(self, rank: int | None = None) -> KeyCounts:
-        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's)."""
+        """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's).
+
+        Every rank's keys are counted over the runs joined where they touch in code order (the
+        ranks' pieces of one document: a layout that cuts documents into ``2C`` chunks has
+        ~``R / 2C`` intervals left), so the searches run over a small, cache-resident array.
+        Joining ``[a, b)`` and ``[b, c)`` into ``[a, c)`` leaves every count of
+        :class:`KeyCounts` unchanged (both are sums over the codes an interval holds)."""
         hit = self._keys.get(rank)
         if hit is None:
-            r = self.real if rank is None else self.of(rank)
-            hit = self._keys[rank] = KeyCounts(r.code, r.code + r.n)
+            if rank is None:
+                lo, hi = _joined(self.by_code())
+            else:
+                r = self.of(rank)
+                lo, hi = r.code, r.code + r.n
+            hit = self._keys[rank] = KeyCounts(lo, hi)
         return hit
 
     def block_keys(self) -> KeyCounts:
@@ -419,6 +449,20 @@ class RankRuns:
                 lo, hi = lo + self.shift(), hi + self.shift()
             hit = self._seen[key] = Union(lo, hi)
         return hit
+
+
+def _joined(runs: StreamRuns) -> tuple[_I64, _I64]:
+    """``(lo, hi)``: the code intervals of ``runs`` (sorted by code), each chain of intervals that
+    touch in this order (``lo[i + 1] == hi[i]``) joined into one; overlaps are kept apart, so
+    the multiset of codes is the same."""
+    lo, hi = runs.code, runs.code + runs.n
+    if lo.size < 2:
+        return lo, hi
+    head = np.ones(lo.size, dtype=bool)
+    head[1:] = lo[1:] != hi[:-1]
+    first = np.flatnonzero(head)
+    last = np.append(first[1:], lo.size) - 1
+    return lo[first], hi[last]
 
 
 def _aranges(a: _I64, b: _I64) -> _I64:

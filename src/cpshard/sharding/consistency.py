@@ -153,7 +153,24 @@ def _as_int64_bits(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).to(torch.long)
 
 
-def _content_hash(t: torch.Tensor) -> torch.Tensor:
+def _position_keys(
+    n: int, device: torch.device, start: int = 0, cache: dict[Any, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """``w_k = k * G`` for ``k`` in ``[start, start + n)`` (int64, mod ``2**64``); read only.
+
+    ``cache``: one call's store, so tensors of one size share their keys (only whole tensors of
+    at most :data:`_CHUNK` elements are kept: a few MB at most).
+    """
+    key = (n, str(device))
+    if cache is not None and start == 0 and n <= _CHUNK:
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = _position_keys(n, device)
+        return hit
+    return torch.arange(start, start + n, device=device, dtype=torch.long).mul_(_GOLDEN)
+
+
+def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
     """0-d int64 tensor: ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel``, mod ``2**64``.
 
     Every element of every tensor is hashed: ``x_k`` are the values (integers and bools) or the
@@ -162,7 +179,8 @@ def _content_hash(t: torch.Tensor) -> torch.Tensor:
     of two different functions of the value, i.e. non-linear: the compensating changes that fool
     a weighted sum (``+3`` here, ``-1`` there) and swaps of values change it. Four int64 passes
     over the values, in chunks of :data:`_CHUNK` elements, so the temporaries stay small for
-    ``inputs_embeds``.
+    ``inputs_embeds``; ``keys``: a store of the position keys ``w`` for the tensors of one batch
+    (:func:`_position_keys`), which tensors of one size share.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
@@ -174,11 +192,10 @@ def _content_hash(t: torch.Tensor) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.long, device=flat.device)
     for start in range(0, n, _CHUNK):
         x = _as_int64_bits(flat[start : start + _CHUNK])
-        w = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.long)
-        w.mul_(_GOLDEN)
+        w = _position_keys(x.numel(), x.device, start, keys)
         a = x ^ w
-        w.add_(x).bitwise_or_(1)
-        total = total + a.mul_(w).sum()
+        b = torch.add(x, w).bitwise_or_(1)
+        total = total + a.mul_(b).sum()
     return total + n
 
 
@@ -286,11 +303,12 @@ def batch_fingerprint(
     opts = dict(options or {})
     opt_text = []
     other = torch.zeros((), dtype=torch.long)
+    keys_of_size: dict[Any, torch.Tensor] = {}  # this call's position keys, shared by size
     for name in sorted(opts):
         v = opts[name]
         opt_text.append(f"{name}={_describe(v)}")
         if isinstance(v, torch.Tensor) and hashed:
-            other = other + _content_hash(v) * (2 * len(opt_text) + 1)
+            other = other + _content_hash(v, keys_of_size) * (2 * len(opt_text) + 1)
     slots["options"] = _str_hash(";".join(opt_text))
     if not isinstance(batch, Mapping):
         slots["keys"] = _str_hash(_describe(batch))
@@ -311,7 +329,7 @@ def batch_fingerprint(
         value = batch[key]
         t = _as_hashable_tensor(value)
         field = _CONTENT.get(str(key), "other keys")
-        h = _content_hash(t) if t is not None else _digest(value)
+        h = _content_hash(t, keys_of_size) if t is not None else _digest(value)
         if field == "other keys":  # the key's name too, so two keys' values cannot swap
             h = h ^ _str_hash(str(key))
             h = h * (2 * i + 3) if isinstance(h, torch.Tensor) else _wrap(h * (2 * i + 3))

@@ -1,0 +1,290 @@
+"""Issue 25: host planning at 1M tokens and ``prepare_cp_forward`` at ``[8, 32768]``, each figure
+printed beside its goal and beside a bare ``index_select`` timed in the same run.
+
+Part ``plans`` (host-simulated ranks, one process): the realistic mix of :mod:`_mix` (~1000
+log-normal documents in one packed row of ``--tokens`` tokens) under every packed layout
+(``contiguous``, ``round_robin``, TE's ``packed``, ``balanced``), and ``dense padded`` rows
+(``[--rows, tokens / rows]``, one sequence per row, real length uniform in ``[S/4, S]``,
+``attention_mask`` padding, round_robin). For each CP size and ranks ``0, C/2, C-1`` (the slowest
+counts), on a fresh token meta each time (built outside the timer, as the sharder builds it):
+
+* ``selective``: the rank's :class:`SelectivePlan` (exchange and kernel plans);
+* ``auto``: everything ``attention="auto"`` does for a batch: the cost facts of every rank (the
+  choice must be identical on every rank without a collective), the choice, and the plan of the
+  chosen method;
+
+process CPU time, fastest of ``--repeat``; goal <= 0.1 s each. ``bare`` is one ``index_select``
+of the batch's int64 ids (``[1, tokens]``, or the dense ``[rows, tokens / rows]``) by the
+layout's whole rank map (a permutation), timed in the same run: the ratio ``plan / bare`` is the
+figure a loaded machine does not move much.
+
+Part ``prepare`` (``--ranks`` gloo ranks, 1 thread each): ``prepare_cp_forward`` of a tiny
+decoder at ``[--batch, --seq]`` (``input_ids`` + ``labels`` int64; ``dense padded``: real
+lengths uniform in ``[S/4, S]`` with ``attention_mask``, round_robin; ``packed``: log-normal
+documents via ``seq_lens``, balanced), ``attention="auto"``, the batch check on; rank 0's
+median process CPU time per call, and per stage (benchmark-side timers around the dispatcher's
+steps): the fingerprint (content hash of the batch), the step header's exchange, the sharding
+(the sharder's ``shard``: layout, token meta, local tensors and their record), the auto cost
+facts and the chosen method's plan. Goal <= 5 ms; ``bare`` = one ``index_select`` per batch
+tensor with precomputed indices.
+
+Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
+padded batch, and the batch fingerprint of its three tensors, fastest of 15 each: the parts of
+the prepare this work changed, without a competing rank's noise.
+
+Usage::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_scale.py --part plans
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_scale.py --part prepare
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_scale.py --part host
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _mix import describe, realistic_lens
+from _timing import fastest_cpu_wall
+
+PLAN_GOAL_S = 0.1
+PREPARE_GOAL_MS = 5.0
+
+
+def _dense_meta(world: int, rank: int, rows: int, seq: int) -> Any:
+    """Rank ``rank``'s token meta of ``[rows, seq]`` padded rows (round_robin)."""
+    from cpshard.layouts.closed_form import RoundRobinLayout
+    from cpshard.sharding.meta import TokenMeta
+
+    rng = np.random.default_rng(0)
+    real = rng.integers(seq // 4, seq + 1, size=rows)
+    pad = torch.arange(seq)[None] >= torch.from_numpy(real)[:, None]
+    placement = RoundRobinLayout().placement(world, rows, seq, pad, torch.device("cpu"))
+    return TokenMeta.of(placement, rank)
+
+
+def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
+    from cpshard.attention.auto import choose_for_batch
+    from cpshard.attention.methods import method_named
+    from cpshard.attention.plan import AttentionPlan
+    from cpshard.attention.selective_plan import selective_plan
+    from cpshard.layouts.documents import PackSpec
+    from cpshard.tools.balance import all_plans
+    from cpshard.tools.plan_cost import plan_meta
+
+    cpu = torch.device("cpu")
+    lens = realistic_lens(tokens)
+    print(f"mix: {describe(lens)}; dense padded: [{rows}, {tokens // rows}]")
+    spec = PackSpec.from_seq_lens([lens], tokens)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(1, 32000, size=(1, tokens)))
+    print(
+        "| layout | C | selective CPU s (x goal, x bare) | auto CPU s (x goal, x bare) | auto "
+        "chose | bare index_select CPU ms | goal |"
+    )
+    print("|---|---|---|---|---|---|---|")
+
+    def auto(meta: Any) -> str:
+        best = choose_for_batch(meta, None)
+        method_named(best).plans(AttentionPlan(meta), True, None, cpu)
+        return best
+
+    def selective(meta: Any) -> None:
+        selective_plan(meta, True, None, cpu)
+
+    for c in cps:
+        makers: list[tuple[str, Callable[[int], Any], torch.Tensor]] = []
+        for plan in all_plans(spec, c, include_torch=False):
+            makers.append((plan.layout, functools.partial(plan_meta, plan), plan.rank_map))
+        dense = functools.partial(_dense_meta, c, rows=rows, seq=tokens // rows)
+        makers.append(("dense padded", lambda r, d=dense: d(r), dense(0).positions[0]))
+        for name, make, rank_map in makers:
+            order = rank_map.reshape(-1)  # the padded stream; dense padded: one row's
+            rows_ids = ids.reshape(rows, -1) if name == "dense padded" else ids
+            order = order.clamp(max=rows_ids.shape[1] - 1)
+            t_bare = fastest_cpu_wall(
+                lambda o=order, x=rows_ids: (x, o), lambda xo: xo[0].index_select(1, xo[1]), 5
+            )[0]
+            t_sel = t_auto = 0.0
+            chosen = set()
+            for r in sorted({0, c // 2, c - 1}):
+                fresh = functools.partial(make, r)
+                t_sel = max(t_sel, fastest_cpu_wall(fresh, selective, repeat)[0])
+                got = fastest_cpu_wall(fresh, auto, repeat)
+                t_auto = max(t_auto, got[0])
+                chosen.add(got[2])
+            print(
+                f"| {name} | {c} | {t_sel:.3f} ({t_sel / PLAN_GOAL_S:.2f}, {t_sel / t_bare:.0f}x) "
+                f"| {t_auto:.3f} ({t_auto / PLAN_GOAL_S:.2f}, {t_auto / t_bare:.0f}x) "
+                f"| {'/'.join(sorted(chosen))} | {t_bare * 1e3:.2f} | <= {PLAN_GOAL_S} s |",
+                flush=True,
+            )
+
+
+_STAGES = {
+    "fingerprint": ("cpshard.dispatch", "dispatch_fingerprint"),
+    "header exchange": ("cpshard.dispatch", "begin_prepare"),
+    "sharding": ("cpshard.dispatch", "_shard"),
+    "cost facts + choice": ("cpshard.dispatch", "choose_for_batch"),
+    "cp attention (facts + plan)": ("cpshard.dispatch", "_with_cp_attention"),
+}
+
+
+def _prepare_rank(mesh: Any, b: int, s: int, repeat: int) -> list[dict[str, Any]]:
+    """Rank-side: time prepare_cp_forward and its stages (timers installed in this forked
+    rank process only, and removed after)."""
+    import importlib
+
+    from bench_shard_batch import _batches
+
+    import cpshard
+    from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
+
+    torch.set_num_threads(1)
+    spent: dict[str, float] = {}
+    saved = []
+    for stage, (mod_name, attr) in _STAGES.items():
+        mod = importlib.import_module(mod_name)
+        real = getattr(mod, attr)
+        saved.append((mod, attr, real))
+
+        def timed(*a: Any, _f: Any = real, _k: str = stage, **k: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return _f(*a, **k)
+            finally:
+                spent[_k] = spent.get(_k, 0.0) + time.process_time() - t0
+
+        setattr(mod, attr, timed)
+    cfg = TinyDecoderConfig(
+        vocab_size=32000, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+        intermediate_size=32,
+    )  # fmt: skip
+    model = TinyDecoder(cfg)
+    rows = []
+    try:
+        for name, batch in _batches(b, s).items():
+            layout = "balanced" if name == "packed" else "round_robin"
+            _, _, sharder = cpshard.prepare_cp_forward(model, mesh, batch, layout=layout)
+            local = sharder.rank_map[mesh.get_local_rank()]  # type: ignore[index]
+            flat = {k: v.reshape(1, -1) if name == "packed" else v for k, v in batch.items()
+                    if isinstance(v, torch.Tensor)}  # fmt: skip
+            total, bare = [], []
+            spent.clear()
+            for _ in range(repeat):
+                torch.distributed.barrier()
+                t0 = time.process_time()
+                cpshard.prepare_cp_forward(model, mesh, batch, layout=layout)
+                total.append(time.process_time() - t0)
+                t0 = time.process_time()
+                for v in flat.values():
+                    v.index_select(1, local.clamp(max=v.shape[1] - 1))
+                bare.append(time.process_time() - t0)
+            stages = {k: v / repeat * 1e3 for k, v in spent.items()}
+            stages["plan of the chosen method"] = (
+                stages.pop("cp attention (facts + plan)") - stages["cost facts + choice"]
+            )
+            rows.append({
+                "batch": name, "total": statistics.median(total) * 1e3,
+                "bare": statistics.median(bare) * 1e3, "stages": stages,
+            })  # fmt: skip
+    finally:
+        for mod, attr, real in saved:
+            setattr(mod, attr, real)
+    return rows
+
+
+def _prepare_part(b: int, s: int, ranks: int, repeat: int) -> None:
+    from cpshard.launch import run_local_ranks
+
+    print(f"prepare_cp_forward at [{b}, {s}], cp={ranks}, attention='auto', check on; rank 0")
+    for r in run_local_ranks(ranks, _prepare_rank, b, s, repeat)[0]:
+        t, bare = r["total"], r["bare"]
+        print(f"\n{r['batch']}: prepare {t:.2f} ms CPU (goal <= {PREPARE_GOAL_MS} ms: "
+              f"{t / PREPARE_GOAL_MS:.2f}x the goal), bare index_select {bare:.2f} ms "
+              f"(prepare / bare {t / bare:.1f}x)")  # fmt: skip
+        print("| stage | CPU ms per prepare (mean) | / bare index_select |")
+        print("|---|---|---|")
+        for k, v in r["stages"].items():
+            print(f"| {k} | {v:.2f} | {v / bare:.1f}x |")
+
+
+def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
+    """One process, no second rank: rank 0's host work of the prepare's attention and the batch
+    fingerprint of the dense padded batch, each fastest of ``repeat`` on a fresh meta."""
+    from bench_shard_batch import _batches
+
+    from cpshard.attention.auto import choose_for_batch
+    from cpshard.attention.cost import plan_facts
+    from cpshard.attention.methods import method_named
+    from cpshard.attention.plan import AttentionPlan
+    from cpshard.sharding.consistency import batch_fingerprint
+
+    cpu = torch.device("cpu")
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        meta = _dense_meta(ranks, 0, b, s)
+        t0 = time.process_time()
+        plan_facts(meta)
+        t1 = time.process_time()
+        method = choose_for_batch(meta, None)
+        t2 = time.process_time()
+        method_named(method).plans(AttentionPlan(meta), True, None, cpu)
+        t3 = time.process_time()
+        for k, v in (("cost facts", t1 - t0), ("choice", t2 - t1), (f"plan ({method})", t3 - t2),
+                     ("facts + choice + plan", t3 - t0)):  # fmt: skip
+            best[k] = min(best.get(k, float("inf")), v)
+    batch = {k: v for k, v in _batches(b, s)["dense padded"].items()}
+    fp = fastest_cpu_wall(
+        lambda: batch,
+        lambda x: batch_fingerprint(x, layout="auto", attention="auto", padding_token_id=0),
+        repeat,
+    )[0]
+    ids = batch["input_ids"]
+    local = _dense_meta(ranks, 0, b, s).positions[0, : s // ranks]
+    bare = fastest_cpu_wall(lambda: local, lambda i: ids.index_select(1, i), repeat)[0]
+    print(f"one process, dense padded [{b}, {s}], cp={ranks} rank 0, fastest of {repeat}")
+    print("| host work | CPU ms | / bare index_select |")
+    print("|---|---|---|")
+    for k, v in (*best.items(), ("batch fingerprint (ids, labels, mask)", fp),
+                 ("bare index_select of input_ids", bare)):  # fmt: skip
+        print(f"| {k} | {v * 1e3:.2f} | {v / bare:.1f}x |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("plans", "prepare", "host", "all"), default="all")
+    p.add_argument("--tokens", type=int, default=1 << 20)
+    p.add_argument("--cp", default="8,16,32,64")
+    p.add_argument("--rows", type=int, default=32, help="rows of the dense padded 1M batch")
+    p.add_argument("--repeat", type=int, default=3, help="plan builds per rank (fastest counts)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--prepare-repeat", type=int, default=20)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+          f"{platform.python_version()}, torch {torch.__version__}; load average before: "
+          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    if a.part in ("plans", "all"):
+        _plans_part(a.tokens, [int(x) for x in a.cp.split(",")], a.rows, a.repeat)
+    if a.part in ("prepare", "all"):
+        _prepare_part(a.batch, a.seq, a.ranks, a.prepare_repeat)
+    if a.part in ("host", "all"):
+        _host_part(a.batch, a.seq, a.ranks, 15)
+    print(f"load average after: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
