@@ -298,9 +298,7 @@ class Union:
         a, b, run = self.covered_spans(runs, shift)
         return _aranges(a, b), np.repeat(run, np.maximum(b - a, 0))
 
-    def covered_spans(
-        self, runs: StreamRuns, shift: _I64 | int = 0
-    ) -> tuple[_I64, _I64, _I64]:
+    def covered_spans(self, runs: StreamRuns, shift: _I64 | int = 0) -> tuple[_I64, _I64, _I64]:
         """The slots of :meth:`covered_slots` as slot ranges ``[a, b)`` (in run order, each
         inside one run, so inside its rank's block) and the index of the run of each range."""
         if not self.lo.size or not runs.n.size:
