@@ -37,8 +37,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import pickle
 import platform
 import sys
 import time
@@ -154,6 +156,12 @@ def main() -> None:
     p.add_argument("--fit-seqs", default="32768", help="S of the points the rates are fitted on")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--save", help="pickle the measured samples here (refit with --load)")
+    p.add_argument("--load", help="fit and print the samples of a --save file, measure nothing")
+    p.add_argument(
+        "--share", choices=("cores", "one"), default="cores",
+        help="cores: ranks beyond the cores get cores / C of one (CostModel.scaled); one: ignore",
+    )  # fmt: skip
     args = p.parse_args()
     seqs = [int(x) for x in args.seqs.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
@@ -169,6 +177,13 @@ def main() -> None:
     samples: list[Sample] = []
     fitted_on: set[str] = set()
     volume_ok = volume_all = 0
+    if args.load:
+        with open(args.load, "rb") as fh:
+            samples, load0, load1 = pickle.load(fh)
+        cps = []
+        fitted_on = {x.label for x in samples if int(x.label.split("S=")[1].split("k")[0]) * 1024
+                     in fit_seqs}  # fmt: skip
+        print(f"loaded {len(samples)} samples measured at load {load0} -> {load1}")
     for c in cps:
         points = [pt for pt in grid(seqs, cps) if pt[1] == c]
         res = run_local_ranks(c, _rank, points, args.head_dim, args.rounds, timeout_s=3600)
@@ -178,7 +193,8 @@ def main() -> None:
             shape = CallShape(rows, hq, hkv, args.head_dim, 4)
             measured = {m: max(r["best"][m] for r in per_rank) for m in per_rank[0]["best"]}
             label = f"{mix} S={s // 1024}k C={c} {hq}/{hkv}"
-            samples.append(Sample(label, facts, shape, measured, min(1.0, cores / c)))
+            share = min(1.0, cores / c) if args.share == "cores" else 1.0
+            samples.append(Sample(label, facts, shape, measured, share))
             if s in fit_seqs:
                 fitted_on.add(label)
             slot = 2 * hkv * args.head_dim * rows
@@ -190,7 +206,13 @@ def main() -> None:
             f"C={c}: {len(points)} points measured, {time.perf_counter() - t_start:.0f} s",
             flush=True,
         )
-    load1 = os.getloadavg()
+    if not args.load:
+        load1 = os.getloadavg()
+    if args.save:
+        with open(args.save, "wb") as fh:
+            pickle.dump((samples, load0, load1), fh)
+    if args.load and args.share == "one":
+        samples = [dataclasses.replace(x, share=1.0) for x in samples]
     fit = [s for s in samples if s.label in fitted_on] or samples
     model = fit_rates(fit, CostModel(**START))  # type: ignore[arg-type]
     print(f"\nload average after: {' / '.join(f'{x:.2f}' for x in load1)}; "

@@ -31,8 +31,9 @@ topology (one bandwidth for every pair of ranks) and contention between concurre
 Every input is a global fact of the batch (the token meta every rank holds) or of the call (shapes
 and dtype, equal on every rank), so every rank computes the same costs and picks the same method
 without a collective. Ties (equal modelled time within :data:`TIE_RTOL`, e.g. every exchange
-hidden behind the compute) go to the method that moves the fewest bytes (:func:`method_bytes`),
-then to the first in :data:`cpshard.names.METHOD_NAMES` order.
+hidden behind the compute) go to the method that moves the fewest bytes (the busiest rank's,
+:func:`method_bytes`, then all ranks' together, :func:`wire_bytes`), then to the first in
+:data:`cpshard.names.METHOD_NAMES` order.
 
 Calibration: the rates are measured, not guessed, by ``benchmarks/bench_auto_calibration.py``
 (:mod:`cpshard.attention.calibration` fits them to measured step times and prints the table of
