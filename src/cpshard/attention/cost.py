@@ -73,12 +73,14 @@ BACKWARD_FACTOR = 2.5
 """Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
 
 CPU_GLOO_RATES: dict[str, float] = {
-    "compute_rate": 20e9,
-    "link_bandwidth": 1e9,
-    "latency": 1e-3,
-    "overlap": 0.0,
+    "compute_rate": 3.55e10,
+    "link_bandwidth": 5.69e8,
+    "latency": 0.0,
+    "overlap": 0.04,
 }
-"""The rates of :meth:`CostModel.cpu_gloo` (see there)."""
+"""The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py``
+(S = 32k points, load average 0.06 -> 3.9) on the 2-core x86_64 container; the fit gave latency
+2.6e-28 s (none measurable beside the per-step noise) and overlap 0.038."""
 
 TIE_RTOL = 1e-9
 """Modelled times this close (relative) are a tie, decided by the bytes moved."""
