@@ -88,6 +88,7 @@ LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
 # Modules that plan or cost on the host: they never import the collectives.
 HOST_ONLY = (
     "cpshard.attention.auto",
+    "cpshard.attention.calibration",
     "cpshard.attention.cost",
     "cpshard.attention.plan",
     "cpshard.attention.selective_plan",

@@ -65,12 +65,15 @@ def _stream(rng: np.random.Generator, kind: str) -> tuple[int, np.ndarray, np.nd
 
 def _dense(
     pos: np.ndarray, doc: np.ndarray, world: int, causal: bool, window: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(pairs [C], local pairs [C], exchange [C, C])`` by the rule, token by token."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(pairs [C], local pairs [C], exchange [C, C], moved [C, C])`` by the rule, token by
+    token: ``exchange`` sums over row structures (capped at ``L``), ``moved[t, o]`` counts the
+    slots of rank ``o`` some query of rank ``t`` sees in *any* row (what the exchange moves)."""
     n = pos.shape[1] // world
     pairs = np.zeros(world, dtype=np.int64)
     local = np.zeros(world, dtype=np.int64)
     exchange = np.zeros((world, world), dtype=np.int64)
+    need = np.zeros((world, pos.shape[1]), dtype=bool)
     counted: set[bytes] = set()  # one exchange count per row structure
     for p, d in zip(pos, doc, strict=True):
         vis = visible(p, d, p, d, causal, window)
@@ -79,10 +82,12 @@ def _dense(
             rows = vis[t * n : (t + 1) * n]
             pairs[t] += rows.sum()
             local[t] += rows[:, t * n : (t + 1) * n].sum()
+            need[t] |= rows.any(axis=0)
             if structure not in counted:
                 exchange[t] += rows.any(axis=0).reshape(world, n).sum(axis=1)
         counted.add(structure)
-    return pairs, local, np.minimum(exchange, n)
+    moved = need.reshape(world, world, n).sum(axis=2)
+    return pairs, local, np.minimum(exchange, n), moved
 
 
 KINDS = ["plain", "pads", "negative", "repeats", "pad_repeats", "sparse"]
@@ -99,16 +104,16 @@ def test_facts_and_plans_equal_the_rule_token_by_token(kind: str) -> None:
         ]
         n = metas[0].local_len
         for causal, window in MASKS:
-            pairs, local, exchange = _dense(pos, doc, world, causal, window)
+            pairs, local, exchange, moved = _dense(pos, doc, world, causal, window)
             facts = plan_facts(metas[0], causal, window)
             np.testing.assert_array_equal(facts.pairs, pairs)
             np.testing.assert_array_equal(facts.local_pairs, local)
             np.testing.assert_array_equal(
                 exchange_counts(meta_arrays(metas[0]), causal, window), exchange
             )
-            diag = np.diag(exchange)
-            np.testing.assert_array_equal(facts.recv_slots, exchange.sum(axis=1) - diag)
-            np.testing.assert_array_equal(facts.send_slots, exchange.sum(axis=0) - diag)
+            diag = np.diag(moved)  # the union over rows: one slot moves once for every row
+            np.testing.assert_array_equal(facts.recv_slots, moved.sum(axis=1) - diag)
+            np.testing.assert_array_equal(facts.send_slots, moved.sum(axis=0) - diag)
             for r, meta in enumerate(metas):  # the slots themselves, any row
                 plan = selective_plan(meta, causal, window, CPU)
                 sl = slice(r * n, (r + 1) * n)

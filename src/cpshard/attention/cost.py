@@ -19,7 +19,10 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
 * **overlap**: ``all_gather`` and ``selective`` hide their exchange behind the own-keys compute
   (``max(comm, local) + remote``); ``ring`` hides each hop behind one block's compute, step by
   step (the remote pairs spread evenly over the ``C - 1`` remote blocks; the last block's compute
-  and the gradient accumulators' last hop are not hidden); ``ulysses`` hides nothing.
+  and the gradient accumulators' last hop are not hidden); ``ulysses`` hides nothing. With
+  ``CostModel.overlap = f < 1`` only ``f`` of a transfer can hide (``comm + work -
+  min(f * comm, work)``): a transport that moves bytes on the cores that compute (gloo on CPU)
+  hides little.
 
 A step lasts as long as its slowest rank: a method's cost is the max over ranks. The model ignores
 kernel efficiency differences (tile waste, small-tile launch overhead), intra-node vs inter-node
@@ -27,13 +30,22 @@ topology (one bandwidth for every pair of ranks) and contention between concurre
 
 Every input is a global fact of the batch (the token meta every rank holds) or of the call (shapes
 and dtype, equal on every rank), so every rank computes the same costs and picks the same method
-without a collective. Ties go to the first method in :data:`cpshard.names.METHOD_NAMES` order.
+without a collective. Ties (equal modelled time within :data:`TIE_RTOL`, e.g. every exchange
+hidden behind the compute) go to the method that moves the fewest bytes (the busiest rank's,
+:func:`method_bytes`, then all ranks' together, :func:`wire_bytes`), then to the first in
+:data:`cpshard.names.METHOD_NAMES` order.
+
+Calibration: the rates are measured, not guessed, by ``benchmarks/bench_auto_calibration.py``
+(:mod:`cpshard.attention.calibration` fits them to measured step times and prints the table of
+predicted vs measured); :meth:`CostModel.cpu_gloo` holds the rates it fitted for CPU ranks
+joined by gloo. On GPUs run the same benchmark on the cluster and pass the rates it prints.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,16 +57,33 @@ from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
     "BACKWARD_FACTOR",
+    "CPU_GLOO_RATES",
+    "TIE_RTOL",
     "CallShape",
     "CostModel",
     "PlanFacts",
     "choose_method",
+    "method_bytes",
     "method_costs",
     "plan_facts",
+    "wire_bytes",
 ]
 
 BACKWARD_FACTOR = 2.5
 """Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
+
+CPU_GLOO_RATES: dict[str, float] = {
+    "compute_rate": 3.55e10,
+    "link_bandwidth": 5.69e8,
+    "latency": 0.0,
+    "overlap": 0.04,
+}
+"""The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py``
+(S = 32k points, load average 0.06 -> 3.9) on the 2-core x86_64 container; the fit gave latency
+2.6e-28 s (none measurable beside the per-step noise) and overlap 0.038."""
+
+TIE_RTOL = 1e-9
+"""Modelled times this close (relative) are a tie, decided by the bytes moved."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +96,8 @@ class CostModel:
         compute_rate: Attention FLOP per second per rank. Default 400 TFLOP/s (bf16
             FlashAttention on an H100/H200 class GPU).
         latency: Seconds per collective or ring step. Default 20 us.
+        overlap: Share of a transfer that can hide behind compute, in ``[0, 1]``. Default 1 (GPU:
+            NCCL on its own engines); gloo on CPU moves bytes on the computing cores.
         q_heads: Query heads assumed where the call is not known yet (the dispatcher).
         kv_heads: Key/value heads assumed likewise.
         head_dim: Head dim assumed likewise.
@@ -76,6 +107,7 @@ class CostModel:
     link_bandwidth: float = 100e9
     compute_rate: float = 400e12
     latency: float = 20e-6
+    overlap: float = 1.0
     q_heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
@@ -88,9 +120,40 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be > 0, got {value!r}")
         if self.latency < 0:
             raise ValueError(f"CostModel.latency must be >= 0, got {self.latency!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"CostModel.overlap must be in [0, 1], got {self.overlap!r}")
         for name in ("q_heads", "kv_heads", "head_dim", "itemsize"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CostModel.{name} must be >= 1, got {getattr(self, name)!r}")
+
+    @classmethod
+    def cpu_gloo(cls, share: float = 1.0) -> CostModel:
+        """Rates fitted for CPU ranks (1 thread each, the CPU flash kernels) joined by gloo.
+
+        Fitted by ``benchmarks/bench_auto_calibration.py`` on a 2-core x86_64 container
+        (BENCHMARKS.md: the grid, the load, the residuals); rerun it on your machine for yours.
+
+        Args:
+            share: Share of a core each rank gets (``cores / ranks`` where ranks outnumber the
+                cores; :meth:`scaled`).
+        """
+        return cls(
+            compute_rate=CPU_GLOO_RATES["compute_rate"],
+            link_bandwidth=CPU_GLOO_RATES["link_bandwidth"],
+            latency=CPU_GLOO_RATES["latency"],
+            overlap=CPU_GLOO_RATES["overlap"],
+        ).scaled(share)
+
+    def scaled(self, share: float) -> CostModel:
+        """This model for ranks that get ``share`` of a core each: compute rate and link
+        bandwidth times ``share`` (gloo moves bytes with the cores that compute)."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share!r}")
+        if share == 1.0:
+            return self
+        return dataclasses.replace(
+            self, compute_rate=self.compute_rate * share, link_bandwidth=self.link_bandwidth * share
+        )
 
     def shape(self, batch: int, causal: bool = True, window: int | None = None) -> CallShape:
         """The assumed :class:`CallShape` for ``batch`` rows."""
@@ -213,12 +276,18 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     bwd, bwd_local = fwd * BACKWARD_FACTOR, fwd_local * BACKWARD_FACTOR
     acc = max(4, shape.itemsize)
     slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch  # elements of one K/V slot
-    bw, lat = model.link_bandwidth, model.latency
+    bw, lat, f = model.link_bandwidth, model.latency, model.overlap
+
+    def hide(comm: np.ndarray | float, work: np.ndarray) -> np.ndarray:
+        """``comm`` of which ``f`` hides behind ``work``: ``comm + work - min(f * comm, work)``
+        (``max(comm, work)`` at ``f = 1``)."""
+        out: np.ndarray = np.maximum(f * comm, work) + (1.0 - f) * comm
+        return out
 
     def overlapped(in_slots: np.ndarray, out_slots: np.ndarray) -> float:
         moved = np.maximum(in_slots, out_slots) * slot
-        t_f = np.maximum(moved * shape.itemsize / bw + lat, fwd_local) + (fwd - fwd_local)
-        t_b = np.maximum(moved * acc / bw + lat, bwd_local) + (bwd - bwd_local)
+        t_f = hide(moved * shape.itemsize / bw + lat, fwd_local) + (fwd - fwd_local)
+        t_b = hide(moved * acc / bw + lat, bwd_local) + (bwd - bwd_local)
         return float((t_f + t_b).max())
 
     costs: dict[str, float] = {}
@@ -235,8 +304,8 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     hop_f = n * slot * shape.itemsize / bw + lat
     hop_b = n * slot * (shape.itemsize + acc) / bw + lat
     t_ring = (
-        np.maximum(hop_f, fwd_local) + (c - 2) * np.maximum(hop_f, remote_f) + remote_f
-        + np.maximum(hop_b, bwd_local) + (c - 2) * np.maximum(hop_b, remote_b) + remote_b
+        hide(hop_f, fwd_local) + (c - 2) * hide(hop_f, remote_f) + remote_f
+        + hide(hop_b, bwd_local) + (c - 2) * hide(hop_b, remote_b) + remote_b
         + n * slot * acc / bw + lat
     )  # fmt: skip
     costs["ring"] = float(t_ring.max())
@@ -251,10 +320,65 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     return {name: costs[name] for name in METHODS}
 
 
+def method_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, np.ndarray]:
+    """Bytes one layer's forward + backward moves per method and rank: what the rank sends or
+    receives (the larger), as :func:`method_costs` charges the link.
+
+    Args:
+        facts: The batch's :class:`PlanFacts` for the call's mask.
+        shape: The call.
+
+    Returns:
+        ``{method name: [C] float64 bytes}`` for every method of the registry (0 at ``C = 1``).
+    """
+    c, n = facts.world, facts.local_len
+    if c == 1:
+        return {name: np.zeros(1) for name in METHODS}
+    acc = max(4, shape.itemsize)
+    slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch
+    both = shape.itemsize + acc  # forward K/V in the input dtype, backward dK/dV in fp32
+    heads = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * shape.batch * (c - 1) / c * n
+    out = shape.q_heads * shape.head_dim * shape.batch * (c - 1) / c * n
+    moved = {
+        "all_gather": (c - 1) * n * slot * both,
+        "ring": (c - 1) * n * slot * (shape.itemsize + both) + n * slot * acc,
+        "ulysses": (heads + out) * shape.itemsize + out * shape.itemsize + heads * acc,
+    }
+    per_rank = {name: np.full(c, float(v)) for name, v in moved.items()}
+    sel = np.maximum(facts.recv_slots, facts.send_slots).astype(np.float64)
+    per_rank["selective"] = sel * slot * both
+    return {name: per_rank[name] for name in METHODS}
+
+
+def wire_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, float]:
+    """Bytes one layer's forward + backward puts on the wire per method, all ranks together (what
+    every rank sends; a rank's receives are another's sends).
+
+    Args:
+        facts: The batch's :class:`PlanFacts` for the call's mask.
+        shape: The call.
+
+    Returns:
+        ``{method name: bytes}`` for every method of the registry.
+    """
+    per_rank = method_bytes(facts, shape)
+    out = {name: float(v.sum()) for name, v in per_rank.items()}
+    if facts.world > 1:  # selective: every slot a rank receives is sent once, its grad once back
+        acc = max(4, shape.itemsize)
+        slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch
+        out["selective"] = float(facts.recv_slots.sum()) * slot * (shape.itemsize + acc)
+    return out
+
+
 def choose_method(
     facts: PlanFacts, shape: CallShape, model: CostModel, candidates: tuple[str, ...]
 ) -> tuple[str, dict[str, float]]:
-    """The cheapest of ``candidates`` (ties: registry order), and every method's cost.
+    """The cheapest of ``candidates``, and every method's cost.
+
+    Ties (within :data:`TIE_RTOL`) go to the candidate that moves the fewest bytes
+    (:func:`method_bytes` of the busiest rank, then :func:`wire_bytes`; e.g. ``selective`` over
+    ``all_gather`` when both exchanges hide behind the compute: bytes the model hides still cost
+    memory traffic and link time), then to the first in registry order.
 
     Raises:
         ValueError: no candidate.
@@ -262,5 +386,9 @@ def choose_method(
     if not candidates:
         raise ValueError("attention='auto' has no method to choose from for this call")
     costs = method_costs(facts, shape, model)
-    best = min(candidates, key=lambda m: (costs[m], list(METHODS).index(m)))
+    least = min(costs[m] for m in candidates)
+    tied = [m for m in candidates if costs[m] <= least * (1.0 + TIE_RTOL)]
+    busiest = {m: float(v.max()) for m, v in method_bytes(facts, shape).items()}
+    wire = wire_bytes(facts, shape)
+    best = min(tied, key=lambda m: (busiest[m], wire[m], list(METHODS).index(m)))
     return best, costs

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
-from cpshard.attention.visibility import Depth, Frame, RankRuns, coded, per_rank, raw_runs
+from cpshard.attention.visibility import Depth, Frame, RankRuns, Union, coded, per_rank, raw_runs
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -206,13 +206,12 @@ def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.n
     row group: a rank receives ``|U_t & keys| - |U_t & own keys|`` (``U_t`` the codes its queries
     see), and what all ranks need of a key run is the integral over the run of the *depth*, the
     number of ranks whose ``U_t`` covers a code (one sweep over every ``U_t``'s ends). With several
-    row groups the capped matrix of :func:`exchange_counts` is summed instead.
+    row groups, the union over the groups of the slots rank ``t`` needs
+    (:func:`_union_sums`): what the exchange moves, not the per-group sum.
     """
     c = a.world
     if len(a.runs) != 1:
-        m = exchange_counts(a, causal, window)
-        diag = np.diag(m)
-        return m.sum(axis=1) - diag, m.sum(axis=0) - diag
+        return _union_sums(a, causal, window)
     runs = a.runs[0]
     every = runs.keys()
     if runs.blocked:  # every rank at once, in its rank block
@@ -239,6 +238,32 @@ def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.n
     keys = runs.real
     covered = depth.integral(keys.code + keys.n) - depth.integral(keys.code)
     send = per_rank(keys.rank, covered, c) - own_seen
+    return recv, send
+
+
+def _union_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`exchange_sums` for several row groups: one slot moves once for every row, so rank
+    ``t`` receives the *union* over the groups of the remote slots its queries see (the slot
+    ranges of each group's key runs inside ``U_t``, merged in slot space: a rank's block is
+    measured apart, so ranges that touch across a block edge count on both sides), and a rank
+    sends, to every ``t``, the part of that union in its block. ``O(C G R log R)`` for ``G``
+    groups; exactly :attr:`SelectivePlan.received` and :attr:`SelectivePlan.sent` of every
+    rank."""
+    c, n = a.world, a.local_len
+    edges = np.arange(c + 1, dtype=np.int64) * n
+    recv = np.zeros(c, dtype=np.int64)
+    send = np.zeros(c, dtype=np.int64)
+    for t in range(c):
+        lo, hi = [], []
+        for runs in a.runs:
+            keys = runs.real.take(runs.real.rank != t)
+            s0, s1, _ = runs.seen(t, causal, window).covered_spans(keys)
+            keep = s1 > s0
+            lo.append(s0[keep])
+            hi.append(s1[keep])
+        per = np.diff(Union(np.concatenate(lo), np.concatenate(hi)).measure_below(edges))
+        recv[t] = int(per.sum())
+        send += per
     return recv, send
 
 

@@ -305,9 +305,15 @@ class Union:
     def covered_slots(self, runs: StreamRuns, shift: _I64 | int = 0) -> tuple[_I64, _I64]:
         """Stream slots of ``runs`` whose code (plus ``shift``) lies inside the union, in run
         order, and the index of the run each slot belongs to."""
+        a, b, run = self.covered_spans(runs, shift)
+        return _aranges(a, b), np.repeat(run, np.maximum(b - a, 0))
+
+    def covered_spans(self, runs: StreamRuns, shift: _I64 | int = 0) -> tuple[_I64, _I64, _I64]:
+        """The slots of :meth:`covered_slots` as slot ranges ``[a, b)`` (in run order, each
+        inside one run, so inside its rank's block) and the index of the run of each range."""
         if not self.lo.size or not runs.n.size:
             z = np.zeros(0, dtype=np.int64)
-            return z, z
+            return z, z, z
         c = runs.code + shift
         e = c + runs.n
         i0 = np.searchsorted(self.hi, c, side="right")  # first interval ending after c
@@ -318,7 +324,7 @@ class Union:
         iv = i0[run] + (np.arange(int(counts.sum())) - offs[run])
         a = np.maximum(c[run], self.lo[iv]) - c[run] + runs.start[run]
         b = np.minimum(e[run], self.hi[iv]) - c[run] + runs.start[run]
-        return _aranges(a, b), np.repeat(run, np.maximum(b - a, 0))
+        return a, b, run
 
 
 class Depth:
