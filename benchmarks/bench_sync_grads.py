@@ -6,6 +6,10 @@ A TinyDecoder's gradients (fp32) are summed over a CP group of 2 and 4 gloo rank
 ``sync_grads`` (one flag all-reduce + one coalesced all-reduce per dtype) or by a loop of
 ``dist.all_reduce(p.grad)`` per parameter (what ``examples/train_cp.py`` did before). Timings are
 medians of interleaved runs; the collectives per call are counted with a dispatch mode.
+
+Before each timed call (outside the timer) every rank runs one small CP forward + backward under
+``ctx()`` from zeroed gradients: ``sync_grads`` refuses gradients that no CP forward made, and a
+second sync of the very gradients it summed (both would be wrong), so each call sums fresh ones.
 """
 
 from __future__ import annotations
@@ -28,11 +32,20 @@ def _rank(mesh: DeviceMesh, hidden: int, layers: int, repeat: int) -> dict[str, 
         hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden, num_heads=4,
         num_kv_heads=2,
     )  # fmt: skip
-    model = TinyDecoder.from_config(cfg)
+    model = TinyDecoder.from_config(cfg, seed=0)  # the same weights on every rank
     params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p)
     group = mesh.get_group()
+    gen = torch.Generator().manual_seed(0)  # the same batch on every rank
+    batch = {"input_ids": torch.randint(1, cfg.vocab_size, (1, 16 * mesh.size()), generator=gen)}
+
+    def fresh_grads() -> None:
+        """One CP forward + backward from zeroed gradients (outside the timer)."""
+        model.zero_grad(set_to_none=True)
+        ctx, local, _ = cpshard.prepare_cp_forward(model, mesh, batch, padding_token_id=0)
+        with ctx():
+            logits = model(local["input_ids"], local["position_ids"])
+        logits.float().pow(2).mean().backward()
+        dist.barrier(group=group)
 
     def loop() -> None:
         for p in params:
@@ -42,10 +55,12 @@ def _rank(mesh: DeviceMesh, hidden: int, layers: int, repeat: int) -> dict[str, 
     ours, bare = paired_median_times(
         [lambda: cpshard.sync_grads(model, mesh), loop],
         repeat=repeat,
-        sync=lambda: dist.barrier(group=group),
+        sync=fresh_grads,
     )
+    fresh_grads()
     with CommBytes() as c_ours:
         cpshard.sync_grads(model, mesh)
+    fresh_grads()
     with CommBytes() as c_bare:
         loop()
     return {
