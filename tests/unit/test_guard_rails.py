@@ -332,3 +332,22 @@ def test_batch_fingerprint_fits_the_step_header_payload() -> None:
     fp = batch_fingerprint({"input_ids": torch.ones(2, 8, dtype=torch.long)}, layout="auto",
                            attention="auto", padding_token_id=0)  # fmt: skip
     assert fp.shape == (len(FIELDS),) and len(FIELDS) <= PAYLOAD_SIZE
+
+
+def test_an_entrys_value_hash_does_not_depend_on_the_entries_before_it() -> None:
+    """The weight check compares each parameter / buffer's hash across the CP ranks (DTensor
+    shards only between ranks holding the same shard). An uneven FSDP2 shard is empty or shorter
+    on some ranks: the entries after it must hash alike there, or every rank raises falsely."""
+    from cpshard.guards.step import model_fingerprint
+
+    def module(first: int) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.a = torch.nn.Parameter(torch.ones(first))
+        m.b = torch.nn.Parameter(torch.arange(200, dtype=torch.float32))
+        m.register_buffer("c", torch.linspace(0, 1, 7))
+        return m
+
+    long, short = (model_fingerprint(module(n), read_values=True) for n in (100, 3))
+    assert long.names == short.names == ["parameter a", "parameter b", "buffer c"]
+    assert long.values[0] != short.values[0]
+    assert torch.equal(long.values[1:], short.values[1:])

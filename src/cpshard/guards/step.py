@@ -455,13 +455,17 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
         samples.append(sample.to(torch.float64))
         owners.append(i)
     if by_device:
-        parts, index = [], []
+        parts, index, place = [], [], []
         for samples, owners in by_device.values():  # one transfer per device
             parts.append(torch.cat(samples).cpu())
             counts = torch.tensor([t.numel() for t in samples])
             index.append(torch.repeat_interleave(torch.tensor(owners), counts))
+            # each value's place inside its own entry's sample: an entry's hash must not depend
+            # on the entries before it (an empty or short DTensor shard on some ranks only)
+            starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            place.append(torch.arange(int(counts.sum())) - starts)
         bits = torch.cat(parts).view(torch.int64)
-        weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64)
+        weights = 2 * torch.cat(place).to(torch.int64) + 1
         values.index_add_(0, torch.cat(index), bits * weights)
     return ModelFingerprint(_str_hash(layout), names, values, keys)
 
