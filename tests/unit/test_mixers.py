@@ -224,3 +224,27 @@ def test_native_serving_needs_in_order_single_document_shards() -> None:
     leading_pads = torch.tensor([-1, -2, 0, 0, 0, 0, 0, 0])
     assert not serves_native(meta(order, leading_pads), 4)
     assert not serves_native(meta(order, one_doc), 6)  # 4 local tokens < 5 halo tokens
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
+def test_recomputed_gradient_is_the_one_of_the_forward_it_replaces(autocast: bool) -> None:
+    """A native mixer's state summary is recomputed in the backward: under autocast (a bf16
+    Trainer) the recompute must run in the forward's precision, or the gradient belongs to
+    another function than the value (silently). Bitwise equal to plain autograd."""
+    from cpshard.mixers.recompute import recomputed
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 32, generator=gen, requires_grad=True)
+    w = torch.randn(32, 16, generator=gen, requires_grad=True)
+    up = torch.randn(6, 16, generator=gen)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.tanh(a @ b),)
+
+    grads = []
+    for run in (lambda: fn(x, w), lambda: recomputed(fn, x, w)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            (out,) = run()
+        grads.append(torch.autograd.grad(out, (x, w), up.to(out.dtype)))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -7,7 +7,8 @@ second pass over the rank's tokens next to the module's own. Kept by autograd, i
 activations: a rank would hold far more than ``1 / C`` of one process. :func:`recomputed` keeps
 only the inputs (tensors the module's own graph holds anyway: its convolution input, its
 projections, its parameters) and runs the function again, under autograd, when its gradient is
-asked for.
+asked for. The backward runs it under the autocast state its forward ran under (a bf16
+Trainer's forward under autocast), so the gradient belongs to the function whose value was used.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
@@ -29,6 +30,13 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, fn: _Fn, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         ctx.fn = fn
+        device = next((t.device.type for t in inputs if t is not None), "cpu")
+        ctx.autocast = (
+            device,
+            torch.is_autocast_enabled(device),
+            torch.get_autocast_dtype(device),
+            torch.is_autocast_cache_enabled(),
+        )
         ctx.save_for_backward(*inputs)
         return tuple(fn(*inputs))  # autograd records nothing inside a Function's forward
 
@@ -43,7 +51,11 @@ class _Recomputed(torch.autograd.Function):
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         if not wanted:
             return (None,) * (1 + len(inputs))
-        with torch.enable_grad():
+        device, enabled, dtype, cache = ctx.autocast
+        with (
+            torch.enable_grad(),
+            torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache),
+        ):
             outs = ctx.fn(*inputs)
         got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
         return (
