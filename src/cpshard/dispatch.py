@@ -234,10 +234,7 @@ def _with_cp_attention(
             "its facts (ShardFacts(..., token_meta=...)) or return a context factory of its own"
         )
     run_meta, outer = meta, False
-    if grid_mesh is not None and grid_mesh.size(1) > 1:
-        problem = _grid_problem(grid_mesh, attention)
-        if problem is not None:  # raised after the fingerprint already: a safeguard here
-            raise problem
+    if grid_mesh is not None and grid_mesh.size(1) > 1:  # ulysses refused at the fingerprint
         run_meta, outer = merged_meta(meta, grid_mesh.size(1)), True
     method = (
         choose_for_batch(run_meta, cp_mesh, cost, outer=outer) if attention == "auto" else attention
@@ -518,9 +515,12 @@ def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
     state = step_state(mesh)
     if call.model is not None:
         watch_model(call.model, state, mesh)
+    # the 2-D grid too: a rank given the grid runs Ulysses x the outer method, one given its
+    # flattening the method over the whole group (mismatched collectives)
+    grid = None if call.grid_mesh is None else tuple(call.grid_mesh.shape)
     fingerprint = dispatch_fingerprint(
-        mesh, call.batch, o.layout, o.attention, o.padding_token_id, o.fingerprinted(),
-        o.check_consistency is not False,
+        mesh, call.batch, o.layout, o.attention, o.padding_token_id,
+        {**o.fingerprinted(), "cp_grid": grid}, o.check_consistency is not False,
     )  # fmt: skip
     begin_prepare(
         state,

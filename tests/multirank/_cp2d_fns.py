@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from _attention_fns import TinyAttention, _backward_and_reduce, hf_padded_batch, tiny_hf_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from _attention_common import DTYPES, inputs, make_case, make_meta
+from _attention_common import DTYPES, inputs, local_shards, make_case, make_meta
 from cpshard import make_cp_batch_and_ctx, prepare_cp_forward, sync_grads
 from cpshard._comm import CommRecorder, cp_group
 from cpshard.attention import cp_grid, cp_sdpa
@@ -47,12 +47,7 @@ def cp2d_case(
     rmap, docs = make_case(layout, world, seq_len, batch, n_docs, 0, meta_batch)
     q, k, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), dim, 0)
     idx = rmap[rank]
-    ql, kl, vl = (
-        t.index_select(2, idx).transpose(1, 2).contiguous().transpose(1, 2).to(DTYPES[dtype])
-        for t in (q, k, v)
-    )
-    for t in (ql, kl, vl):
-        t.requires_grad_()
+    ql, kl, vl = local_shards((q, k, v), idx, DTYPES[dtype])
     s = None
     if sinks:
         s = torch.linspace(-1.0, 1.0, heads[0], dtype=DTYPES[dtype]).requires_grad_()
@@ -166,6 +161,22 @@ def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
     except ValueError as e:
         msgs.append(str(e))
     return msgs
+
+
+def grid_on_some_ranks_only(cp_mesh: DeviceMesh) -> str:
+    """Ranks 0-1 pass the 2-D CP mesh, ranks 2-3 its flattening (the same group): the first would
+    run Ulysses x the outer method, the others the method over the whole group, so the
+    collectives would not match. Every rank raises at the prepare's header instead."""
+    from cpshard._comm import split_cp_mesh
+
+    grid = grid_mesh(2, 2)
+    flat, _ = split_cp_mesh(grid)
+    batch = {"input_ids": torch.arange(16).reshape(1, 16)}
+    try:
+        make_cp_batch_and_ctx(grid if cp_mesh.get_local_rank() < 2 else flat, batch)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def dp_grid_case(cp_mesh: DeviceMesh, method: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from _cp2d_fns import (
     cp2d_case,
     cp2d_error,
     dp_grid_case,
+    grid_on_some_ranks_only,
     hf_cp2d_case,
     one_process_logits,
     prepare_2d_refusals,
@@ -192,6 +193,13 @@ def test_prepare_refuses_ulysses_and_other_2d_meshes_on_every_rank(ranks: Ranks)
         assert "attention='ulysses' with a 2-D cp_mesh" in ulysses, ulysses
         assert "or a 2-D CP mesh with dims ('cp_outer', 'cp_inner')" in other, other
         assert "pass the sharder's cp_mesh (its flattening)" in sync, sync
+
+
+def test_a_grid_on_some_ranks_only_raises_on_every_rank(ranks: Ranks) -> None:
+    msgs = ranks(4, grid_on_some_ranks_only)
+    assert len(set(msgs)) == 1, msgs
+    assert "options (ranks [0, 1] vs ranks [2, 3])" in msgs[0], msgs[0]
+    assert "the same kind of cp_mesh" in msgs[0], msgs[0]
 
 
 def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:

@@ -382,7 +382,10 @@ def mismatch_message(table: torch.Tensor) -> str | None:
         + "; ".join(parts)
         + ". Every rank of a CP group must receive the same global batch (same tensors, same "
         "arguments); check the data loader / sampler (seed it per data-parallel rank, not per "
-        "global rank) and that every rank passes the same layout, attention and pad id. Pass "
+        "global rank) and that every rank passes the same layout, attention and pad id, the same "
+        "other keywords (options: pad_multiple, loss_mask, extra_token_keys, strict, "
+        "attention_cost, num_chunks / cp_sharder) and the same kind of cp_mesh (a 2-D "
+        "('cp_outer', 'cp_inner') grid on every rank, or its 1-D flattening on every rank). Pass "
         "check_consistency=False only if your loop guarantees this."
     )
 
