@@ -202,11 +202,13 @@ _FIRST_MET_IN_COMPILE = (
     "CP attention with a method choice ('auto') or a mask (causal / window) first met inside a "
     "torch.compile'd region: choosing the method and building its plan is host work (once per "
     "batch) that dynamo cannot trace. Under torch.compile(fullgraph=False) cpshard runs it "
-    "outside the graph (one graph break); for fullgraph=True pass an explicit method "
-    "(attention='ring', 'all_gather', 'ulysses' or 'selective' to prepare_cp_forward / "
-    "make_cp_batch_and_ctx) and build its plan before the compiled call "
-    "(cpshard.attention.plan.attention_plan(meta).for_method(method, causal, window, device) "
-    "with the sharder's token_meta), or run one eager step of this batch first"
+    "outside the graph (one graph break). For fullgraph=True pass an explicit method "
+    "(attention='ring', 'all_gather', 'selective', or 'ulysses' on a 1-D cp_mesh, to "
+    "prepare_cp_forward / make_cp_batch_and_ctx) and build its plan before the compiled call: "
+    "for all_gather, ring or ulysses on a 1-D cp_mesh "
+    "cpshard.attention.plan.attention_plan(meta).for_method(method, causal, window, device) "
+    "with the sharder's token_meta; for selective or a 2-D cp_mesh run one eager step of this "
+    "batch first"
 )
 
 # Outside the trace: under fullgraph=False a graph break runs it eagerly (same result as an
@@ -418,8 +420,9 @@ def run_sdpa(
             f"CP attention ({name}) inside torch.compile on torch {torch.__version__}: its "
             "compiled backward is not exact on torch < 2.13 (seen on 2.11: the output is "
             "right, the q/k/v gradients are not; exact on torch 2.13). Under torch.compile on "
-            "this torch use attention='ulysses' (prepare_cp_forward / "
-            "make_cp_batch_and_ctx), run this model eagerly, or upgrade torch to 2.13"
+            "this torch use attention='ulysses' on a 1-D cp_mesh (prepare_cp_forward / "
+            "make_cp_batch_and_ctx; a 2-D cp_mesh has no method compiled exactly there), run "
+            "this model eagerly, or upgrade torch to 2.13"
         )
     cap = None if softcap is None else float(softcap)
     with autocast_off(q.device):  # the methods' fp32 accumulation stays fp32
