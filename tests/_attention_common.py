@@ -90,6 +90,19 @@ def inputs(
     return q, k, v, go
 
 
+def local_shards(
+    tensors: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Each global ``[B, H, P, D]`` tensor's rank slots ``idx`` in ``dtype``, as leaves that
+    require grad, laid out ``[B, L, H, D]`` in memory (non-contiguous, like the transposed views
+    HF passes)."""
+    return tuple(
+        t.index_select(2, idx).transpose(1, 2).contiguous().transpose(1, 2).to(dtype)
+        .requires_grad_()
+        for t in tensors
+    )  # fmt: skip
+
+
 def reference(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from _attention_common import DTYPES, inputs, make_case, make_meta
+from _attention_common import DTYPES, inputs, local_shards, make_case, make_meta
 from cpshard import prepare_cp_forward, shift_labels
 from cpshard._comm import cp_group
 from cpshard.attention import cp_attention_context, cp_sdpa
@@ -41,13 +41,7 @@ def cp_attention_case(
     if value_dim is not None:
         _, _, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), value_dim, seed + 7)
     idx = rmap[rank]
-    # non-contiguous local shards, like the transposed views HF passes
-    ql, kl, vl = (
-        t.index_select(2, idx).transpose(1, 2).contiguous().transpose(1, 2).to(DTYPES[dtype])
-        for t in (q, k, v)
-    )
-    for t in (ql, kl, vl):
-        t.requires_grad_()
+    ql, kl, vl = local_shards((q, k, v), idx, DTYPES[dtype])
     meta = make_meta(rmap, docs, rank)
     out = cp_sdpa(
         ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,

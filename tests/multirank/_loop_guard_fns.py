@@ -119,14 +119,24 @@ def shared_module(cp_mesh: DeviceMesh | None, backward: str) -> dict[str, Any]:
     return {"losses": torch.stack(losses), "weights": _weights(actor, critic)}
 
 
-def shared_module_synced_twice(cp_mesh: DeviceMesh) -> str:
-    """The critic synced twice in one step is still the doubled sync (every rank raises)."""
-    mesh = _fresh(cp_mesh)
+def _actor_synced(mesh: DeviceMesh) -> tuple[nn.Module, nn.Module]:
+    """An actor and a critic sharing one body, each run through a CP backward; the actor synced.
+
+    Returns:
+        ``(body, critic)``: the shared body and the critic, whose sync is still to come.
+    """
     body = _model()
     actor, critic = _Head(body, 1), _Head(body, 2)
     for i, m in enumerate((actor, critic)):
         _loss(m, mesh, dense_batch(2, 24, seed=i)).backward()
     cpshard.sync_grads(actor, mesh)
+    return body, critic
+
+
+def shared_module_synced_twice(cp_mesh: DeviceMesh) -> str:
+    """The critic synced twice in one step is still the doubled sync (every rank raises)."""
+    mesh = _fresh(cp_mesh)
+    _, critic = _actor_synced(mesh)
     cpshard.sync_grads(critic, mesh)
     try:
         cpshard.sync_grads(critic, mesh)
@@ -139,11 +149,7 @@ def shared_module_touched_on_one_rank(cp_mesh: DeviceMesh) -> str:
     """Between the two syncs one rank alone changes a shared gradient in place: the second sync
     cannot skip it on some ranks and sum it on others; every rank raises the same error."""
     mesh = _fresh(cp_mesh)
-    body = _model()
-    actor, critic = _Head(body, 1), _Head(body, 2)
-    for i, m in enumerate((actor, critic)):
-        _loss(m, mesh, dense_batch(2, 24, seed=i)).backward()
-    cpshard.sync_grads(actor, mesh)
+    body, critic = _actor_synced(mesh)
     if cp_mesh.get_local_rank() == ODD_RANK:
         grad = body.norm.weight.grad
         assert grad is not None
