@@ -126,9 +126,10 @@ def sync_grads(
     mesh other than the one ``module`` was prepared on (e.g. the dp mesh) raises; a new step
     prepared without a sync after an optimizer step shows as parameters that differ across the
     CP ranks at the next :func:`cpshard.prepare_cp_forward` (compared unless it is given
-    ``check_consistency=False``, which reads no values and so catches no forgotten sync); gradients that no CP forward made
-    (a forward outside ``ctx()``, a model never run under CP) raise on every rank; a rank that
-    skips the call while its peers make it raises together with them. Two models sharing a
+    ``check_consistency=False``, which reads no values and so catches no forgotten sync);
+    gradients that no CP forward made (a forward outside ``ctx()``, a model never run under CP)
+    raise on every rank; a rank that skips the call while its peers make it raises together with
+    them. Two models sharing a
     module, each synced: the shared gradients are summed once (the second sync skips gradients
     the first summed, unchanged since). Not detectable: averaging instead of summing under
     a scale-invariant optimizer (AdamW hides it from the loss); ``cpshard parity`` compares the
