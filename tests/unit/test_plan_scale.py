@@ -18,7 +18,7 @@ import torch
 from _attention_common import visible
 from cpshard.attention.pieces import _gc_paused, run_table
 from cpshard.attention.plan import attention_plan, block_table, host_rows, stream_table
-from cpshard.attention.selective_plan import exchange_counts, meta_arrays, wanted_of
+from cpshard.attention.selective_plan import exchange_counts, exchange_sums, meta_arrays, wanted_of
 from cpshard.attention.visibility import KeyCounts, RankRuns, _joined
 from cpshard.sharding.consistency import _content_hash, batch_fingerprint
 from cpshard.sharding.meta import TokenMeta
@@ -58,6 +58,10 @@ def test_rank_blocks_of_several_row_groups_answer_as_rank_by_rank(seed: int) -> 
             np.testing.assert_array_equal(
                 exchange_counts(a, causal, window), exchange_counts(loops, causal, window)
             )
+            for got, want in zip(
+                exchange_sums(a, causal, window), exchange_sums(loops, causal, window), strict=True
+            ):
+                np.testing.assert_array_equal(got, want)
             for r in range(world):
                 got, want = wanted_of(a, r, causal, window), wanted_of(loops, r, causal, window)
                 assert len(got) == len(want) == world

@@ -246,10 +246,17 @@ def _union_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.nda
     ``t`` receives the *union* over the groups of the remote slots its queries see (the slot
     ranges of each group's key runs inside ``U_t``, merged in slot space: a rank's block is
     measured apart, so ranges that touch across a block edge count on both sides), and a rank
-    sends, to every ``t``, the part of that union in its block. ``O(C G R log R)`` for ``G``
-    groups; exactly :attr:`SelectivePlan.received` and :attr:`SelectivePlan.sent` of every
-    rank."""
+    sends, to every ``t``, the part of that union in its block. Exactly
+    :attr:`SelectivePlan.received` and :attr:`SelectivePlan.sent` of every rank.
+
+    Every rank ``t`` at once when every group is in rank blocks (``t``'s ranges laid out at
+    ``t * C * L`` in one union, measured at every ``(t, o)`` block edge); otherwise rank by rank,
+    ``O(C G R log R)`` for ``G`` groups.
+    """
     c, n = a.world, a.local_len
+    if all(runs.blocked for runs in a.runs):
+        per = _union_matrix(a, causal, window)
+        return per.sum(axis=1), per.sum(axis=0)
     edges = np.arange(c + 1, dtype=np.int64) * n
     recv = np.zeros(c, dtype=np.int64)
     send = np.zeros(c, dtype=np.int64)
@@ -261,10 +268,37 @@ def _union_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.nda
             keep = s1 > s0
             lo.append(s0[keep])
             hi.append(s1[keep])
-        per = np.diff(Union(np.concatenate(lo), np.concatenate(hi)).measure_below(edges))
-        recv[t] = int(per.sum())
-        send += per
+        per_t = np.diff(Union(np.concatenate(lo), np.concatenate(hi)).measure_below(edges))
+        recv[t] = int(per_t.sum())
+        send += per_t
     return recv, send
+
+
+def _union_matrix(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray:
+    """``[C, C]`` int64, every group in rank blocks: ``m[t, o]`` = slots of rank ``o`` some query
+    of rank ``t`` sees in any row group (0 on the diagonal). Each group's remote key runs are
+    tiled once per ``t`` (a few ranks per pass, at most ~2**21 runs at once) and found in that
+    group's :meth:`RankRuns.block_seen`; their slot ranges, moved to ``t * C * L + slot``, form one
+    union measured at every ``(t * C + o) * L``."""
+    c, n = a.world, a.local_len
+    lo, hi = [], []
+    for runs in a.runs:
+        keys, u = runs.real, runs.block_seen(causal, window)
+        step = max(1, (1 << 21) // max(keys.n.size, 1))
+        for t0 in range(0, c, step):
+            ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
+            to = np.repeat(ts, keys.n.size)
+            rep = np.tile(np.arange(keys.n.size), ts.size)
+            remote = keys.rank[rep] != to
+            to, rep = to[remote], rep[remote]
+            s0, s1, run = u.covered_spans(keys.take(rep), runs.shift(to))
+            base = to[run] * (c * n)
+            lo.append(base + s0)
+            hi.append(base + s1)
+    measured = Union(np.concatenate(lo), np.concatenate(hi)).measure_below(
+        np.arange(c * c + 1, dtype=np.int64) * n
+    )
+    return np.diff(measured).reshape(c, c)
 
 
 @dataclass(frozen=True)
