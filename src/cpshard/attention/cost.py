@@ -257,6 +257,20 @@ def plan_facts(meta: TokenMeta, causal: bool = True, window: int | None = None) 
     return facts
 
 
+def _slot_and_acc(shape: CallShape) -> tuple[float, int]:
+    """Elements of one K/V slot (all rows), and the itemsize of the backward's dK/dV (fp32, or
+    the input's when wider)."""
+    return 2.0 * shape.kv_heads * shape.head_dim * shape.batch, max(4, shape.itemsize)
+
+
+def _ulysses_elements(shape: CallShape, c: int, n: int) -> tuple[float, float]:
+    """Elements one rank's Ulysses all-to-alls move: q, k, v to heads (and grad-out, dq, dk, dv
+    back in the backward), and the output back to tokens, ``(C-1)/C`` of the local tensors."""
+    heads = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * shape.batch * (c - 1) / c * n
+    out = shape.q_heads * shape.head_dim * shape.batch * (c - 1) / c * n
+    return heads, out
+
+
 def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[str, float]:
     """Modelled seconds of one layer's forward + backward attention, per method (max over ranks).
 
@@ -274,8 +288,7 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     fwd = facts.pairs * flop / model.compute_rate  # [C] seconds
     fwd_local = facts.local_pairs * flop / model.compute_rate
     bwd, bwd_local = fwd * BACKWARD_FACTOR, fwd_local * BACKWARD_FACTOR
-    acc = max(4, shape.itemsize)
-    slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch  # elements of one K/V slot
+    slot, acc = _slot_and_acc(shape)
     bw, lat, f = model.link_bandwidth, model.latency, model.overlap
 
     def hide(comm: np.ndarray | float, work: np.ndarray) -> np.ndarray:
@@ -309,8 +322,7 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
         + n * slot * acc / bw + lat
     )  # fmt: skip
     costs["ring"] = float(t_ring.max())
-    heads = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * shape.batch * (c - 1) / c * n
-    out = shape.q_heads * shape.head_dim * shape.batch * (c - 1) / c * n
+    heads, out = _ulysses_elements(shape, c, n)
     uly_comm = ((heads + out) * shape.itemsize + (out * shape.itemsize + heads * acc)) / bw
     total = float(facts.pairs.sum()) * flop / model.compute_rate * (1 + BACKWARD_FACTOR)
     costs["ulysses"] = uly_comm + total / c + 4 * lat
@@ -334,11 +346,9 @@ def method_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, np.ndarray]:
     c, n = facts.world, facts.local_len
     if c == 1:
         return {name: np.zeros(1) for name in METHODS}
-    acc = max(4, shape.itemsize)
-    slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch
+    slot, acc = _slot_and_acc(shape)
     both = shape.itemsize + acc  # forward K/V in the input dtype, backward dK/dV in fp32
-    heads = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * shape.batch * (c - 1) / c * n
-    out = shape.q_heads * shape.head_dim * shape.batch * (c - 1) / c * n
+    heads, out = _ulysses_elements(shape, c, n)
     moved = {
         "all_gather": (c - 1) * n * slot * both,
         "ring": (c - 1) * n * slot * (shape.itemsize + both) + n * slot * acc,
@@ -364,8 +374,7 @@ def wire_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, float]:
     per_rank = method_bytes(facts, shape)
     out = {name: float(v.sum()) for name, v in per_rank.items()}
     if facts.world > 1:  # selective: every slot a rank receives is sent once, its grad once back
-        acc = max(4, shape.itemsize)
-        slot = 2.0 * shape.kv_heads * shape.head_dim * shape.batch
+        slot, acc = _slot_and_acc(shape)
         out["selective"] = float(facts.recv_slots.sum()) * slot * (shape.itemsize + acc)
     return out
 
