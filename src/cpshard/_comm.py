@@ -744,14 +744,12 @@ def ring_shift_start(
 
 
 def _ring_shift_traced(x: torch.Tensor, group: ProcessGroup, rank: int, world: int) -> torch.Tensor:
-    """``x`` of rank ``r - 1``, by one synchronous uneven all-to-all (traceable by dynamo)."""
-    flat = x.contiguous().view(-1)
-    n = flat.shape[0]
+    """``x`` of rank ``r - 1``, by one uneven all-to-all (synchronous and traceable by dynamo
+    under compile, as :func:`all_to_all_split_start` runs there)."""
+    n = x.numel()
     in_splits = [n if j == (rank + 1) % world else 0 for j in range(world)]
     out_splits = [n if j == (rank - 1) % world else 0 for j in range(world)]
-    out = torch.empty_like(flat)
-    direct = functools.partial(_all_to_all_split_direct, in_splits=in_splits, out_splits=out_splits)
-    _into(direct, out, flat, group)
+    out = all_to_all_split_start(x.reshape(-1), in_splits, out_splits, group).wait()[0]
     return out.view(x.shape)
 
 
