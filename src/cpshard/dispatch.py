@@ -140,8 +140,9 @@ def _restarting_positions(batch: Mapping[str, Any]) -> bool:
     return bool((pos.detach().diff(dim=1) != 1).any())
 
 
-def _warn_if_a_cache_reads_one_row(model: nn.Module | None, batch: object) -> None:
-    """Warn when the documents come from ``position_ids`` but the model's config builds a cache.
+def _warn_if_a_cache_reads_one_row(model: nn.Module | None, by_positions: bool) -> None:
+    """Warn when the documents come from ``position_ids`` (``by_positions``: no ``seq_lens`` /
+    ``cu_seqlens``, :func:`_restarting_positions`) but the model's config builds a cache.
 
     transformers reads non-+1 steps of ``position_ids`` as document starts only when its forward
     builds no KV cache (``use_cache=False``, as trainers run); with one (``config.use_cache``,
@@ -149,9 +150,7 @@ def _warn_if_a_cache_reads_one_row(model: nn.Module | None, batch: object) -> No
     documents (the training reading), so a forward that builds a cache without CP would differ.
     """
     cfg = getattr(model, "config", None)
-    if not isinstance(batch, Mapping) or getattr(cfg, "use_cache", None) is not True:
-        return
-    if any(batch.get(k) is not None for k in _PACK_KEYS) or not _restarting_positions(batch):
+    if not by_positions or getattr(cfg, "use_cache", None) is not True:
         return
     warnings.warn(
         "cpshard reads this batch's position_ids (steps other than +1, no attention_mask) as "
@@ -490,11 +489,20 @@ def _validate(
         install_model_guard(prepared, cp_size)  # sharded batches run inside ctx(), no labels
     mixers = MixerPlan(layout=options.layout)
     inner = None if model is None else unwrap_model(model)
-    _warn_if_a_cache_reads_one_row(inner, batch)
+    # documents declared by keys, or read from position_ids (one pass over them, a host sync on
+    # a GPU: made once here for the warning and the mixer verdict)
+    declared = isinstance(batch, Mapping) and any(batch.get(k) is not None for k in _PACK_KEYS)
+    by_positions = (
+        inner is not None
+        and isinstance(batch, Mapping)
+        and not declared
+        and _restarting_positions(batch)
+    )
+    _warn_if_a_cache_reads_one_row(inner, by_positions)
     if inner is not None and not hasattr(inner, "prepare_model_inputs_for_cp"):
         # A model that owns its CP owns its mixers too. Else the verdict (or the error) on every
         # rank, before any collective; ctx then runs them exactly (cpshard.mixers).
-        packed = isinstance(batch, Mapping) and _is_packed(batch)
+        packed = declared or by_positions
         mixers = checks.token_mixers(
             inner, cp_size, strict=options.strict, packed=packed, layout=options.layout
         )
