@@ -65,9 +65,7 @@ def choose_for_batch(
     rows = int(meta.positions.shape[0])
     facts = plan_facts(meta, True, None)
     # Only methods that serve every head count: the model's heads are not known here.
-    candidates = servable(1, 1, meta.world_size)
-    if outer:
-        candidates = tuple(m for m in candidates if m != "ulysses")
+    candidates = servable(1, 1, meta.world_size, outer)
     best, costs = choose_method(facts, model.shape(rows), model, candidates)
     meta.plan_cache[CHOICE_KEY] = best
     meta.plan_cache[COSTS_KEY] = dict(costs)

@@ -166,9 +166,7 @@ def resolve_method(
         return hit
     facts = plan_facts(plan.meta, shape.causal, shape.window)
     model = CostModel() if cost_model is None else cost_model
-    candidates = servable(shape.q_heads, shape.kv_heads, world)
-    if outer:
-        candidates = tuple(m for m in candidates if m != "ulysses")
+    candidates = servable(shape.q_heads, shape.kv_heads, world, outer)
     best, _ = choose_method(facts, shape, model, candidates)
     plan.meta.plan_cache[key] = best
     return best

@@ -63,10 +63,10 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard._comm import grid_groups, group_rank_and_size, group_ranks
+from cpshard._comm import grid_groups, group_ranks
 from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.methods import CPMethod
-from cpshard.attention.ulysses import heads_to_seq, seq_to_heads
+from cpshard.attention.ulysses import head_slice, heads_to_seq, seq_to_heads
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = ["CPGrid", "check_grid", "cp_grid", "hybrid_attention", "kv_repeat", "merged_meta"]
@@ -233,11 +233,7 @@ def hybrid_attention(
     if rep > 1:  # GQA / MQA with U not dividing Hkv: each inner rank needs its q heads' kv heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh, kh, vh = _ToHeads.apply(grid.inner, u, q, k, v)  # type: ignore[no-untyped-call]
-    mine = sinks
-    if sinks is not None and grid.inner is not None:
-        n = sinks.shape[0] // u
-        i = group_rank_and_size(grid.inner)[0]
-        mine = sinks[i * n : (i + 1) * n]
+    mine = None if sinks is None else head_slice(sinks, grid.inner, u)
     out = method.apply(
         qh, kh, vh, plans, grid.outer, scale=scale, backend=backend, softcap=softcap, sinks=mine
     )

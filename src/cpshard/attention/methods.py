@@ -100,10 +100,14 @@ def method_named(name: str) -> CPMethod:
     return found
 
 
-def servable(q_heads: int, kv_heads: int, world: int) -> tuple[str, ...]:
-    """The names of the methods whose check accepts this call, in registry order."""
+def servable(q_heads: int, kv_heads: int, world: int, outer: bool = False) -> tuple[str, ...]:
+    """The names of the methods whose check accepts this call, in registry order; ``outer``: the
+    call runs across ``cp_outer`` of a 2-D CP mesh, where Ulysses (already inside ``cp_inner``)
+    is no candidate."""
     ok = []
     for name, m in METHODS.items():
+        if outer and name == "ulysses":
+            continue
         try:
             m.check(q_heads, kv_heads, world)
         except ValueError:

@@ -26,7 +26,7 @@ from cpshard.attention.kernels import KernelBackend
 from cpshard.attention.merge import add_sinks, sink_grad
 from cpshard.attention.plan import AttentionPlan, PairPlan
 
-__all__ = ["UlyssesMethod", "heads_to_seq", "seq_to_heads", "ulysses_attention"]
+__all__ = ["UlyssesMethod", "head_slice", "heads_to_seq", "seq_to_heads", "ulysses_attention"]
 
 
 def seq_to_heads(
@@ -60,8 +60,9 @@ def heads_to_seq(
     ]
 
 
-def _head_slice(t: torch.Tensor, group: ProcessGroup | None, world: int) -> torch.Tensor:
-    """The ``[H / C]`` slice of a per-head ``[H]`` tensor that this rank attends (heads chunk r)."""
+def head_slice(t: torch.Tensor, group: ProcessGroup | None, world: int) -> torch.Tensor:
+    """The ``[H / C]`` slice of a per-head ``[H]`` tensor that this rank attends (heads chunk r
+    of the ``C`` ranks of ``group``; 2-D CP slices the sinks over ``cp_inner`` the same way)."""
     if group is None:
         return t
     n = t.shape[0] // world
@@ -88,7 +89,7 @@ class _UlyssesAttention(torch.autograd.Function):
         out, lse = attend(qh, kh, vh, plan, scale=scale, backend=backend, softcap=softcap)
         mine = None
         if sinks is not None:  # this rank's slice of the heads
-            mine = _head_slice(sinks, group, world)
+            mine = head_slice(sinks, group, world)
             add_sinks(out, lse, mine)
         ctx.save_for_backward(qh, kh, vh, out, lse, sinks, mine)
         ctx.args = (plan, group, world, scale, backend, softcap)
