@@ -119,24 +119,25 @@ def shared_module(cp_mesh: DeviceMesh | None, backward: str) -> dict[str, Any]:
     return {"losses": torch.stack(losses), "weights": _weights(actor, critic)}
 
 
-def _actor_synced(mesh: DeviceMesh) -> tuple[nn.Module, nn.Module]:
+def _actor_synced(mesh: DeviceMesh) -> tuple[nn.Module, nn.Module, nn.Module]:
     """An actor and a critic sharing one body, each run through a CP backward; the actor synced.
 
     Returns:
-        ``(body, critic)``: the shared body and the critic, whose sync is still to come.
+        ``(body, actor, critic)``: the shared body, the actor (the caller keeps it alive: the
+        sync records of its own parameters go with it) and the critic, whose sync is to come.
     """
     body = _model()
     actor, critic = _Head(body, 1), _Head(body, 2)
     for i, m in enumerate((actor, critic)):
         _loss(m, mesh, dense_batch(2, 24, seed=i)).backward()
     cpshard.sync_grads(actor, mesh)
-    return body, critic
+    return body, actor, critic
 
 
 def shared_module_synced_twice(cp_mesh: DeviceMesh) -> str:
     """The critic synced twice in one step is still the doubled sync (every rank raises)."""
     mesh = _fresh(cp_mesh)
-    _, critic = _actor_synced(mesh)
+    _, _actor, critic = _actor_synced(mesh)
     cpshard.sync_grads(critic, mesh)
     try:
         cpshard.sync_grads(critic, mesh)
@@ -145,11 +146,18 @@ def shared_module_synced_twice(cp_mesh: DeviceMesh) -> str:
     return "no error"
 
 
-def shared_module_touched_on_one_rank(cp_mesh: DeviceMesh) -> str:
+def shared_module_touched_on_one_rank(cp_mesh: DeviceMesh, actor_alive: bool = True) -> str:
     """Between the two syncs one rank alone changes a shared gradient in place: the second sync
-    cannot skip it on some ranks and sum it on others; every rank raises the same error."""
+    cannot skip it on some ranks and sum it on others; every rank raises the same error.
+
+    ``actor_alive=False``: the actor is gone by the critic's sync (its records with it), so the
+    critic's are the group's only records and that rank reads its shared gradient as one
+    accumulated into after the sync (a per-micro-batch sync); that verdict is that rank's alone,
+    and every rank must still raise (not that rank alone while its peers wait in the header)."""
     mesh = _fresh(cp_mesh)
-    body, critic = _actor_synced(mesh)
+    body, actor, critic = _actor_synced(mesh)
+    if not actor_alive:
+        del actor
     if cp_mesh.get_local_rank() == ODD_RANK:
         grad = body.norm.weight.grad
         assert grad is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from _loop_guard_fns import (
+    ODD_RANK,
     STEPS,
     compare,
     forgotten_sync_under_fsdp,
@@ -58,6 +59,13 @@ def test_a_shared_gradient_changed_on_one_rank_raises_on_every_rank(
     out = ranks(world, shared_module_touched_on_one_rank)
     assert len(set(out)) == 1 and "'body.norm.weight'" in out[0], out
     assert "some CP ranks but not on others" in out[0], out[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_verdict_of_one_rank_alone_raises_on_every_rank(ranks: Ranks, world: int) -> None:
+    out = ranks(world, shared_module_touched_on_one_rank, False)
+    assert len(set(out)) == 1 and "already summed" in out[0], out
+    assert f"(ranks [{ODD_RANK}])" in out[0], out[0]
 
 
 def test_every_slice_of_one_mesh_shares_the_step_record(ranks: Ranks) -> None:

@@ -139,7 +139,7 @@ _MAGIC_VALUE = 0x5C5EED
 # Slots of a prepare's header that carry the model's values (compared after the exchange), and
 # of a sync's header that carries whether its gradients came from no CP forward.
 _PLAIN, _SHARDED, _SHARDS = _D, _E, _F
-_NO_CP = _B
+_NO_CP, _VERDICT = _B, _C
 PREPARE, FORWARD, BACKWARD, SYNC, FAILED = 1, 2, 3, 4, 5
 _KIND_TEXT = {
     FAILED: "raised an exception inside ctx() (its own traceback names it)",
@@ -829,7 +829,8 @@ def begin_sync(
     *,
     prepared_on: DeviceMesh | None = None,
 ) -> list[bool]:
-    """Check a ``sync_grads`` call locally, then agree on it (one header all-gather).
+    """Judge a ``sync_grads`` call locally, then agree on it (one header all-gather, which
+    carries every rank's verdict).
 
     Args:
         state: The record of ``cp_mesh`` (``None`` without a multi-rank group).
@@ -847,8 +848,9 @@ def begin_sync(
         ValueError: the mesh is not the one the model was prepared on (every rank that passes
             it), or the ranks' trainable parameters differ (names, shapes, dtypes).
         RuntimeError: this rank left its step midway (locally), a doubled or per-micro-batch
-            sync (on every rank that does it), gradients that no CP forward of the group made
-            (:class:`NoCPBackwardError`, on every rank), or the ranks are out of step.
+            sync on any rank, gradients that no CP forward of the group made
+            (:class:`NoCPBackwardError`), each raised on every rank (every rank's verdict rides
+            in the header), or the ranks are out of step.
     """
     if prepared_on is not None and (
         cp_mesh is None or prepared_on.mesh.tolist() != cp_mesh.mesh.tolist()
@@ -866,22 +868,6 @@ def begin_sync(
         return [False] * len(params)
     state.check_usable("sync_grads")
     verdict, done = _since_last_sync(state, [p for _, p in params])
-    if verdict == "untouched":
-        raise RuntimeError(
-            "sync_grads was called again with no backward() since the last sync_grads (the "
-            "gradients are the very tensors it summed, unchanged): it would sum the already "
-            "summed gradients again (multiplied by the CP size). Call it once per optimizer "
-            "step, after the last backward"
-        )
-    if verdict == "accumulated":
-        raise RuntimeError(
-            "sync_grads is summing gradients that still hold the gradients the last sync_grads "
-            "already summed (a backward() accumulated into them, with no zero_grad in between): "
-            "called after every micro-batch, it multiplies the earlier micro-batches' gradients "
-            "by the CP size again. Accumulate over the micro-batches and call sync_grads once, "
-            "after the last backward and before optimizer.step(); zero the gradients after each "
-            "step with optimizer.zero_grad() / model.zero_grad()"
-        )
     fresh = [p for (_, p), d in zip(params, done, strict=True) if p.grad is not None and not d]
     no_cp = bool(fresh) and not any(state.ctx_serial > _synced_at(state, p) for p in fresh)
     layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params)
@@ -889,8 +875,28 @@ def begin_sync(
         state, cp_mesh, SYNC, {_A: _str_hash(layout)},
         {_A: "the trainable parameters (names, shapes, dtypes): freeze and build the model the "
          "same way on every CP rank"},
-        carry={_NO_CP: int(no_cp)},
+        carry={_NO_CP: int(no_cp), _VERDICT: _VERDICTS.index(verdict)},
     )  # fmt: skip
+    # each rank's verdict rides in the header: a rank-local cause (an in-place op on one rank's
+    # gradients) makes every rank raise, instead of one raising while its peers wait in the header
+    doubled = [r for r, row in enumerate(rows) if _VERDICTS[row[_VERDICT]] == "untouched"]
+    if doubled:
+        raise RuntimeError(
+            "sync_grads was called again with no backward() since the last sync_grads (the "
+            "gradients are the very tensors it summed, unchanged): it would sum the already "
+            "summed gradients again (multiplied by the CP size). Call it once per optimizer "
+            f"step, after the last backward (ranks {doubled})"
+        )
+    again = [r for r, row in enumerate(rows) if _VERDICTS[row[_VERDICT]] == "accumulated"]
+    if again:
+        raise RuntimeError(
+            "sync_grads is summing gradients that still hold the gradients the last sync_grads "
+            "already summed (a backward() accumulated into them, with no zero_grad in between): "
+            "called after every micro-batch, it multiplies the earlier micro-batches' gradients "
+            "by the CP size again. Accumulate over the micro-batches and call sync_grads once, "
+            "after the last backward and before optimizer.step(); zero the gradients after each "
+            f"step with optimizer.zero_grad() / model.zero_grad() (ranks {again})"
+        )
     without = [r for r, row in enumerate(rows) if row[_NO_CP]]
     if without:
         raise NoCPBackwardError(
@@ -905,6 +911,10 @@ def begin_sync(
             "for gradients computed without CP"
         )
     return done
+
+
+_VERDICTS = ("fresh", "untouched", "accumulated")
+"""The verdicts of :func:`_since_last_sync`, coded by index in a sync's header."""
 
 
 def _synced_at(state: StepState, param: torch.Tensor) -> int:
