@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from cpshard._comm import Transfer, all_gather_stacked_start, reduce_scatter_stacked_start
 from cpshard.attention.autocast import backward_without_autocast
-from cpshard.attention.blockwise import attend, attend_backward_into
+from cpshard.attention.blockwise import BadQueries, attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
 from cpshard.attention.plan import AttentionPlan, PairPlan
@@ -69,13 +69,18 @@ class _AllGatherAttention(torch.autograd.Function):
             # Sequence-major, the gathered buffer [C*L, 2, B, H, D] is the rank-major stream and
             # its k/v are plain strided views: no reordering copy of the full K/V.
             pending = all_gather_stacked_start(seq_major(k, v), group)
+        bad_q = BadQueries.forward(q)  # the NaN guard's query rows, for both key sets
         # This rank's own keys need no communication: attend to them while the gather runs.
-        out, lse = attend(q, k, v, local, scale=scale, backend=backend, softcap=softcap)
+        out, lse = attend(
+            q, k, v, local, scale=scale, backend=backend, softcap=softcap, bad_q=bad_q
+        )
         if pending is not None:
             full = pending.wait()[0].flatten(0, 1)
         if full is not None and not remote.empty:
             k_all, v_all = stream_views(full)
-            o, l_ = attend(q, k_all, v_all, remote, scale=scale, backend=backend, softcap=softcap)
+            o, l_ = attend(
+                q, k_all, v_all, remote, scale=scale, backend=backend, softcap=softcap, bad_q=bad_q
+            )
             merge_into(out, lse, o, l_)
             del o, l_
         if sinks is not None:
@@ -94,6 +99,7 @@ class _AllGatherAttention(torch.autograd.Function):
         local, remote, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
+        bad_q = BadQueries.backward(grad_out, q, out, lse)  # one for the remote and local keys
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         pending: Transfer | None = None
         if full is not None:
@@ -104,7 +110,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dk_all, dv_all = stream_views(dfull)
             attend_backward_into(
                 grad_out, q, k_all, v_all, out, lse, remote, dq, dk_all, dv_all, scale=scale,
-                backend=backend, softcap=softcap,
+                backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
             chunks = dfull.view(-1, q.shape[2], *dfull.shape[1:])  # [C, L, 2, B, H, D]
             pending = reduce_scatter_stacked_start(chunks, group)
@@ -114,7 +120,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         attend_backward_into(
             grad_out, q, k, v, out, lse, local, dq, dk, dv, scale=scale, backend=backend,
-            softcap=softcap,
+            softcap=softcap, bad_q=bad_q,
         )  # fmt: skip
         if pending is not None:
             mk, mv = stream_views(pending.wait()[0])

@@ -11,9 +11,13 @@ and its kernel multiplies masked probabilities (exact zeros) with the other docu
 document's q/k/v (or in its output gradient) would reach every other document of the tile. So in
 a masked tile the non-finite rows are zeroed for the kernel (a masked pair's product is then an
 exact zero; the visible pairs of finite rows compute exactly what they did) and put back as NaN
-on the rows the mask connects them to (:func:`_finite_rows`, :func:`_poison`): the affected
+on the rows the mask connects them to (:func:`_zero_rows`, :func:`_poison`): the affected
 document gets NaN as it would alone, the others are untouched. Unmasked tasks (``FULL``,
 ``CAUSAL``) pair one document with itself (``IDENT``: a pad with itself), so nothing crosses there.
+The bad rows are found once per attention call on the query side (:class:`BadQueries`, shared by
+every key block of the call: the ring's hops, the local and remote keys) and once per key block
+on the key side; only the masked tiles' slices are zeroed, never a copy of the whole (gathered)
+K/V.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
@@ -27,7 +31,7 @@ from cpshard.attention.merge import accumulation_dtype, merge_into
 from cpshard.attention.plan import PairPlan, Task
 from cpshard.attention.softcap import softcap_attention, softcap_attention_backward
 
-__all__ = ["attend", "attend_backward", "attend_backward_into"]
+__all__ = ["BadQueries", "attend", "attend_backward", "attend_backward_into"]
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -84,18 +88,79 @@ def _poison(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.full((), float("nan"), dtype=t.dtype, device=t.device), t)
 
 
-def _finite_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inputs of a pair's masked tiles: non-finite rows zeroed, once per call (not per tile).
+class BadQueries:
+    """The non-finite query rows ``[B, Hq, Nq]`` of one attention call, found on first use.
 
-    Returns:
-        ``(q, k, v, bad_q [B, Hq, Lq], bad_k [B, Hkv, Lk])``: the bad rows are a non-finite
-        query, a key whose k or v is not finite.
+    One object serves every key block the call attends (the ring's hops, the local and the
+    remote keys of all-gather / selective), so the query side of the NaN guard is computed once
+    per call; a call whose plans have no masked tile never computes it. Build it with
+    :meth:`forward` or :meth:`backward`.
     """
-    bad_q = _bad_rows(q)
-    bad_k = _bad_rows(k, v)
-    return _zero_rows(q, bad_q), _zero_rows(k, bad_k), _zero_rows(v, bad_k), bad_q, bad_k
+
+    def __init__(
+        self,
+        rows: tuple[torch.Tensor, ...],
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        self._rows = rows
+        self._out = out
+        self._lse = lse
+        self._bad: torch.Tensor | None = None
+
+    @classmethod
+    def forward(cls, q: torch.Tensor) -> BadQueries:
+        """A query is bad when its ``q [B, Hq, Nq, D]`` row is not finite."""
+        return cls((q,))
+
+    @classmethod
+    def backward(
+        cls, grad_out: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    ) -> BadQueries:
+        """A query is bad when its ``q``, ``grad_out`` or ``out`` (in q's dtype, as the kernel
+        reads it) row ``[B, Hq, Nq, D]`` is not finite, or its ``lse [B, Hq, Nq]`` is NaN or
+        ``+inf`` (``lse = -inf`` is a query that sees nothing)."""
+        return cls((q, grad_out), out, lse)
+
+    def get(self) -> torch.Tensor:
+        """``[B, Hq, Nq]`` bool, ``True`` = a bad query row (computed on the first call only)."""
+        if self._bad is None:
+            rows = (
+                self._rows
+                if self._out is None
+                else (*self._rows, self._out.to(self._rows[0].dtype))
+            )
+            bad = _bad_rows(*rows)
+            if self._lse is not None:
+                bad = bad | torch.isnan(self._lse) | torch.isposinf(self._lse)
+            self._bad = bad
+            self._rows, self._out, self._lse = (), None, None  # not held any longer
+        return self._bad
+
+
+def _masked(plan: PairPlan) -> bool:
+    """Whether any task of ``plan`` runs on a tile mask (several documents in one tile)."""
+    return any(t.mask is not None for _, tasks in plan.groups for t in tasks)
+
+
+def _guard(
+    plan: PairPlan, bad_q: BadQueries, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(bad queries [B, Hq, Nq], bad keys [B, Hkv, Nk])`` of a plan with masked tiles (a key
+    is bad when its k or v row is not finite), else ``None``: once per key block."""
+    return (bad_q.get(), _bad_rows(k, v)) if _masked(plan) else None
+
+
+def _guard_rows(
+    guard: tuple[torch.Tensor, torch.Tensor] | None,
+    rows: torch.Tensor | None,
+    order: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``guard`` for one row group, rows and slots selected as the group's tensors are."""
+    if guard is None:
+        return None
+    bad_q, bad_k = (_ordered(_rows(t, rows), order) for t in guard)
+    return bad_q, bad_k
 
 
 def _forward_tasks(
@@ -103,23 +168,21 @@ def _forward_tasks(
     k: torch.Tensor,
     v: torch.Tensor,
     tasks: tuple[Task, ...],
+    guard: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
     backend: KernelBackend,
     softcap: float | None,
 ) -> None:
-    # several documents in a masked tile: their non-finite rows are kept apart
-    guard = _finite_rows(q, k, v) if any(t.mask is not None for t in tasks) else None
     for t in tasks:
         qs, ks, vs = q[:, :, t.q0 : t.q1], k[:, :, t.k0 : t.k1], v[:, :, t.k0 : t.k1]
         poisoned = None
         if t.mask is not None and guard is not None:
-            qz, kz, vz, bad_q, bad_k = guard
-            qs, ks, vs = qz[:, :, t.q0 : t.q1], kz[:, :, t.k0 : t.k1], vz[:, :, t.k0 : t.k1]
-            poisoned = bad_q[:, :, t.q0 : t.q1] | _reached(
-                t.mask, bad_k[:, :, t.k0 : t.k1], to_keys=False
-            )
+            # several documents in the tile: their non-finite rows are kept apart
+            bq, bk = guard[0][:, :, t.q0 : t.q1], guard[1][:, :, t.k0 : t.k1]
+            qs, ks, vs = _zero_rows(qs, bq), _zero_rows(ks, bk), _zero_rows(vs, bk)
+            poisoned = bq | _reached(t.mask, bk, to_keys=False)
         if softcap is None:
             o, l_ = block_attention(
                 qs, ks, vs, mask=t.mask, is_causal=t.causal, scale=scale, backend=backend
@@ -146,6 +209,7 @@ def attend(
     scale: float,
     backend: KernelBackend = "auto",
     softcap: float | None = None,
+    bad_q: BadQueries | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against ``k``/``v`` as planned, merged in fp32.
 
@@ -157,6 +221,8 @@ def attend(
         scale: Score scale.
         backend: Kernel backend.
         softcap: Soft-cap of the scores (:mod:`cpshard.attention.softcap`), or ``None``.
+        bad_q: ``BadQueries.forward(q)`` shared by every key block of the attention call (the
+            query side of the NaN guard, computed once); ``None``: this call's own.
 
     Returns:
         ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])`` in the accumulation dtype; queries that see
@@ -166,16 +232,18 @@ def attend(
     b, h, n, d = q.shape
     out = torch.zeros((b, h, n, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    guard = _guard(plan, BadQueries.forward(q) if bad_q is None else bad_q, k, v)
     for g, (rows, tasks) in enumerate(plan.groups):
         order = plan.order_of(g)
         if rows is None and order is None:
-            _forward_tasks(q, k, v, tasks, out, lse, scale, backend, softcap)
+            _forward_tasks(q, k, v, tasks, guard, out, lse, scale, backend, softcap)
             continue
         nb = b if rows is None else rows.shape[0]
         og = torch.zeros((nb, h, n, d), dtype=acc, device=q.device)
         lg = torch.full((nb, h, n), float("-inf"), dtype=acc, device=q.device)
         qg, kg, vg = (_ordered(_rows(t, rows), order) for t in (q, k, v))
-        _forward_tasks(qg, kg, vg, tasks, og, lg, scale, backend, softcap)
+        gg = _guard_rows(guard, rows, order)
+        _forward_tasks(qg, kg, vg, tasks, gg, og, lg, scale, backend, softcap)
         if order is not None:  # back to the tensors' own slot order
             og = torch.empty_like(og).index_copy_(2, order, og)
             lg = torch.empty_like(lg).index_copy_(2, order, lg)
@@ -187,32 +255,6 @@ def attend(
     return out, lse
 
 
-_BackwardArgs = tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]
-
-
-def _finite_backward_rows(
-    args: _BackwardArgs,
-) -> tuple[_BackwardArgs, torch.Tensor, torch.Tensor]:
-    """The backward inputs ``(grad_out, q, k, v, out, lse)`` of a pair's masked tiles with
-    non-finite rows zeroed (a NaN lse: 0), once per call.
-
-    Returns:
-        The cleaned inputs, the bad queries ``[B, Hq, Lq]`` (q, grad_out, out or lse not finite;
-        ``lse = -inf`` is a query that sees nothing) and bad keys ``[B, Hkv, Lk]`` (k or v).
-    """
-    go, q, k, v, out, lse = args
-    bad_q = _bad_rows(q, go, out) | torch.isnan(lse) | torch.isposinf(lse)
-    bad_k = _bad_rows(k, v)
-    lse = torch.where(bad_q, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-    cleaned = (
-        _zero_rows(go, bad_q), _zero_rows(q, bad_q), _zero_rows(k, bad_k), _zero_rows(v, bad_k),
-        _zero_rows(out, bad_q), lse,
-    )  # fmt: skip
-    return cleaned, bad_q, bad_k
-
-
 def _backward_tasks(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -221,6 +263,7 @@ def _backward_tasks(
     out: torch.Tensor,
     lse: torch.Tensor,
     tasks: tuple[Task, ...],
+    guard: tuple[torch.Tensor, torch.Tensor] | None,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -228,30 +271,24 @@ def _backward_tasks(
     backend: KernelBackend,
     softcap: float | None,
 ) -> None:
-    full = (grad_out, q, k, v, out, lse)
-    # several documents in a masked tile: their non-finite rows are kept apart
-    guard = _finite_backward_rows(full) if any(t.mask is not None for t in tasks) else None
     for t in tasks:
         bad: tuple[torch.Tensor, torch.Tensor] | None = None
-        src = full
+        go_, q_, o_, l_ = (x[:, :, t.q0 : t.q1] for x in (grad_out, q, out, lse))
+        k_, v_ = k[:, :, t.k0 : t.k1], v[:, :, t.k0 : t.k1]
         if t.mask is not None and guard is not None:
-            src, bad_q, bad_k = guard
-            bq, bk = bad_q[:, :, t.q0 : t.q1], bad_k[:, :, t.k0 : t.k1]
+            # several documents in the tile: their non-finite rows are kept apart (a bad
+            # query's lse is read as 0)
+            bq, bk = guard[0][:, :, t.q0 : t.q1], guard[1][:, :, t.k0 : t.k1]
+            go_, q_, o_ = _zero_rows(go_, bq), _zero_rows(q_, bq), _zero_rows(o_, bq)
+            k_, v_ = _zero_rows(k_, bk), _zero_rows(v_, bk)
+            l_ = torch.where(bq, torch.zeros((), dtype=l_.dtype, device=l_.device), l_)
             # a bad query row and every query that sees a bad key; a bad key row and every key
             # that a bad query sees
             bad = (
                 bq | _reached(t.mask, bk, to_keys=False),
                 bk | _reached(t.mask, bq, to_keys=True),
             )
-        go_, q_, k_, v_, o_, l_ = src
-        args = (
-            go_[:, :, t.q0 : t.q1],
-            q_[:, :, t.q0 : t.q1],
-            k_[:, :, t.k0 : t.k1],
-            v_[:, :, t.k0 : t.k1],
-            o_[:, :, t.q0 : t.q1],
-            l_[:, :, t.q0 : t.q1],
-        )
+        args = (go_, q_, k_, v_, o_, l_)
         if softcap is None:
             gq, gk, gv = block_attention_backward(
                 *args, mask=t.mask, is_causal=t.causal, scale=scale, backend=backend
@@ -282,6 +319,7 @@ def attend_backward_into(
     scale: float,
     backend: KernelBackend = "auto",
     softcap: float | None = None,
+    bad_q: BadQueries | None = None,
 ) -> bool:
     """Add the gradients of :func:`attend` for one key set into caller-owned accumulators.
 
@@ -301,25 +339,31 @@ def attend_backward_into(
         scale: Score scale.
         backend: Kernel backend.
         softcap: As in :func:`attend`.
+        bad_q: ``BadQueries.backward(grad_out, q, out, lse)`` shared by every key set of the
+            backward call (computed once); ``None``: this call's own.
 
     Returns:
         Whether anything was added (``False`` when no query sees any key).
     """
     out_q = out.to(q.dtype)
+    if bad_q is None:
+        bad_q = BadQueries.backward(grad_out, q, out_q, lse)
+    guard = _guard(plan, bad_q, k, v)
     for g, (rows, tasks) in enumerate(plan.groups):
         if not tasks:
             continue
         order = plan.order_of(g)
         if rows is None and order is None:
             _backward_tasks(
-                grad_out, q, k, v, out_q, lse, tasks, dq, dk, dv, scale, backend, softcap
+                grad_out, q, k, v, out_q, lse, tasks, guard, dq, dk, dv, scale, backend, softcap
             )
             continue
         gq, gk, gv = (torch.zeros_like(_rows(t, rows)) for t in (dq, dk, dv))
         go_, q_, k_, v_, o_, l_ = (
             _ordered(_rows(t, rows), order) for t in (grad_out, q, k, v, out_q, lse)
         )
-        _backward_tasks(go_, q_, k_, v_, o_, l_, tasks, gq, gk, gv, scale, backend, softcap)
+        gg = _guard_rows(guard, rows, order)
+        _backward_tasks(go_, q_, k_, v_, o_, l_, tasks, gg, gq, gk, gv, scale, backend, softcap)
         if order is not None:  # back to the tensors' own slot order
             gq, gk, gv = (torch.zeros_like(t).index_add_(2, order, t) for t in (gq, gk, gv))
         if rows is None:

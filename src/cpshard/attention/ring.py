@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from cpshard._comm import Transfer, group_rank_and_size, ring_shift_start
 from cpshard.attention.autocast import backward_without_autocast
-from cpshard.attention.blockwise import attend, attend_backward_into
+from cpshard.attention.blockwise import BadQueries, attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import (
     accumulation_dtype,
@@ -65,6 +65,7 @@ class _RingAttention(torch.autograd.Function):
         kv: list[torch.Tensor] = [k, v]  # step 0 attends to the inputs themselves, no copy
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
+        bad_q = BadQueries.forward(q)  # the NaN guard's query rows: once, not once per hop
         for step in range(world):
             src = (rank - step) % world
             xfer = (
@@ -74,8 +75,9 @@ class _RingAttention(torch.autograd.Function):
             )
             if not plans[src].empty:
                 o, l_ = attend(
-                    q, kv[0], kv[1], plans[src], scale=scale, backend=backend, softcap=softcap
-                )
+                    q, kv[0], kv[1], plans[src], scale=scale, backend=backend, softcap=softcap,
+                    bad_q=bad_q,
+                )  # fmt: skip
                 if out is None or lse is None:
                     out, lse = o, l_
                 else:
@@ -104,6 +106,8 @@ class _RingAttention(torch.autograd.Function):
         rank, world = _rank_and_size(group)
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
+        out_q = out.to(q.dtype)  # as the kernels read it: converted once, not once per hop
+        bad_q = BadQueries.backward(grad_out, q, out_q, lse)  # once, not once per hop
         kv: list[torch.Tensor] = [k, v]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         grad_xfer: Transfer | None = None
@@ -119,8 +123,8 @@ class _RingAttention(torch.autograd.Function):
             # accumulator of that block can still be in flight while we compute.
             dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
             attend_backward_into(
-                grad_out, q, kv[0], kv[1], out, lse, plans[src], dq, dkv[0], dkv[1], scale=scale,
-                backend=backend, softcap=softcap,
+                grad_out, q, kv[0], kv[1], out_q, lse, plans[src], dq, dkv[0], dkv[1], scale=scale,
+                backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
             # The accumulator for block `src` arrives from the rank that held it last step; waiting
             # also completes (and frees) our previous accumulator's send.

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from cpshard._comm import Transfer, all_to_all_split_start
 from cpshard.attention.all_gather import seq_major, stream_views
 from cpshard.attention.autocast import backward_without_autocast
-from cpshard.attention.blockwise import attend, attend_backward_into
+from cpshard.attention.blockwise import BadQueries, attend, attend_backward_into
 from cpshard.attention.kernels import KernelBackend, pick_backend
 from cpshard.attention.merge import accumulation_dtype, add_sinks, merge_into, sink_grad
 from cpshard.attention.plan import AttentionPlan
@@ -60,14 +60,17 @@ class _SelectiveAttention(torch.autograd.Function):
             send = seq_major(k, v).index_select(0, plan.send_index)  # [N_send, 2, B, H, D]
             pending = all_to_all_split_start(send, plan.send_splits, plan.recv_splits, group)
             del send  # the Transfer keeps it alive until the exchange completes
-        out, lse = attend(q, k, v, plan.local, scale=scale, backend=backend, softcap=softcap)
+        bad_q = BadQueries.forward(q)  # the NaN guard's query rows, for both key sets
+        out, lse = attend(
+            q, k, v, plan.local, scale=scale, backend=backend, softcap=softcap, bad_q=bad_q
+        )
         recv: torch.Tensor | None = None
         if pending is not None:
             recv = pending.wait()[0]  # [N_recv, 2, B, H, D]
             if not plan.remote.empty:
                 k_r, v_r = stream_views(recv)
                 o, l_ = attend(q, k_r, v_r, plan.remote, scale=scale, backend=backend,
-                               softcap=softcap)  # fmt: skip
+                               softcap=softcap, bad_q=bad_q)  # fmt: skip
                 merge_into(out, lse, o, l_)
                 del o, l_
         if sinks is not None:
@@ -85,6 +88,7 @@ class _SelectiveAttention(torch.autograd.Function):
         plan, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
+        bad_q = BadQueries.backward(grad_out, q, out, lse)  # one for the remote and local keys
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         pending: Transfer | None = None
         if recv is not None:
@@ -95,7 +99,7 @@ class _SelectiveAttention(torch.autograd.Function):
             k_r, v_r = stream_views(recv)
             attend_backward_into(
                 grad_out, q, k_r, v_r, out, lse, plan.remote, dq, dk_r, dv_r, scale=scale,
-                backend=backend, softcap=softcap,
+                backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
             pending = all_to_all_split_start(drecv, plan.recv_splits, plan.send_splits, group)
             del drecv, dk_r, dv_r
@@ -103,7 +107,7 @@ class _SelectiveAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         attend_backward_into(
             grad_out, q, k, v, out, lse, plan.local, dq, dk, dv, scale=scale, backend=backend,
-            softcap=softcap,
+            softcap=softcap, bad_q=bad_q,
         )  # fmt: skip
         if pending is not None:
             back = pending.wait()[0]  # [N_send, 2, B, H, D]: the peers' gradients of our slots
