@@ -228,3 +228,30 @@ def compiled_2d_case(cp_mesh: DeviceMesh, method: str, fullgraph: bool) -> Any:
             y.pow(2).sum().backward()
         results.append((y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     return results
+
+
+def grid_checks_per_ctx(cp_mesh: DeviceMesh) -> tuple[int, int]:
+    """:class:`TinyAttention` (one CP attention call per forward) under ``ctx()`` on the 2 x 2
+    CP mesh, the ctx entered twice, each forward with a backward: how often the grid was checked
+    against the CP group ``(at the context's entry, inside the attention calls)``."""
+    from unittest import mock
+
+    from cpshard.attention import context, core
+
+    torch.manual_seed(0)
+    model = TinyAttention(16, 4, 2).to(torch.float64)
+    x = torch.randn(2, 21, 16, dtype=torch.float64)
+    memory = torch.randn(2, 5, 4, dtype=torch.float64)
+    ctx, batch, _ = make_cp_batch_and_ctx(
+        grid_mesh(2, 2), {"inputs_embeds": x}, attention="ring", layout="round_robin"
+    )
+    with (
+        mock.patch.object(context, "check_grid", wraps=context.check_grid) as at_entry,
+        mock.patch.object(core, "check_grid", wraps=core.check_grid) as per_call,
+    ):
+        for _ in range(2):
+            model.zero_grad()
+            with ctx():
+                y = model(batch["inputs_embeds"], memory)
+            y.pow(2).sum().backward()
+    return at_entry.call_count, per_call.call_count

@@ -12,6 +12,7 @@ from _cp2d_fns import (
     cp2d_case,
     cp2d_error,
     dp_grid_case,
+    grid_checks_per_ctx,
     grid_on_some_ranks_only,
     hf_cp2d_case,
     one_process_logits,
@@ -200,6 +201,13 @@ def test_a_grid_on_some_ranks_only_raises_on_every_rank(ranks: Ranks) -> None:
     assert len(set(msgs)) == 1, msgs
     assert "options (ranks [0, 1] vs ranks [2, 3])" in msgs[0], msgs[0]
     assert "the same kind of cp_mesh" in msgs[0], msgs[0]
+
+
+def test_the_grid_is_checked_once_per_ctx_entry(ranks: Ranks) -> None:
+    """The 2-D grid's group lookups run when ctx() is entered, not in every attention call of
+    it (a direct cp_sdpa call with a grid still checks it: test_2x2_refusals_on_every_rank)."""
+    for at_entry, per_call in ranks(4, grid_checks_per_ctx):
+        assert (at_entry, per_call) == (2, 0)
 
 
 def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:

@@ -122,7 +122,9 @@ class _CPSDPAMode(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.group = group
-        self.grid = grid  # the groups of a 2-D CP mesh (Ulysses x method), else None
+        # the groups of a 2-D CP mesh (Ulysses x method), else None; checked against ``group``
+        # (check_grid) once, when the context is entered, not on every call
+        self.grid = grid
         self.meta = meta
         self.method = method
         self.tracker = tracker  # None in a recomputation (its calls are not a new forward)
@@ -223,6 +225,7 @@ class _CPSDPAMode(TorchFunctionMode):
         meta = kwargs.pop("meta", self.meta)
         method = kwargs.pop("method", self.method)
         grid = kwargs.pop("grid", self.grid)
+        kwargs["grid_checked"] = grid is not None and grid is self.grid  # at the ctx's entry
         tracker = self.tracker
         if tracker is None or torch.compiler.is_compiling():  # compiled forwards: not tracked
             return run_sdpa(

@@ -72,6 +72,7 @@ def _validate(
     window: int | None,
     softcap: float | None,
     grid: CPGrid | None = None,
+    grid_checked: bool = False,
 ) -> None:
     check_method(method)
     check_window(window, causal)
@@ -128,7 +129,9 @@ def _validate(
             f"{rank} of {world}; pass the CP group the batch was sharded over"
         )
     if grid is not None:
-        if not torch.compiler.is_compiling():  # group lookups: checked eagerly (ctx entry too)
+        # group lookups: checked eagerly, once per ctx() entry (the context's own grid and
+        # group) or on every direct call
+        if not grid_checked and not torch.compiler.is_compiling():
             check_grid(grid, group, rank, world)
         if method == "ulysses" and grid.splits_heads:
             raise ValueError(
@@ -365,11 +368,13 @@ def run_sdpa(
     plan: AttentionPlan | None = None,
     sinks: torch.Tensor | None = None,
     grid: CPGrid | None = None,
+    grid_checked: bool = False,
 ) -> torch.Tensor:
     """:func:`cp_sdpa` for cpshard's own routes: its arguments, plus ``agreed`` (``True`` when
     the caller made the ranks agree on this call already: the step tracker of a ``ctx()``;
-    otherwise :func:`~cpshard.attention.agree.agree_once` runs) and ``where`` (the public entry
-    point, for messages)."""
+    otherwise :func:`~cpshard.attention.agree.agree_once` runs), ``where`` (the public entry
+    point, for messages) and ``grid_checked`` (``True`` when ``grid`` was checked against
+    ``group`` already: a ``ctx()``'s own grid, checked at its entry)."""
     q, k, v = autocast_inputs(q, k, v)
     rank, world = (0, 1) if group is None else group_rank_and_size(group)
     if group is not None and world > 1 and not agreed:
@@ -377,7 +382,10 @@ def run_sdpa(
             q, k, v, group, meta, method=method, causal=causal, window=window, softcap=softcap,
             sinks=sinks, where=where,
         )  # fmt: skip
-    _validate(q, k, v, meta, method, group, rank, world, plan, causal, window, softcap, grid)
+    _validate(
+        q, k, v, meta, method, group, rank, world, plan, causal, window, softcap, grid,
+        grid_checked,
+    )  # fmt: skip
     _check_sinks(sinks, q.shape[1])
     if group is not None and world == 1:
         group = None
