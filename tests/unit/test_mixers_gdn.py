@@ -105,3 +105,29 @@ def test_shards_of_one_token_are_not_served() -> None:
     module.conv1d.kernel_size = (2,)  # 1 halo token: only the decode-branch rule is left
     assert serves_native_gdn(meta(2, 4), module)
     assert not serves_native_gdn(meta(4, 4), module)  # 1 token: the decode branch, no halo read
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_head_channels_are_the_heads_q_k_v_channels(arch: str) -> None:
+    """Each key head's convolution channels (q | k | v, head-major in each; ``r`` value heads
+    per key head) taken by slices equal the index of those channels."""
+    from cpshard.mixers.gdn import _head_channels
+
+    m = _mixer(arch)
+    dk, dv = m.head_k_dim, m.head_v_dim
+    r = m.num_v_heads // m.num_k_heads
+    conv_dim = m.conv1d.weight.shape[0]
+    assert conv_dim == 2 * m.key_dim + m.num_v_heads * dv
+    ext = torch.randn(2, conv_dim, 7)
+    seen = []
+    for head in range(m.num_k_heads):
+        idx = torch.cat([
+            torch.arange(head * dk, (head + 1) * dk),
+            torch.arange(m.key_dim + head * dk, m.key_dim + (head + 1) * dk),
+            torch.arange(2 * m.key_dim + head * r * dv, 2 * m.key_dim + (head + 1) * r * dv),
+        ])  # fmt: skip
+        assert torch.equal(_head_channels(m, head, ext, 1), ext[:, idx])
+        assert torch.equal(_head_channels(m, head, m.conv1d.weight.squeeze(1), 0),
+                           m.conv1d.weight.squeeze(1)[idx])  # fmt: skip
+        seen.append(idx)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(conv_dim))  # every channel

@@ -231,6 +231,25 @@ class _Call:
         return h + 0.0 * gathered.sum()
 
 
+def _head_channels(m: Any, head: int, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Key head ``head``'s q, k and v channels (``2 d_k + r d_v``) of the convolution, from
+    ``t``'s ``conv_dim`` channels along ``dim`` (q | k | v, head-major in each).
+
+    Three slices from the module's sizes, concatenated: no index tensor to build and copy to
+    the device on every forward and recomputation.
+    """
+    dk, dv = m.head_k_dim, m.head_v_dim
+    r = m.num_v_heads // m.num_k_heads
+    return torch.cat(
+        [
+            t.narrow(dim, head * dk, dk),
+            t.narrow(dim, m.key_dim + head * dk, dk),
+            t.narrow(dim, 2 * m.key_dim + head * r * dv, r * dv),
+        ],
+        dim=dim,
+    )
+
+
 def _summary(
     m: Any,
     file: Any,
@@ -265,17 +284,11 @@ def _summary(
     dk, dv = m.head_k_dim, m.head_v_dim
     r = m.num_v_heads // m.num_k_heads
     heads = slice(head * r, (head + 1) * r)
-    # this head's q, k and v channels of the convolution (q | k | v, head-major in each)
-    chans = torch.cat(
-        [
-            torch.arange(head * dk, (head + 1) * dk),
-            torch.arange(m.key_dim + head * dk, m.key_dim + (head + 1) * dk),
-            torch.arange(2 * m.key_dim + head * r * dv, 2 * m.key_dim + (head + 1) * r * dv),
-        ]
-    ).to(ext.device)
-    weight = conv_weight.squeeze(1)[chans]
-    bias = None if conv_bias is None else conv_bias[chans]
-    conv = file.causal_conv1d_fn(ext[:, chans], weight, bias, activation=m.activation)
+    weight = _head_channels(m, head, conv_weight.squeeze(1), 0)
+    bias = None if conv_bias is None else _head_channels(m, head, conv_bias, 0)
+    conv = file.causal_conv1d_fn(
+        _head_channels(m, head, ext, 1), weight, bias, activation=m.activation
+    )
     conv = conv[:, :, -n:].transpose(1, 2)  # [B, L, 2 d_k + r d_v]
     q, k, v = conv.split([dk, dk, r * dv], dim=-1)
     rows = q.shape[0]
