@@ -137,17 +137,22 @@ def sync_grads(
 
     Args:
         module: A module, or an iterable of its parameters.
-        cp_mesh: The 1-D CP mesh, or ``None``.
+        cp_mesh: The 1-D CP mesh, or ``None``, or the 2-D ``("cp_outer", "cp_inner")`` CP mesh
+            given to ``prepare_cp_forward``: it sums over the mesh's flattening, the CP group the
+            batch was sharded over (the same as passing the sharder's ``cp_mesh``).
 
     Raises:
-        TypeError, ValueError: ``cp_mesh`` is not a 1-D mesh, does not contain this rank, or is
-            not the mesh ``module`` was prepared on; the CP ranks' trainable parameters differ.
+        TypeError, ValueError: ``cp_mesh`` is neither a 1-D nor a 2-D CP mesh, does not contain
+            this rank, or is not the mesh ``module`` was prepared on; the CP ranks' trainable
+            parameters differ.
         RuntimeError: no CP backward since the last sync, gradients no CP forward made, this
             rank left its step midway, or the CP ranks are in different phases of their step.
     """
-    mesh = _comm.validate_cp_mesh(cp_mesh)
+    mesh = _comm.validate_cp_mesh(cp_mesh, grid=True)
     if mesh is not None:
         _check_member(mesh, "sync_grads")
+    # a 2-D CP mesh: its flattening, which the prepare shards over (torch caches it: one mesh)
+    mesh, _ = _comm.split_cp_mesh(mesh)
     group = _comm.cp_group(mesh)
     named = (
         list(module.named_parameters())

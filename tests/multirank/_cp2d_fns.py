@@ -144,8 +144,8 @@ def hf_cp2d_case(
 
 def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
     """What ``make_cp_batch_and_ctx`` raises on this rank for ``attention='ulysses'`` on a 2-D CP
-    mesh and for a 2-D mesh of other dim names, and what ``sync_grads`` raises for a 2-D CP
-    mesh (it sums over the flattened CP group: the sharder's mesh)."""
+    mesh and for a 2-D mesh of other dim names, and what ``sync_grads`` raises for that other
+    mesh (a 2-D CP mesh it takes: it sums over its flattening)."""
     batch = {"input_ids": torch.arange(16).reshape(1, 16)}
     msgs = []
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_inner", "cp_outer"))
@@ -157,7 +157,7 @@ def prepare_2d_refusals(cp_mesh: DeviceMesh) -> list[str]:
         else:
             msgs.append("no error")
     try:
-        sync_grads(torch.nn.Linear(2, 2), grid_mesh(2, 2))
+        sync_grads(torch.nn.Linear(2, 2), other)
     except ValueError as e:
         msgs.append(str(e))
     return msgs
@@ -255,3 +255,51 @@ def grid_checks_per_ctx(cp_mesh: DeviceMesh) -> tuple[int, int]:
                 y = model(batch["inputs_embeds"], memory)
             y.pow(2).sum().backward()
     return at_entry.call_count, per_call.call_count
+
+
+def training_2d_case(cp_mesh: DeviceMesh, method: str) -> None:
+    """3 SGD steps of a TinyDecoder (GQA 4/2) with the 2 x 2 CP mesh passed to both
+    ``prepare_cp_forward`` and ``sync_grads`` equal 3 steps of one process on the same batches:
+    the losses after each step's sync and the final weights (the attention ran Ulysses inside
+    cp_inner: its all-to-alls are counted)."""
+    from cpshard.loss import count_tokens, cp_cross_entropy, reduce_for_logging
+    from cpshard.models import TinyDecoder, TinyDecoderConfig
+    from cpshard.tools.corpus import PAD_ID, VOCAB_SIZE, dense_batch
+
+    cfg = TinyDecoderConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64)
+    globs = [dense_batch(2, 21, seed=3 + step) for step in range(3)]
+    ref = TinyDecoder.from_config(cfg, seed=0).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_losses = []
+    for glob in globs:
+        loss = cp_cross_entropy(
+            ref(glob["input_ids"]), glob["labels"], num_tokens=count_tokens(glob["labels"])
+        )
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(loss.detach())
+
+    model = TinyDecoder.from_config(cfg, seed=0).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mesh = grid_mesh(2, 2)
+    for glob, want in zip(globs, ref_losses, strict=True):
+        ctx, local, sharder = prepare_cp_forward(
+            model, mesh, glob, padding_token_id=PAD_ID, attention=method
+        )
+        with CommRecorder() as rec, ctx():
+            logits = model(local["input_ids"], local["position_ids"])
+        assert rec.count("all_to_all") == 2 * cfg.num_layers  # Ulysses in and out per layer
+        loss = cp_cross_entropy(logits, local["labels"], num_tokens=count_tokens(glob["labels"]))
+        loss.backward()
+        sync_grads(model, mesh)  # the 2-D mesh itself, as given to prepare_cp_forward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(reduce_for_logging(loss, sharder.cp_mesh), want)
+    start = dict(TinyDecoder.from_config(cfg, seed=0).double().named_parameters())
+    got = dict(model.named_parameters())
+    moved = 0.0
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p, msg=lambda m, n=name: f"{n}: {m}")
+        moved += float((p - start[name]).abs().sum())
+    assert moved > 0  # the steps changed the weights

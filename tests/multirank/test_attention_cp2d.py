@@ -17,6 +17,7 @@ from _cp2d_fns import (
     hf_cp2d_case,
     one_process_logits,
     prepare_2d_refusals,
+    training_2d_case,
 )
 
 from _attention_common import inputs, make_case, reference_with_grads
@@ -193,7 +194,7 @@ def test_prepare_refuses_ulysses_and_other_2d_meshes_on_every_rank(ranks: Ranks)
     for ulysses, other, sync in ranks(4, prepare_2d_refusals):
         assert "attention='ulysses' with a 2-D cp_mesh" in ulysses, ulysses
         assert "or a 2-D CP mesh with dims ('cp_outer', 'cp_inner')" in other, other
-        assert "pass the sharder's cp_mesh (its flattening)" in sync, sync
+        assert "or a 2-D CP mesh with dims ('cp_outer', 'cp_inner')" in sync, sync
 
 
 def test_a_grid_on_some_ranks_only_raises_on_every_rank(ranks: Ranks) -> None:
@@ -208,6 +209,13 @@ def test_the_grid_is_checked_once_per_ctx_entry(ranks: Ranks) -> None:
     it (a direct cp_sdpa call with a grid still checks it: test_2x2_refusals_on_every_rank)."""
     for at_entry, per_call in ranks(4, grid_checks_per_ctx):
         assert (at_entry, per_call) == (2, 0)
+
+
+@pytest.mark.parametrize("method", ["ring", "all_gather"])
+def test_2x2_training_loop_with_the_2d_mesh_in_sync_grads(ranks: Ranks, method: str) -> None:
+    """prepare_cp_forward and sync_grads both given the 2 x 2 CP mesh: 3 SGD steps of a tiny
+    decoder equal one process (losses and final weights)."""
+    ranks(4, training_2d_case, method)
 
 
 def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:

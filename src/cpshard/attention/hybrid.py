@@ -34,8 +34,8 @@ Sinks (``[Hq]``) are sliced like the heads; each rank's gradient covers its head
 tokens, zero elsewhere, so the sum over the CP ranks is the full gradient (as with every method).
 
 Usage: pass the 2-D mesh as ``cp_mesh`` to ``prepare_cp_forward`` / ``make_cp_batch_and_ctx``
-(which shard over its flattening: the returned sharder's ``cp_mesh``, for the losses and
-``sync_grads``) or to ``cp_attention_context``; ``attention`` names the outer method
+(which shard over its flattening: the returned sharder's ``cp_mesh``, for the losses;
+``sync_grads`` takes either) or to ``cp_attention_context``; ``attention`` names the outer method
 (``"auto"`` chooses it on the merged meta; ``"ulysses"`` is refused). ``cp_sdpa`` takes the
 groups as ``grid=cp_grid(mesh)`` beside the flattened ``group``::
 
