@@ -303,3 +303,23 @@ def training_2d_case(cp_mesh: DeviceMesh, method: str) -> None:
         torch.testing.assert_close(got[name], p, msg=lambda m, n=name: f"{n}: {m}")
         moved += float((p - start[name]).abs().sum())
     assert moved > 0  # the steps changed the weights
+
+
+def u1_grid_auto_case(cp_mesh: DeviceMesh) -> list[dict[str, Any]]:
+    """``cp_sdpa(method="auto")`` at world 4 with no grid (1-D) and with the grid of a 4 x 1
+    mesh (a 1-wide cp_inner), on a call whose 1-D choice is Ulysses (16 MHA heads of 128,
+    random layout): per run the collectives it issued, its output and q/k/v grads."""
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    rmap, docs = make_case("random", world, 200, 1, 1, 0, 1)
+    q, k, v, go = inputs(1, 16, 16, rmap.numel(), 128, 0)
+    idx = rmap[rank]
+    runs = []
+    for grid in (None, cp_grid(grid_mesh(world, 1))):
+        meta = make_meta(rmap, docs, rank)  # each run its own (its own agreement header)
+        ql, kl, vl = local_shards((q, k, v), idx, torch.float64)
+        with CommRecorder() as rec:
+            out = cp_sdpa(ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method="auto", grid=grid)
+            (out * go.index_select(2, idx)).sum().backward()
+        runs.append({"events": list(rec.events), "out": out.detach(), "dq": ql.grad,
+                     "dk": kl.grad, "dv": vl.grad, "idx": idx})  # fmt: skip
+    return runs

@@ -18,6 +18,7 @@ from _cp2d_fns import (
     one_process_logits,
     prepare_2d_refusals,
     training_2d_case,
+    u1_grid_auto_case,
 )
 
 from _attention_common import inputs, make_case, reference_with_grads
@@ -216,6 +217,22 @@ def test_2x2_training_loop_with_the_2d_mesh_in_sync_grads(ranks: Ranks, method: 
     """prepare_cp_forward and sync_grads both given the 2 x 2 CP mesh: 3 SGD steps of a tiny
     decoder equal one process (losses and final weights)."""
     ranks(4, training_2d_case, method)
+
+
+def test_auto_on_a_1_wide_cp_inner_is_1d_auto(ranks: Ranks) -> None:
+    """A 4 x 1 grid is 1-D CP over the whole group (Ulysses inside a 1-wide cp_inner is the
+    identity, and an explicit 'ulysses' is accepted there): 'auto' chooses as without a grid,
+    Ulysses included (this call's choice: the same collectives as 1-D, all-to-alls), and the
+    output and grads equal one process."""
+    rmap, docs = make_case("random", 4, 200, 1, 1, 0, 1)
+    q, k, v, go = inputs(1, 16, 16, rmap.numel(), 128, 0)
+    want = reference_with_grads(q, k, v, go, docs, True)
+    for flat, u1 in ranks(4, u1_grid_auto_case):
+        assert u1["events"] == flat["events"]
+        # the agreement header, then Ulysses' exchanges (q/k/v in, out; the backward's)
+        assert {kind for kind, _ in flat["events"][1:]} == {"all_to_all"}
+        for name, ref in zip(("out", "dq", "dk", "dv"), want, strict=True):
+            torch.testing.assert_close(u1[name], ref.index_select(2, u1["idx"]), msg=name)
 
 
 def test_dp_times_2d_cp_submesh(ranks: Ranks) -> None:

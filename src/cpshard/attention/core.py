@@ -410,7 +410,10 @@ def run_sdpa(
         shape = CallShape(
             q.shape[0], q.shape[1] // u, hkv // u, q.shape[-1], q.element_size(), causal, window
         )
-    name, plans = method_and_plans(method, plan, shape, run_world, q.device, outer=grid is not None)
+    # only a call that splits heads runs its method across cp_outer alone: a grid with a 1-wide
+    # cp_inner (U = 1: Ulysses there is the identity) or the head-count fallback is 1-D CP over
+    # the whole group, where auto weighs every method, Ulysses included, as explicit names allow
+    name, plans = method_and_plans(method, plan, shape, run_world, q.device, outer=hybrid)
     chosen = method_named(name)
     # torch < 2.13 (seen on 2.11): torch.compile(fullgraph=True) of the gathering methods gives
     # the right output but wrong q/k/v gradients (root cause not isolated: not the attention

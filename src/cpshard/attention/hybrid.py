@@ -36,7 +36,9 @@ tokens, zero elsewhere, so the sum over the CP ranks is the full gradient (as wi
 Usage: pass the 2-D mesh as ``cp_mesh`` to ``prepare_cp_forward`` / ``make_cp_batch_and_ctx``
 (which shard over its flattening: the returned sharder's ``cp_mesh``, for the losses;
 ``sync_grads`` takes either) or to ``cp_attention_context``; ``attention`` names the outer method
-(``"auto"`` chooses it on the merged meta; ``"ulysses"`` is refused). ``cp_sdpa`` takes the
+(``"auto"`` chooses it on the merged meta; ``"ulysses"`` is refused). A grid whose ``cp_inner``
+is 1 wide (``R x 1``: Ulysses inside it is the identity) is 1-D CP over the whole group: every
+method is accepted there, and ``"auto"`` weighs them all, Ulysses included. ``cp_sdpa`` takes the
 groups as ``grid=cp_grid(mesh)`` beside the flattened ``group``::
 
     mesh = init_device_mesh("cuda", (R, U), mesh_dim_names=("cp_outer", "cp_inner"))
