@@ -12,12 +12,12 @@ from cpshard.names import METHOD_NAMES
 from cpshard.tools.plan_cost import method_rows
 
 
-def test_selective_moves_what_is_needed_and_the_all_gather_c_minus_1_blocks() -> None:
+def test_selective_moves_what_it_receives_and_the_all_gather_c_minus_1_blocks() -> None:
     spec = PackSpec.from_seq_lens([[300, 40, 900, 77, 1200, 5]], 2522)
     rows = {r.method: r for r in method_rows(plan_balanced(spec, 4), CostModel(), [450e9, 50e9])}
     assert tuple(rows) == METHOD_NAMES
     sel, ag = rows["selective"], rows["all_gather"]
-    assert sel.moved_over_needed == 1.0 and sel.moved_bytes == sel.needed_bytes
+    assert sel.moved_over_received == 1.0 and sel.moved_bytes == sel.received_bytes
     slot = 2 * 8 * 128 * 2  # assumed K/V slot bytes: 2 x Hkv x D x bf16
     n = plan_balanced(spec, 4).padded_len // 4
     assert ag.moved_bytes == 3 * n * slot  # (C - 1) L slots, whatever the mask needs
@@ -36,6 +36,9 @@ def test_cli_prints_one_row_per_layout_and_method(capsys: pytest.CaptureFixture[
     table = [line for line in out.splitlines() if line.startswith("| explicit")]
     assert len(table) == 2 * len(METHOD_NAMES)
     assert "model ms @ 450 GB/s" in out and "model ms @ 50 GB/s" in out
+    # the remote key slots the queries see are what selective receives (whole slots), not the
+    # least any exchange needs: the columns say so
+    assert "| received MB | moved/received |" in out and "needed" not in out
 
 
 def test_cli_rejects_unknown_layouts(capsys: pytest.CaptureFixture[str]) -> None:

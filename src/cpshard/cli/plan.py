@@ -94,7 +94,7 @@ def format_table(rows: list[tuple[str, MethodRow]], bandwidths: list[float]) -> 
         cells = [
             label, str(r.world), r.layout, r.method, f"{r.pairs_max:.3g}",
             f"{r.pairs_max / max(r.pairs_mean, 1e-12):.3f}", f"{r.moved_bytes / 1e6:.3g}",
-            f"{r.needed_bytes / 1e6:.3g}", f"{r.moved_over_needed:.3g}", plan_ms,
+            f"{r.received_bytes / 1e6:.3g}", f"{r.moved_over_received:.3g}", plan_ms,
             *(f"{1e3 * s:.3g}" for s in r.modelled_seconds),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

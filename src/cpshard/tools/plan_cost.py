@@ -5,9 +5,10 @@ gives the global token meta every rank would hold; from it (host work only, no r
 
 * **pairs per rank**: visible query-key pairs the rank's kernels compute (max and mean over ranks;
   ``ulysses`` computes ``1/C`` of the heads of every pair, so its ranks are equal);
-* **bytes moved vs needed**: forward K/V bytes a rank receives per layer (max over ranks), and the
-  bytes of the remote keys its queries can see (the least any exchange must move); the ratio is
-  the group's total moved over total needed;
+* **bytes moved vs received**: forward K/V bytes a rank receives per layer with the method (max
+  over ranks), and the bytes of the remote key slots its queries see, which is what ``selective``
+  receives (whole slots: a slot one meta row's queries see is received for every row); the ratio
+  is the group's total moved over that total received;
 * **plan ms**: wall time to build rank 0's plans of the method (fresh meta, nothing cached);
 * **modelled ms**: one layer's forward + backward attention at each given link bandwidth, by the
   cost model of :mod:`cpshard.attention.cost` (its assumptions are documented there).
@@ -41,8 +42,10 @@ PLAN_COLUMNS: dict[str, str] = {
     "pairs max": "max over ranks of the query-key pairs its kernels compute (visible pairs)",
     "pairs max/mean": "that max over the mean: 1.0 is a balanced step",
     "moved MB": "max over ranks of the forward K/V MB it receives per layer (assumed shape)",
-    "needed MB": "max over ranks of the MB of remote keys its queries see",
-    "moved/needed": "total moved over total needed, whole group (1.0: nothing extra)",
+    "received MB": "max over ranks of the MB of the remote key slots its queries see (what "
+    "selective receives)",
+    "moved/received": "total moved over that total received, whole group (1.0: what selective "
+    "moves)",
     "plan ms": "wall time to build rank 0's plans for the method (fresh meta); - when skipped",
     "model ms @ BW": "one layer's forward + backward attention at link bandwidth BW, modelled "
     "(cpshard.attention.cost)",
@@ -60,9 +63,10 @@ class MethodRow:
         pairs_max: Max over ranks of computed pairs.
         pairs_mean: Mean over ranks.
         moved_bytes: Max over ranks of forward K/V bytes received per layer.
-        needed_bytes: Max over ranks of the remote keys' bytes its queries see.
-        moved_over_needed: Total moved / total needed over the group (``inf`` if none needed
-            but some moved, 1.0 if neither).
+        received_bytes: Max over ranks of the bytes of the remote key slots its queries see
+            (what ``selective`` receives).
+        moved_over_received: Total moved / total of those received over the group (``inf`` if
+            none received but some moved, 1.0 if neither).
         plan_seconds: Rank 0's plan build time, or ``None`` when not timed.
         modelled_seconds: Modelled seconds per bandwidth, in the order given.
     """
@@ -73,8 +77,8 @@ class MethodRow:
     pairs_max: int
     pairs_mean: float
     moved_bytes: float
-    needed_bytes: float
-    moved_over_needed: float
+    received_bytes: float
+    moved_over_received: float
     plan_seconds: float | None
     modelled_seconds: tuple[float, ...]
 
@@ -119,7 +123,7 @@ def method_rows(
     facts = plan_facts(meta)
     c = facts.world
     slot_bytes = 2 * model.kv_heads * model.head_dim * model.itemsize
-    needed = facts.recv_slots.astype(np.float64)
+    received = facts.recv_slots.astype(np.float64)  # selective's received slots
     shape = model.shape(1)
     costs = [
         method_costs(facts, shape, dataclasses.replace(model, link_bandwidth=bw))
@@ -133,8 +137,8 @@ def method_rows(
             per_rank = facts.pairs.astype(np.float64)
         moved = _moved_slots(name, facts, model)
         ratio = (
-            float(moved.sum() / needed.sum())
-            if needed.sum() > 0
+            float(moved.sum() / received.sum())
+            if received.sum() > 0
             else (1.0 if moved.sum() == 0 else float("inf"))
         )
         seconds = None
@@ -151,7 +155,7 @@ def method_rows(
                 int(per_rank.max()),
                 float(per_rank.mean()),
                 float(moved.max() * slot_bytes),
-                float(needed.max() * slot_bytes),
+                float(received.max() * slot_bytes),
                 ratio,
                 seconds,
                 tuple(cs[name] for cs in costs),
