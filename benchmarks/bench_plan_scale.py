@@ -3,16 +3,16 @@
 Usage: ``python benchmarks/bench_plan_scale.py [--tokens 1048576] [--cps 8 16 32 64]
 [--ranks 2] [--methods all_gather ring ulysses]``
 
-The batch: one packed row of ``--tokens`` tokens, half of them in 64 long documents (``tokens /
-128`` each) and the rest log-normal documents (``exp(N(7.5, 1.2))``, the distribution of
-``cpshard balance``), shuffled (seed 0). For every layout (``contiguous``, ``round_robin``,
-``packed``, ``balanced``), CP size ``C`` and method, the token meta of rank ``r`` is built exactly
-as ``shard_batch_packed`` builds it, and the plan that rank's method runs is built from scratch
-(``AttentionPlan(meta).for_method(...)``, causal, no window): the host work one rank does per
-batch. Reported: the process CPU time of the build (the fastest of ``--repeat`` builds; CPU time,
-because the shared machine's load inflates wall time), max over the ``--ranks`` ranks timed (the
-first and the last rank by default), its wall time, and the number of kernel calls (tasks) of
-that rank's plan.
+The batch: one packed row of ``--tokens`` tokens in the realistic mix of :mod:`_mix` (the scale
+benchmarks' mix, as in ``bench_scale.py``: ~1000 log-normal documents per 1M tokens, median
+~460, a few of 5-6k tokens and a few of 1 token; seed 0). For every layout (``contiguous``,
+``round_robin``, ``packed``, ``balanced``), CP size ``C`` and method, the token meta of rank ``r``
+is built exactly as ``shard_batch_packed`` builds it, and the plan that rank's method runs is
+built from scratch (``AttentionPlan(meta).for_method(...)``, causal, no window): the host work
+one rank does per batch. Reported: the process CPU time of the build (the fastest of
+``--repeat`` builds; CPU time, because the shared machine's load inflates wall time), max over
+the ``--ranks`` ranks timed (the first and the last rank by default), its wall time, and the
+number of kernel calls (tasks) of that rank's plan.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import argparse
 import functools
 import platform
 
-import numpy as np
 import torch
+from _mix import describe, realistic_lens
 from _timing import fastest_cpu_wall
 
 from cpshard.attention.plan import AttentionPlan, PairPlan
@@ -31,24 +31,14 @@ from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.packed import PackedPlan, plan_closed_form, plan_packed
 from cpshard.sharding.meta import TokenMeta, pad_document_ids
-from cpshard.tools.balance import LOGNORMAL_MU, LOGNORMAL_SIGMA
 
 LAYOUTS = ("contiguous", "round_robin", "packed", "balanced")
 METHODS = ("all_gather", "ring", "ulysses")
 
 
 def batch(tokens: int, seed: int = 0) -> PackSpec:
-    """64 long documents holding half the tokens, log-normal documents the rest, shuffled."""
-    rng = np.random.default_rng(seed)
-    long_len = tokens // 128
-    lens = [long_len] * 64
-    rest = tokens - 64 * long_len
-    while rest > 0:
-        n = min(rest, max(1, round(float(np.exp(rng.normal(LOGNORMAL_MU, LOGNORMAL_SIGMA))))))
-        lens.append(n)
-        rest -= n
-    rng.shuffle(lens)
-    return PackSpec.from_seq_lens([lens], tokens)
+    """One packed row of ``tokens`` tokens in the realistic mix (:func:`_mix.realistic_lens`)."""
+    return PackSpec.from_seq_lens([realistic_lens(tokens, seed)], tokens)
 
 
 def layout_plan(spec: PackSpec, layout: str, world: int) -> PackedPlan:
@@ -90,7 +80,7 @@ def main() -> None:
     spec = batch(a.tokens)
     cpu = torch.device("cpu")
     print(f"machine: {platform.machine()}, {platform.python_version()}, torch {torch.__version__}")
-    print(f"batch: {a.tokens} tokens, {spec.num_docs} documents (64 long)\n")
+    print(f"batch: one packed row, {describe(realistic_lens(a.tokens))}\n")
     print("| layout | C | method | plan build CPU s | wall s | kernel calls |")
     print("|---|---|---|---|---|---|")
     for layout in a.layouts:
