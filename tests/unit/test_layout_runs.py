@@ -220,3 +220,24 @@ def test_shard_batch_dense_equals_the_index_path(layout: ClosedFormLayout, seq: 
     pad_stream = pad_tokens(keep == 0, 1, n, True).index_select(1, idx)
     want_docs = torch.where(pad_stream, -1 - idx, 0)
     assert torch.equal(meta.document_ids, want_docs)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32]
+)
+def test_2d_keep_mask_values_checked_for_every_dtype(dtype: torch.dtype) -> None:
+    """The keep-mask check (one min/max reduction for integers): 0/1 pass, any other value
+    raises, wherever it is."""
+    from cpshard.sharding.batch import attention_mask_to_padding_mask
+
+    keep = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]], dtype=dtype)
+    assert attention_mask_to_padding_mask(keep).tolist() == (keep == 0).tolist()
+    bad_values = [2] if dtype == torch.uint8 else [2, -1]
+    if dtype.is_floating_point:
+        bad_values.append(0.5)  # type: ignore[arg-type]
+    for bad in bad_values:
+        for where in ((0, 0), (1, 3)):
+            wrong = keep.clone()
+            wrong[where] = bad
+            with pytest.raises(ValueError, match="must be a keep mask"):
+                attention_mask_to_padding_mask(wrong)

@@ -102,7 +102,7 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     if mask.dim() == 2:
         if mask.dtype == torch.bool:
             return ~mask
-        if bool(((mask != 0) & (mask != 1)).any()):
+        if _not_zero_one(mask):
             raise ValueError(
                 "a 2-D attention_mask must be a keep mask (1 = token, 0 = pad, or bool), got "
                 f"values in [{mask.min().item()}, {mask.max().item()}]; convert an additive "
@@ -133,6 +133,17 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     raise ValueError(
         f"attention_mask must be 2-D [B, S] or 4-D [B, 1|H, S, S], got shape {tuple(mask.shape)}"
     )
+
+
+def _not_zero_one(mask: torch.Tensor) -> bool:
+    """Whether a numeric mask holds a value other than ``0`` and ``1``: for integers one
+    min/max reduction (no temporaries), for floats an elementwise test (``0.5`` is in range)."""
+    if mask.numel() == 0:
+        return False
+    if not mask.is_floating_point() and not mask.is_complex():
+        lo, hi = torch.aminmax(mask)
+        return bool(lo < 0) or bool(hi > 1)
+    return bool(((mask != 0) & (mask != 1)).any())
 
 
 def _documents_of(attend: torch.Tensor, real: torch.Tensor) -> list[list[int]] | None:
