@@ -170,8 +170,8 @@ def _scratch(
     slot = (str(device), chunk)
     got = None if store is None else store.get(slot)
     if got is None:
-        keys = torch.arange(1, 2 * chunk, 2, device=device, dtype=torch.long).mul_(_GOLDEN)
-        got = torch.cat([keys, torch.empty(3 * chunk, device=device, dtype=torch.long)])
+        got = torch.empty(4 * chunk, device=device, dtype=torch.long)
+        torch.arange(1, 2 * chunk, 2, out=got[:chunk]).mul_(_GOLDEN)
         if store is not None:
             store[slot] = got
     return got[:chunk], got[chunk : 2 * chunk], got[2 * chunk : 3 * chunk], got[3 * chunk :]
