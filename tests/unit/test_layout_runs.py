@@ -174,8 +174,15 @@ def test_take_runs_equals_pad_then_index_select(world: int, seq: int) -> None:
                 assert got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
-def test_take_runs_backward_equals_index_select() -> None:
-    layout, world, seq = RoundRobinLayout(), 3, 37
+@pytest.mark.parametrize(
+    ("layout", "world", "seq"),
+    [(RoundRobinLayout(), 3, 37), (ContiguousLayout(4), 3, 5), (ContiguousLayout(), 4, 1)],
+)
+def test_take_runs_backward_equals_index_select(
+    layout: ClosedFormLayout, world: int, seq: int
+) -> None:
+    """Forward and backward, including ranks whose tokens are all pads (their result is still
+    in the graph, with a zero gradient, as with index_select)."""
     padded = layout.padded_length(seq, world)
     emb = torch.randn(2, seq, 5, requires_grad=True)
     weight = torch.randn(2, padded // world, 5)

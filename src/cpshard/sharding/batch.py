@@ -461,7 +461,9 @@ def take_runs(
         ``t``'s tokens at the runs, contiguous, with ``sum(length)`` tokens on ``dim``.
     """
     seq = t.shape[dim]
-    pieces = []
+    # an empty slice of t first: a rank whose tokens are all pads still gets a result in t's
+    # autograd graph (zero gradient), as an index_select of the padded tensor would
+    pieces = [t.narrow(dim, 0, 0)]
     for start, n in runs:
         end = start + n
         if start < seq:
@@ -469,10 +471,6 @@ def take_runs(
         if end > seq:
             lo = max(start, seq)
             pieces.append(_pad_piece(t, dim, lo - seq, end - lo, value))
-    if not pieces:
-        shape = list(t.shape)
-        shape[dim] = 0
-        return t.new_empty(shape)
     return torch.cat(pieces, dim=dim).contiguous()
 
 
