@@ -248,3 +248,18 @@ def test_2d_keep_mask_values_checked_for_every_dtype(dtype: torch.dtype) -> None
             wrong[where] = bad
             with pytest.raises(ValueError, match="must be a keep mask"):
                 attention_mask_to_padding_mask(wrong)
+
+
+def test_a_layout_of_many_runs_keeps_the_index_path() -> None:
+    """More than MAX_RUNS runs per rank: no stream runs (copies go token by token), the same
+    rank map and stream document ids."""
+    world, seq = 3, 3 * (MAX_RUNS + 5)
+    mask = torch.rand(2, seq, generator=torch.Generator().manual_seed(5)) < 0.2
+    placement = _Striped().placement(world, 2, seq, mask, CPU)
+    assert placement.stream_runs is None
+    assert all(placement.local_runs(r) is None for r in range(world))
+    assert torch.equal(placement.rank_map, _Striped().rank_map(world, seq))
+    want = placement.document_ids.index_select(1, placement.rank_map.reshape(-1))
+    assert torch.equal(placement.stream_document_ids(), want)
+    few = _Striped().placement(world, 2, 3 * MAX_RUNS, None, CPU)
+    assert few.stream_runs is not None and len(few.stream_runs) == 3 * MAX_RUNS
