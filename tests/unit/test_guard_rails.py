@@ -463,3 +463,34 @@ def test_an_entrys_value_hash_does_not_depend_on_the_entries_before_it() -> None
     assert long.names == short.names == ["parameter a", "parameter b", "buffer c"]
     assert long.values[0] != short.values[0]
     assert torch.equal(long.values[1:], short.values[1:])
+
+
+def test_fingerprint_of_per_row_seq_lens_sees_every_length_and_the_nesting() -> None:
+    """Per-row seq_lens (lists of int lists) hash as one tensor: a changed length, a document
+    moved to the next row, swapped rows, an empty row, and a flat list with the same encoding
+    each change the seq_lens slot (the small ones their description too); huge ints fall back to
+    the item-by-item digest."""
+    from cpshard.sharding.consistency import _nested_ints
+
+    nested = _nested_ints([[3, 5], [8]])
+    assert nested is not None and nested.tolist() == [2, 2, 1, 3, 5, 8]  # the one-tensor path
+    assert _nested_ints([[3, 5], [2**70]]) is None and _nested_ints([[3], "x"]) is None
+    ids = torch.ones(2, 8, dtype=torch.long)
+    base = {"input_ids": ids, "seq_lens": [[3, 5], [8]]}
+    for other in (
+        [[3, 5], [7, 1]],
+        [[3], [5, 8]],
+        [[8], [3, 5]],
+        [[3, 5], [8], []],
+        [2, 2, 1, 3, 5, 8],  # flat: the nested encoding's own values
+        [[3, 5], [2**70]],
+    ):
+        assert "seq_lens" in _differs(base, {**base, "seq_lens": other}), other
+    assert not _differs(base, {**base, "seq_lens": [[3, 5], [8]]})
+    assert _differs(base, {**base, "seq_lens": ([3, 5], [8])})  # a tuple: its description
+    assert not _differs({**base, "seq_lens": [[2**70]]}, {**base, "seq_lens": [[2**70]]})
+    many = [[int(v) for v in torch.randint(1, 50, (500,))] for _ in range(8)]
+    changed = [row[:] for row in many]
+    changed[5][321] += 1
+    changed[5][322] -= 1
+    assert "seq_lens" in _differs({**base, "seq_lens": many}, {**base, "seq_lens": changed})

@@ -48,6 +48,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -303,6 +304,28 @@ def _as_hashable_tensor(value: Any) -> torch.Tensor | None:
         return None
 
 
+_NESTED_TAG = _str_hash("nested int lists")
+
+
+def _nested_ints(value: Any) -> torch.Tensor | None:
+    """A list (or tuple) of lists / tuples of ints (per-row ``seq_lens``) as one LongTensor
+    ``[1 + R + N]``: the row count, each row's length, then the values in order (a prefix code:
+    two different nestings never give the same tensor); ``None`` for anything else (hashed by
+    :func:`_digest`). The caller tags its hash (:data:`_NESTED_TAG`), so it never equals a flat
+    list's. Never raises."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    if not all(isinstance(row, list | tuple) for row in value):
+        return None
+    if not all(isinstance(v, int) for row in value for v in row):  # bools are ints
+        return None
+    try:
+        head = [len(value), *(len(row) for row in value)]
+        return torch.as_tensor(head + list(itertools.chain.from_iterable(value)), dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None
+
+
 def batch_fingerprint(
     batch: object,
     *,
@@ -363,7 +386,13 @@ def batch_fingerprint(
         value = batch[key]
         t = _as_hashable_tensor(value)
         field = _CONTENT.get(str(key), "other keys")
-        h = _content_hash(t, scratch) if t is not None else _digest(value)
+        nested = None if t is not None else _nested_ints(value)
+        if t is not None:
+            h: int | torch.Tensor = _content_hash(t, scratch)
+        elif nested is not None:  # per-row seq_lens: one tensor hash, not one per document
+            h = _content_hash(nested, scratch) ^ _NESTED_TAG
+        else:
+            h = _digest(value)
         if field == "other keys":  # the key's name too, so two keys' values cannot swap
             h = h ^ _str_hash(str(key))
             h = h * (2 * i + 3) if isinstance(h, torch.Tensor) else _wrap(h * (2 * i + 3))
