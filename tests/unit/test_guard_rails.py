@@ -217,28 +217,140 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
         model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
 
 
-@pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
-def test_content_hash_is_a_nonlinear_sum_over_every_element(shape: tuple[int, ...]) -> None:
-    """sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel mod 2**64, w_k = k * G, checked against
-    plain Python integers."""
-    from cpshard.sharding.consistency import _content_hash
-
-    x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
+def _reference_hash(values: list[int]) -> int:
+    """The content hash in plain Python integers: sum_k a_k (a_k + K) + numel mod 2**64,
+    a_k = x_k ^ w_k, w_k = (2k + 1) * G, K = 0xD6E8FEB86659FD93."""
     m = (1 << 64) - 1
-    total = x.numel()
-    for k, v in enumerate(x.reshape(-1).tolist()):
-        w = (k * 0x9E3779B97F4A7C15) & m
-        total += ((v & m) ^ w) * (((v + w) & m) | 1)
-    assert int(_content_hash(x)) & m == total & m
+    total = len(values)
+    for k, v in enumerate(values):
+        a = (v & m) ^ (((2 * k + 1) * 0x9E3779B97F4A7C15) & m)
+        total += a * (a + 0xD6E8FEB86659FD93)
+    return total & m
+
+
+@pytest.mark.parametrize("chunk", [None, 4, 5, 64])
+@pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
+def test_content_hash_is_a_nonlinear_sum_over_every_element(
+    shape: tuple[int, ...], chunk: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked against plain Python integers, whole and in chunks of any size (the last one
+    short): the chunk's keys are shifted to the element's global position."""
+    from cpshard.sharding import consistency
+
+    if chunk is not None:
+        monkeypatch.setattr(consistency, "_CHUNK", chunk)
+    x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
+    x.view(-1)[0] = -(2**63)  # the extremes wrap like the int64 arithmetic
+    x.view(-1)[-1] = 2**63 - 1
+    m = (1 << 64) - 1
+    assert int(consistency._content_hash(x)) & m == _reference_hash(x.reshape(-1).tolist())
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.uint8, torch.int32, torch.float16, torch.float32, torch.float64]
+)
+def test_content_hash_of_other_dtypes_widens_values_and_float_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Integers and bools by value (widened to int64), floats by their bits (sign-extended from
+    the same-size integer), also when the chunk buffer does the widening."""
+    from cpshard.sharding import consistency
+
+    monkeypatch.setattr(consistency, "_CHUNK", 6)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 11, generator=g) * 50).to(dtype)
+    bits = {torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+    values = (x.view(bits[dtype]) if dtype in bits else x).to(torch.long).reshape(-1).tolist()
+    assert int(consistency._content_hash(x)) & ((1 << 64) - 1) == _reference_hash(values)
+    assert int(consistency._content_hash(x[:, ::2])) & ((1 << 64) - 1) == _reference_hash(
+        (x[:, ::2].contiguous().view(bits[dtype]) if dtype in bits else x[:, ::2])
+        .to(torch.long)
+        .reshape(-1)
+        .tolist()
+    )
 
 
 def test_content_hash_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     from cpshard.sharding import consistency
 
     x = torch.randn(5, 7, 3)
-    whole = int(consistency._content_hash(x))
-    monkeypatch.setattr(consistency, "_CHUNK", 4)
-    assert int(consistency._content_hash(x)) == whole
+    ids = torch.randint(0, 1000, (9, 31))
+    whole = int(consistency._content_hash(x)), int(consistency._content_hash(ids))
+    for chunk in (4, 7, 100):
+        monkeypatch.setattr(consistency, "_CHUNK", chunk)
+        assert (int(consistency._content_hash(x)), int(consistency._content_hash(ids))) == whole
+
+
+def test_content_hash_square_sum_of_cpu_and_other_devices_agree() -> None:
+    """The CPU's fused dot product and the square-then-sum of other devices agree (mod 2**64),
+    and both equal Python's integers."""
+    from cpshard.sharding.consistency import _square_sum
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-(2**63), 2**63 - 1, (70001,), generator=g)
+    want = sum(v * v for v in a.tolist()) & ((1 << 64) - 1)
+    assert int(_square_sum(a)) & ((1 << 64) - 1) == want
+    assert int(a.clone().mul_(a).sum()) & ((1 << 64) - 1) == want
+
+
+def test_content_hash_catches_swaps_compensations_shifts_and_sign_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Changes a weighted or plain sum cannot see: swapped values (next to each other, across
+    rows, across chunks), compensating +d / -d pairs, a row shifted by one, the top bit of an
+    int64 and the sign of a float64 (its top bit): each changes the hash."""
+    from cpshard.sharding import consistency
+
+    monkeypatch.setattr(consistency, "_CHUNK", 16)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 32000, (4, 40), generator=g)
+    h = int(consistency._content_hash(ids))
+    changed = []
+    swap = ids.clone()
+    swap[0, [3, 4]] = swap[0, [4, 3]]
+    changed.append(swap)
+    rows = ids.clone()
+    rows[[1, 2]] = rows[[2, 1]]
+    changed.append(rows)
+    far = ids.clone()  # positions 5 and 5 + 16: the same slot of two chunks
+    far.view(-1)[[5, 21]] = far.view(-1)[[21, 5]]
+    changed.append(far)
+    for d in (1, 3, 1000):
+        comp = ids.clone()
+        comp[2, 7] += d
+        comp[2, 30] -= d
+        changed.append(comp)
+        comp2 = ids.clone()
+        comp2[0, 0] += d
+        comp2[3, 39] -= d
+        changed.append(comp2)
+    changed.append(torch.roll(ids, 1, dims=1))
+    top = ids.clone()
+    top[1, 1] ^= -(2**63)
+    changed.append(top)
+    for _ in range(300):  # random swaps of two different values, random +d / -d pairs
+        i, j = torch.randint(0, ids.numel(), (2,), generator=g).tolist()
+        d = int(torch.randint(1, 1 << 20, (1,), generator=g))
+        pair = ids.clone().view(-1)
+        if i != j and pair[i] != pair[j]:
+            pair[[i, j]] = pair[[j, i]]
+            changed.append(pair.view_as(ids).clone())
+            pair[[i, j]] = pair[[j, i]]
+        if i != j:
+            pair[i] += d
+            pair[j] -= d
+            changed.append(pair.view_as(ids))
+    for c in changed:
+        assert not torch.equal(c, ids)
+        assert int(consistency._content_hash(c)) != h
+    emb = torch.randn(2, 9, 3, dtype=torch.float64, generator=g)
+    flipped = emb.clone()
+    flipped[1, 4, 2] = -flipped[1, 4, 2]
+    assert int(consistency._content_hash(flipped)) != int(consistency._content_hash(emb))
+    zero = torch.zeros(5)
+    negzero = zero.clone()
+    negzero[2] = -0.0
+    assert int(consistency._content_hash(negzero)) != int(consistency._content_hash(zero))
 
 
 def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> None:
@@ -351,3 +463,34 @@ def test_an_entrys_value_hash_does_not_depend_on_the_entries_before_it() -> None
     assert long.names == short.names == ["parameter a", "parameter b", "buffer c"]
     assert long.values[0] != short.values[0]
     assert torch.equal(long.values[1:], short.values[1:])
+
+
+def test_fingerprint_of_per_row_seq_lens_sees_every_length_and_the_nesting() -> None:
+    """Per-row seq_lens (lists of int lists) hash as one tensor: a changed length, a document
+    moved to the next row, swapped rows, an empty row, and a flat list with the same encoding
+    each change the seq_lens slot (the small ones their description too); huge ints fall back to
+    the item-by-item digest."""
+    from cpshard.sharding.consistency import _nested_ints
+
+    nested = _nested_ints([[3, 5], [8]])
+    assert nested is not None and nested.tolist() == [2, 2, 1, 3, 5, 8]  # the one-tensor path
+    assert _nested_ints([[3, 5], [2**70]]) is None and _nested_ints([[3], "x"]) is None
+    ids = torch.ones(2, 8, dtype=torch.long)
+    base = {"input_ids": ids, "seq_lens": [[3, 5], [8]]}
+    for other in (
+        [[3, 5], [7, 1]],
+        [[3], [5, 8]],
+        [[8], [3, 5]],
+        [[3, 5], [8], []],
+        [2, 2, 1, 3, 5, 8],  # flat: the nested encoding's own values
+        [[3, 5], [2**70]],
+    ):
+        assert "seq_lens" in _differs(base, {**base, "seq_lens": other}), other
+    assert not _differs(base, {**base, "seq_lens": [[3, 5], [8]]})
+    assert _differs(base, {**base, "seq_lens": ([3, 5], [8])})  # a tuple: its description
+    assert not _differs({**base, "seq_lens": [[2**70]]}, {**base, "seq_lens": [[2**70]]})
+    many = [[int(v) for v in torch.randint(1, 50, (500,))] for _ in range(8)]
+    changed = [row[:] for row in many]
+    changed[5][321] += 1
+    changed[5][322] -= 1
+    assert "seq_lens" in _differs({**base, "seq_lens": many}, {**base, "seq_lens": changed})

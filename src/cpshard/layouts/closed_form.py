@@ -40,6 +40,7 @@ from cpshard.layouts.index import padded_length
 from cpshard.layouts.placement import Placement, pad_document_ids
 
 __all__ = [
+    "MAX_RUNS",
     "ClosedFormLayout",
     "ContiguousLayout",
     "NoneLayout",
@@ -54,6 +55,15 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"world_size must be >= 1, got world_size={world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
+
+
+def _check_none(rank: int, world_size: int) -> None:
+    if world_size != 1:
+        raise ValueError(
+            f"the 'none' layout is for cp_size == 1, got cp_size={world_size}; "
+            "use round_robin or contiguous for CP"
+        )
+    _check_rank(rank, world_size)
 
 
 def _check_divisible(padded_seq_len: int, divisor: int, what: str) -> None:
@@ -114,6 +124,26 @@ def round_robin_local_indices(
     return torch.cat([head, tail])
 
 
+MAX_RUNS = 64
+"""A rank map of more contiguous runs than this per rank is copied by index, not by runs."""
+
+
+def index_runs(indices: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The contiguous runs of an index: ``((start, length), ...)`` whose ``arange`` ranges,
+    concatenated in order, are ``indices`` (one pass over the small index).
+
+    Args:
+        indices: LongTensor ``[N]``.
+    """
+    if indices.numel() == 0:
+        return ()
+    flat = indices.reshape(-1).to("cpu")
+    breaks = (torch.nonzero(flat[1:] - flat[:-1] != 1).reshape(-1) + 1).tolist()
+    bounds = [0, *breaks, flat.numel()]
+    starts = flat[bounds[:-1]].tolist()
+    return tuple((int(st), b - a) for st, a, b in zip(starts, bounds[:-1], bounds[1:], strict=True))
+
+
 @dataclass(frozen=True)
 class ClosedFormLayout(ABC):
     """A layout whose map depends only on ``(rank, world_size, padded_seq_len)``."""
@@ -140,6 +170,14 @@ class ClosedFormLayout(ABC):
     def padded_length(self, seq_len: int, world_size: int) -> int:
         """Padded global length this layout needs for ``seq_len`` tokens."""
         return padded_length(seq_len, self.divisor(world_size))
+
+    def local_runs(
+        self, rank: int, world_size: int, padded_seq_len: int
+    ) -> tuple[tuple[int, int], ...]:
+        """``((start, length), ...)``: rank ``rank``'s local tokens as contiguous runs of global
+        positions, in local order (the runs of :meth:`local_indices`; the built-in layouts
+        know them in closed form, 1 or 2 runs)."""
+        return index_runs(self.local_indices(rank, world_size, padded_seq_len))
 
     def rank_map(
         self, world_size: int, padded_seq_len: int, device: torch.device | str | None = None
@@ -168,14 +206,29 @@ class ClosedFormLayout(ABC):
             device: Device of the maps.
         """
         padded = self.padded_length(seq_len, world_size)
-        rank_map = self.rank_map(world_size, padded, device)
+        runs: tuple[tuple[int, int], ...] | None = tuple(
+            run for r in range(world_size) for run in self.local_runs(r, world_size, padded)
+        )
+        if runs is not None and len(runs) <= MAX_RUNS * world_size:
+            # the rank map from its runs: one arange and a gather of its slices
+            ar = torch.arange(padded, dtype=torch.long, device=device)
+            rank_map = torch.cat([ar[a : a + n] for a, n in runs]).reshape(world_size, -1)
+        else:
+            rank_map, runs = self.rank_map(world_size, padded, device), None
         if padding_mask is None and padded == seq_len:
             docs = torch.zeros(1, padded, dtype=torch.long, device=device)
         else:
-            pad = torch.ones(rows, padded, dtype=torch.bool, device=device)
-            pad[:, :seq_len] = False if padding_mask is None else padding_mask.bool()
-            docs = pad_document_ids(torch.zeros_like(pad, dtype=torch.long), pad)
-        return Placement(rank_map, docs, CallerCoordinates(seq_len, padded))
+            # one pass: -1 - position where pad, 0 (the row's one document) where real
+            pad = (
+                torch.zeros(rows, seq_len, dtype=torch.bool, device=device)
+                if padding_mask is None
+                else padding_mask.to(device=device, dtype=torch.bool).expand(rows, seq_len)
+            )
+            if padded > seq_len:
+                tail = torch.ones(rows, padded - seq_len, dtype=torch.bool, device=device)
+                pad = torch.cat([pad, tail], dim=1)
+            docs = pad_document_ids(torch.zeros((), dtype=torch.long, device=device), pad)
+        return Placement(rank_map, docs, CallerCoordinates(seq_len, padded), stream_runs=runs)
 
 
 @dataclass(frozen=True)
@@ -196,13 +249,14 @@ class NoneLayout(ClosedFormLayout):
         padded_seq_len: int,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
-        if world_size != 1:
-            raise ValueError(
-                f"the 'none' layout is for cp_size == 1, got cp_size={world_size}; "
-                "use round_robin or contiguous for CP"
-            )
-        _check_rank(rank, world_size)
+        _check_none(rank, world_size)
         return torch.arange(padded_seq_len, dtype=torch.long, device=device)
+
+    def local_runs(
+        self, rank: int, world_size: int, padded_seq_len: int
+    ) -> tuple[tuple[int, int], ...]:
+        _check_none(rank, world_size)
+        return ((0, padded_seq_len),)
 
 
 @dataclass(frozen=True)
@@ -237,6 +291,16 @@ class ContiguousLayout(ClosedFormLayout):
     ) -> torch.Tensor:
         return contiguous_local_indices(rank, world_size, padded_seq_len, device)
 
+    def local_runs(
+        self, rank: int, world_size: int, padded_seq_len: int
+    ) -> tuple[tuple[int, int], ...]:
+        _check_rank(rank, world_size)
+        _check_divisible(
+            padded_seq_len, world_size, f"the contiguous layout at cp_size={world_size}"
+        )
+        local = padded_seq_len // world_size
+        return ((rank * local, local),)
+
 
 @dataclass(frozen=True)
 class RoundRobinLayout(ClosedFormLayout):
@@ -260,3 +324,16 @@ class RoundRobinLayout(ClosedFormLayout):
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
         return round_robin_local_indices(rank, world_size, padded_seq_len, device)
+
+    def local_runs(
+        self, rank: int, world_size: int, padded_seq_len: int
+    ) -> tuple[tuple[int, int], ...]:
+        _check_rank(rank, world_size)
+        _check_divisible(
+            padded_seq_len, 2 * world_size, f"the round_robin layout at cp_size={world_size}"
+        )
+        chunk = padded_seq_len // (2 * world_size)
+        head, tail = rank * chunk, (2 * world_size - 1 - rank) * chunk
+        if tail == head + chunk:  # the middle rank's two chunks touch: one run
+            return ((head, 2 * chunk),)
+        return ((head, chunk), (tail, chunk))

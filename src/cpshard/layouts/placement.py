@@ -26,14 +26,17 @@ def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> 
     """Give each pad token its own negative document id.
 
     Args:
-        document_ids: LongTensor ``[B, P]`` of global document ids (``>= 0``), global order.
+        document_ids: LongTensor ``[B, P]`` of global document ids (``>= 0``), global order, or
+            any shape that broadcasts to ``padding_mask``'s (a 0-d ``0``: one document per row).
         padding_mask: BoolTensor ``[B, P]``, ``True`` = pad, global order.
 
     Returns:
-        LongTensor ``[B, P]``: ``document_ids`` where real, ``-1 - position`` where pad.
+        LongTensor ``[B, P]``: ``document_ids`` where real, ``-1 - position`` where pad (one
+        pass: the negative positions are one ``[P]`` row, broadcast).
     """
-    pos = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    return torch.where(padding_mask, -1 - pos, document_ids)
+    padded = padding_mask.shape[-1]
+    neg = torch.arange(-1, -padded - 1, -1, dtype=torch.long, device=padding_mask.device)
+    return torch.where(padding_mask, neg, document_ids)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,11 +54,17 @@ class Placement:
         coordinates: How the caller addresses the tokens (original length, row shape, input
             positions; :class:`~cpshard.layouts.coordinates.CallerCoordinates`), with
             ``coordinates.padded_seq_len == P``.
+        stream_runs: ``rank_map`` flattened as contiguous runs of global positions,
+            ``((start, length), ...)`` in stream order (the closed-form layouts: 1 or 2 per
+            rank), or ``None``; where given, copies in stream or local order slice the runs
+            instead of indexing token by token (:meth:`local_runs`). Must describe
+            ``rank_map`` exactly (checked in ``__post_init__``, one pass over the small map).
     """
 
     rank_map: torch.Tensor
     document_ids: torch.Tensor
     coordinates: CallerCoordinates
+    stream_runs: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rank_map.dim() != 2 or self.document_ids.dim() != 2:
@@ -70,6 +79,22 @@ class Placement:
                 f"{self.document_ids.shape[-1]} and coordinates.padded_seq_len is "
                 f"{self.coordinates.padded_seq_len}; they must all be P"
             )
+        if self.stream_runs is not None and not self._runs_match():
+            raise ValueError(
+                f"a Placement's stream_runs {self.stream_runs[:8]} do not describe its rank_map "
+                "flattened; pass the runs of rank_map.reshape(-1) or None"
+            )
+
+    def _runs_match(self) -> bool:
+        runs = self.stream_runs
+        assert runs is not None
+        flat = self.rank_map.reshape(-1)
+        if any(n <= 0 for _, n in runs) or sum(n for _, n in runs) != flat.numel():
+            return False
+        if not runs:
+            return True
+        want = torch.cat([torch.arange(a, a + n, device=flat.device) for a, n in runs])
+        return bool(torch.equal(flat.to(torch.long), want))
 
     @property
     def world_size(self) -> int:
@@ -91,6 +116,23 @@ class Placement:
         (``rank_map`` flattened, with ``document_ids``' batch dim; a view, no copy)."""
         return self.rank_map.reshape(1, -1).expand(self.document_ids.shape[0], -1)
 
+    def local_runs(self, rank: int) -> tuple[tuple[int, int], ...] | None:
+        """Rank ``rank``'s local tokens as contiguous runs of global positions (local order),
+        or ``None`` when the placement has no runs."""
+        runs = self.stream_runs
+        if runs is None:
+            return None
+        local, seen, out = self.local_len, 0, []
+        for start, n in runs:  # cut the stream's runs at the rank's bounds
+            lo, hi = max(seen, rank * local), min(seen + n, (rank + 1) * local)
+            if lo < hi:
+                out.append((start + lo - seen, hi - lo))
+            seen += n
+        return tuple(out)
+
     def stream_document_ids(self) -> torch.Tensor:
         """LongTensor ``[B or 1, P]``: ``document_ids`` in rank-major stream order."""
+        runs = self.stream_runs
+        if runs is not None:
+            return torch.cat([self.document_ids[:, a : a + n] for a, n in runs], dim=1)
         return self.document_ids.index_select(1, self.rank_map.reshape(-1))

@@ -17,8 +17,9 @@ extra keys         the caller's pad value (:class:`TokenKey`)
 ``attention_mask`` (2-D ``[B, S]`` with 1 = keep, or 4-D ``[B, 1|H, S, S]``, bool or additive)
 becomes ``padding_mask``. Non-token keys pass through untouched (the same objects). Nothing of the
 caller's is mutated, and no sharded tensor shares memory with the caller's (at ``cp=1`` too):
-every sharded tensor is a new tensor made by ``index_select`` or ``clone`` (both differentiable,
-so ``inputs_embeds`` that require grad pass gradients back).
+every sharded tensor is a new tensor made by ``torch.cat`` of the layout's contiguous runs
+(:func:`take_runs`), ``index_select`` or ``clone`` (all differentiable, so ``inputs_embeds``
+that require grad pass gradients back).
 
 Owns the pad table and the dense ``shard_batch``; it returns the shard's facts and no context
 (the dispatcher adds CP attention).
@@ -48,6 +49,7 @@ __all__ = [
     "pad_tokens",
     "pad_value",
     "shard_batch_dense",
+    "take_runs",
 ]
 
 KNOWN_TOKEN_KEYS = (
@@ -100,7 +102,7 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     if mask.dim() == 2:
         if mask.dtype == torch.bool:
             return ~mask
-        if bool(((mask != 0) & (mask != 1)).any()):
+        if _not_zero_one(mask):
             raise ValueError(
                 "a 2-D attention_mask must be a keep mask (1 = token, 0 = pad, or bool), got "
                 f"values in [{mask.min().item()}, {mask.max().item()}]; convert an additive "
@@ -131,6 +133,17 @@ def attention_mask_to_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     raise ValueError(
         f"attention_mask must be 2-D [B, S] or 4-D [B, 1|H, S, S], got shape {tuple(mask.shape)}"
     )
+
+
+def _not_zero_one(mask: torch.Tensor) -> bool:
+    """Whether a numeric mask holds a value other than ``0`` and ``1``: for integers one
+    min/max reduction (no temporaries), for floats an elementwise test (``0.5`` is in range)."""
+    if mask.numel() == 0:
+        return False
+    if not mask.is_floating_point() and not mask.is_complex():
+        lo, hi = torch.aminmax(mask)
+        return bool(lo < 0) or bool(hi > 1)
+    return bool(((mask != 0) & (mask != 1)).any())
 
 
 def _documents_of(attend: torch.Tensor, real: torch.Tensor) -> list[list[int]] | None:
@@ -425,6 +438,57 @@ def pad_tokens(t: torch.Tensor, dim: int, n: int, value: float | int | bool | No
     return torch.cat([t, t.new_full(shape, value)], dim=dim)
 
 
+def take_runs(
+    t: torch.Tensor,
+    dim: int,
+    runs: tuple[tuple[int, int], ...],
+    value: float | int | bool | None,
+) -> torch.Tensor:
+    """The tokens at ``runs`` of ``t`` padded by :func:`pad_tokens`, without padding ``t``.
+
+    Equal to ``pad_tokens(t, dim, P - S, value).index_select(dim, idx)`` for ``idx`` the
+    concatenated ``arange`` ranges of ``runs``: the real part of each run is a slice of ``t``, its
+    pad part (positions ``>= S``) is made like :func:`pad_tokens` makes it; one copy in all
+    (a new tensor, never a view of ``t``; differentiable).
+
+    Args:
+        t: A per-token tensor with ``S`` tokens on ``dim``.
+        dim: Its sequence dim.
+        runs: ``((start, length), ...)``: contiguous runs of padded-stream positions.
+        value: The pad value (:func:`pad_value`); ``None`` continues positions.
+
+    Returns:
+        ``t``'s tokens at the runs, contiguous, with ``sum(length)`` tokens on ``dim``.
+    """
+    seq = t.shape[dim]
+    # an empty slice of t first: a rank whose tokens are all pads still gets a result in t's
+    # autograd graph (zero gradient), as an index_select of the padded tensor would
+    pieces = [t.narrow(dim, 0, 0)]
+    for start, n in runs:
+        end = start + n
+        if start < seq:
+            pieces.append(t.narrow(dim, start, min(end, seq) - start))
+        if end > seq:
+            lo = max(start, seq)
+            pieces.append(_pad_piece(t, dim, lo - seq, end - lo, value))
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def _pad_piece(
+    t: torch.Tensor, dim: int, offset: int, n: int, value: float | int | bool | None
+) -> torch.Tensor:
+    """Pad slots ``offset .. offset + n - 1`` past the end of ``t`` (as :func:`pad_tokens`)."""
+    if value is None:  # positions continue: last + 1 + offset, ...
+        last = t.narrow(dim, t.shape[dim] - 1, 1)
+        steps = torch.arange(offset + 1, offset + n + 1, device=t.device, dtype=t.dtype)
+        shape = [1] * t.dim()
+        shape[dim] = n
+        return last + steps.reshape(shape)
+    shape = list(t.shape)
+    shape[dim] = n
+    return t.new_full(shape, value)
+
+
 def shard_batch_dense(
     cp_mesh: DeviceMesh | None,
     tp_mesh: DeviceMesh | None,
@@ -474,10 +538,15 @@ def shard_batch_dense(
     # cp=1 runs the same path (same keys, same attention semantics); only copies are skipped.
     identity = world == 1 and padded == seq_len
     local = placement.rank_map[rank]
+    runs = placement.local_runs(rank)
     for key, dim in dims.items():
         if identity:  # still a copy: the sharded batch never shares memory with the caller's
             out[key] = out[key].clone(memory_format=torch.contiguous_format)
             continue
-        t = pad_tokens(out[key], dim, padded - seq_len, pad_value(key, padding_token_id, extra))
+        value = pad_value(key, padding_token_id, extra)
+        if runs is not None:  # a few contiguous slices (and their pads), not token by token
+            out[key] = take_runs(out[key], dim, runs, value)
+            continue
+        t = pad_tokens(out[key], dim, padded - seq_len, value)
         out[key] = t.index_select(dim, local).contiguous()
     return CPContext(None, facts), out

@@ -20,11 +20,12 @@ What it covers, exactly (with ``check_consistency=True``, the default):
 * the arguments: layout, attention method, pad id, ``pad_multiple``, ``num_chunks``,
   ``extra_token_keys``, a given sharder's type, and ``loss_mask`` by content.
 
-Content hash (:func:`_content_hash`): ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1)`` mod ``2**64``
-over every element (``x_k`` the value, or the bits of a float; ``w_k = k * G`` a per-position
-key). Non-linear per element, so the compensating changes that fool a weighted sum, and swaps of
-values, change it. It reads each element once (four int64 passes; the cost is in
-``BENCHMARKS.md``), in bounded chunks.
+Content hash (:func:`_content_hash`): ``sum_k a_k (a_k + K)`` mod ``2**64``, ``a_k = x_k ^ w_k``,
+over every element (``x_k`` the value, or the bits of a float; ``w_k = (2k + 1) * G`` a
+per-position key; ``K`` odd). Non-linear per element, so the compensating changes that fool a
+weighted sum, and swaps of values, change it. It reads each element once, in cache-sized chunks
+with reused buffers (two int64 passes, a fused square-sum and a sum per chunk; the cost is in
+``BENCHMARKS.md``).
 
 Not covered: tensors handed only to the token verbs (``sharder.shard_token_tensor(advantages)``
 has no collective to ride; ``gather_token_tensor`` compares dtype, shape and arguments, not
@@ -47,6 +48,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,7 +126,12 @@ def _describe(value: Any) -> str:
 
 
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
-_CHUNK = 1 << 20  # elements hashed at a time: int64 temporaries stay at 8 MB
+_ODD = -0x2917014799A6026D  # 0xD6E8FEB86659FD93 as a signed int64: the hash's odd K
+# Elements hashed at a time on the CPU: 256 KB int64 buffers stay in cache, and their one 1 MB
+# block stays under the 2 MB allocations of a [8, 32768] batch, which glibc serves by a fresh
+# mmap each (1 << 16 was slower in the prepare: its 2 MB block page-faulted on every call).
+_CHUNK = 1 << 15
+_CHUNK_ACCELERATOR = 1 << 20  # on a GPU: fewer, larger launches (8 MB temporaries)
 
 
 _PADDING_KEYS = ("attention_mask", "padding_mask")
@@ -143,60 +150,88 @@ def _describe_entry(key: object, value: Any) -> str:
     return _describe(value)
 
 
-def _as_int64_bits(x: torch.Tensor) -> torch.Tensor:
-    """The values of ``x`` as int64: integers and bools by value, floats by their bits."""
+def _int64_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened, as integers: integers and bools by value, floats (and complex, as pairs
+    of floats) by their bits; a view where ``t`` is contiguous. The hash widens it to int64."""
+    x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     if x.is_floating_point():
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         x = x.contiguous().view(bits[x.element_size()])
-    return x.reshape(-1).to(torch.long)
+    return x.reshape(-1)
 
 
-def _position_keys(
-    n: int, device: torch.device, start: int = 0, cache: dict[Any, torch.Tensor] | None = None
-) -> torch.Tensor:
-    """``w_k = k * G`` for ``k`` in ``[start, start + n)`` (int64, mod ``2**64``); read only.
+def _scratch(
+    store: dict[Any, torch.Tensor] | None, device: torch.device, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keys, w, a, x)``: the chunk's base keys ``(2j + 1) * G`` (``j < chunk``, read only)
+    and three int64 work buffers of ``chunk`` elements, from ``store`` (one fingerprint's: the
+    tensors of one batch share them) or new."""
+    slot = (str(device), chunk)
+    got = None if store is None else store.get(slot)
+    if got is None:
+        got = torch.empty(4 * chunk, device=device, dtype=torch.long)
+        torch.arange(1, 2 * chunk, 2, out=got[:chunk]).mul_(_GOLDEN)
+        if store is not None:
+            store[slot] = got
+    return got[:chunk], got[chunk : 2 * chunk], got[2 * chunk : 3 * chunk], got[3 * chunk :]
 
-    ``cache``: one call's store, so tensors of one size share their keys (only whole tensors of
-    at most :data:`_CHUNK` elements are kept: a few MB at most).
-    """
-    key = (n, str(device))
-    if cache is not None and start == 0 and n <= _CHUNK:
-        hit = cache.get(key)
-        if hit is None:
-            hit = cache[key] = _position_keys(n, device)
-        return hit
-    return torch.arange(start, start + n, device=device, dtype=torch.long).mul_(_GOLDEN)
+
+def _square_sum(a: torch.Tensor) -> torch.Tensor:
+    """``sum_k a_k ** 2`` mod ``2**64`` (int64): one fused pass on the CPU, a product and a sum
+    elsewhere (``torch.dot`` of integers is CPU-only); ``a`` is scratch (overwritten)."""
+    if a.device.type == "cpu":
+        return torch.dot(a, a)
+    return a.mul_(a).sum()
+
+
+def _as_int64(value: int) -> int:
+    """A Python int wrapped to the int64 range (mod ``2**64``)."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
-    """0-d int64 tensor: ``sum_k (x_k ^ w_k) * ((x_k + w_k) | 1) + numel``, mod ``2**64``.
+    """0-d int64 tensor: ``sum_k a_k * (a_k + K) + numel``, ``a_k = x_k ^ w_k``, mod ``2**64``.
 
-    Every element of every tensor is hashed: ``x_k`` are the values (integers and bools) or the
-    bits (floating point, so ``-0.0`` and each NaN payload count as different values),
-    ``w_k = k * G`` a per-position key (``G`` the odd 64-bit golden ratio). Each term is a product
-    of two different functions of the value, i.e. non-linear: the compensating changes that fool
-    a weighted sum (``+3`` here, ``-1`` there) and swaps of values change it. Four int64 passes
-    over the values, in chunks of :data:`_CHUNK` elements, so the temporaries stay small for
-    ``inputs_embeds``; ``keys``: a store of the position keys ``w`` for the tensors of one batch
-    (:func:`_position_keys`), which tensors of one size share.
+    Every element of every tensor is hashed: ``x_k`` are the values (integers and bools, widened
+    to int64) or the bits (floating point, so ``-0.0`` and each NaN payload count as different
+    values); ``w_k = (2k + 1) * G`` is a per-position key (``G`` the odd 64-bit golden ratio)
+    and ``K`` an odd constant. Each term is a quadratic function of the keyed value, i.e.
+    non-linear: the compensating changes that fool a weighted sum (``+3`` here, ``-1`` there)
+    and swaps of values change it. One value's change is missed only where
+    ``(a' - a)(a' + a + K) = 0`` mod ``2**64``; ``K`` odd makes ``a' + a + K`` odd when
+    ``a' - a`` is even, so a flip of the top bit alone (``a' - a = 2**63``) always counts.
+
+    Computed as ``sum a**2 + K * sum a``: per chunk of :data:`_CHUNK` elements (cache-sized
+    buffers, reused) the chunk's keys (one add), the xor, a fused square-sum (``torch.dot``) and
+    a sum; no temporary of the tensor's size. The value does not depend on the chunk size.
+
+    Args:
+        t: Any tensor (a meta or empty one hashes to 0).
+        keys: One fingerprint's store of the base keys and work buffers (:func:`_scratch`),
+            which the tensors of one batch share; ``None``: this call's own.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
-    flat = t.detach()
-    if flat.is_complex():
-        flat = torch.view_as_real(flat)
-    flat = flat.reshape(-1)
+    flat = _int64_view(t)
     n = flat.numel()
-    total = torch.zeros((), dtype=torch.long, device=flat.device)
-    for start in range(0, n, _CHUNK):
-        x = _as_int64_bits(flat[start : start + _CHUNK])
-        w = _position_keys(x.numel(), x.device, start, keys)
-        a = x ^ w
-        b = torch.add(x, w).bitwise_or_(1)
-        total = total + a.mul_(b).sum()
-    return total + n
+    chunk = min(_CHUNK if flat.device.type == "cpu" else _CHUNK_ACCELERATOR, n)
+    base, w_buf, a_buf, x_buf = _scratch(keys, flat.device, chunk)
+    squares = torch.zeros((), dtype=torch.long, device=flat.device)
+    linear = torch.zeros((), dtype=torch.long, device=flat.device)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        x = flat[start : start + m]
+        if x.dtype != torch.long:
+            x = x_buf[:m].copy_(x)
+        # w_k = (2k + 1) G = (2j + 1) G + 2 * start * G for k = start + j
+        shift = _as_int64(2 * start * _GOLDEN)
+        w = base[:m] if start == 0 else torch.add(base[:m], shift, out=w_buf[:m])
+        a = torch.bitwise_xor(x, w, out=a_buf[:m])
+        linear += a.sum()
+        squares += _square_sum(a)
+    return squares + linear * _ODD + n
 
 
 content_hash = _content_hash  # public: the sharder's batch record hashes its local tensors too
@@ -269,6 +304,28 @@ def _as_hashable_tensor(value: Any) -> torch.Tensor | None:
         return None
 
 
+_NESTED_TAG = _str_hash("nested int lists")
+
+
+def _nested_ints(value: Any) -> torch.Tensor | None:
+    """A list (or tuple) of lists / tuples of ints (per-row ``seq_lens``) as one LongTensor
+    ``[1 + R + N]``: the row count, each row's length, then the values in order (a prefix code:
+    two different nestings never give the same tensor); ``None`` for anything else (hashed by
+    :func:`_digest`). The caller tags its hash (:data:`_NESTED_TAG`), so it never equals a flat
+    list's. Never raises."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    if not all(isinstance(row, list | tuple) for row in value):
+        return None
+    if not all(isinstance(v, int) for row in value for v in row):  # bools are ints
+        return None
+    try:
+        head = [len(value), *(len(row) for row in value)]
+        return torch.as_tensor(head + list(itertools.chain.from_iterable(value)), dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None
+
+
 def batch_fingerprint(
     batch: object,
     *,
@@ -303,12 +360,12 @@ def batch_fingerprint(
     opts = dict(options or {})
     opt_text = []
     other = torch.zeros((), dtype=torch.long)
-    keys_of_size: dict[Any, torch.Tensor] = {}  # this call's position keys, shared by size
+    scratch: dict[Any, torch.Tensor] = {}  # this call's hash keys and buffers, shared
     for name in sorted(opts):
         v = opts[name]
         opt_text.append(f"{name}={_describe(v)}")
         if isinstance(v, torch.Tensor) and hashed:
-            other = other + _content_hash(v, keys_of_size) * (2 * len(opt_text) + 1)
+            other = other + _content_hash(v, scratch) * (2 * len(opt_text) + 1)
     slots["options"] = _str_hash(";".join(opt_text))
     if not isinstance(batch, Mapping):
         slots["keys"] = _str_hash(_describe(batch))
@@ -329,7 +386,13 @@ def batch_fingerprint(
         value = batch[key]
         t = _as_hashable_tensor(value)
         field = _CONTENT.get(str(key), "other keys")
-        h = _content_hash(t, keys_of_size) if t is not None else _digest(value)
+        nested = None if t is not None else _nested_ints(value)
+        if t is not None:
+            h: int | torch.Tensor = _content_hash(t, scratch)
+        elif nested is not None:  # per-row seq_lens: one tensor hash, not one per document
+            h = _content_hash(nested, scratch) ^ _NESTED_TAG
+        else:
+            h = _digest(value)
         if field == "other keys":  # the key's name too, so two keys' values cannot swap
             h = h ^ _str_hash(str(key))
             h = h * (2 * i + 3) if isinstance(h, torch.Tensor) else _wrap(h * (2 * i + 3))

@@ -205,13 +205,14 @@ def local_record(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], i
     """``{key: (shape, content hash)}`` of a sharded batch's local ``input_ids`` / ``position_ids``.
 
     One content hash per key (every element; :func:`cpshard.sharding.consistency.content_hash`),
-    computed once per shard.
+    computed once per shard; the two hashes share one set of work buffers.
     """
     out: dict[str, tuple[tuple[int, ...], int]] = {}
+    scratch: dict[Any, torch.Tensor] = {}  # the hash's keys and buffers, shared by the keys
     for key in RECORDED_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            out[key] = (tuple(value.shape), int(content_hash(value)))
+            out[key] = (tuple(value.shape), int(content_hash(value, scratch)))
     return out
 
 
