@@ -203,16 +203,28 @@ def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.n
     exchange receives) and the slots its peers need of it (what it sends).
 
     The row and column sums of :func:`exchange_counts` off the diagonal, in ``O(R log R)`` for one
-    row group: a rank receives ``|U_t & keys| - |U_t & own keys|`` (``U_t`` the codes its queries
+    row group (prefix sums in code order where
+    :meth:`~cpshard.attention.visibility.RankRuns.tiled_sums` applies): a rank receives
+    ``|U_t & keys| - |U_t & own keys|`` (``U_t`` the codes its queries
     see), and what all ranks need of a key run is the integral over the run of the *depth*, the
     number of ranks whose ``U_t`` covers a code (one sweep over every ``U_t``'s ends). With several
     row groups, the union over the groups of the slots rank ``t`` needs
     (:func:`_union_sums`): what the exchange moves, not the per-group sum.
     """
-    c = a.world
     if len(a.runs) != 1:
         return _union_sums(a, causal, window)
-    runs = a.runs[0]
+    tiled = a.runs[0].tiled_sums(causal) if window is None else None
+    if tiled is not None:
+        return tiled.recv, tiled.send
+    return _searched_sums(a.runs[0], causal, window)
+
+
+def _searched_sums(
+    runs: RankRuns, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`exchange_sums` of one row group by binary searches and the depth sweep (any
+    stream, any window)."""
+    c = runs.world
     every = runs.keys()
     if runs.blocked:  # every rank at once, in its rank block
         u = runs.block_seen(causal, window)

@@ -47,6 +47,7 @@ __all__ = [
     "KeyCounts",
     "RankRuns",
     "StreamRuns",
+    "TiledSums",
     "Union",
     "coded",
     "per_rank",
@@ -385,6 +386,8 @@ class RankRuns:
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
         self._by_code: StreamRuns | None = None
+        self._order: _I64 | None = None
+        self._tiled: dict[bool, TiledSums | None] = {}
         self._block_keys: KeyCounts | None = None
         self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
 
@@ -398,8 +401,22 @@ class RankRuns:
         already, so the sort merges ``C`` sorted blocks)."""
         if self._by_code is None:
             order = np.argsort(self.real.code, kind="stable")
+            self._order = order
             self._by_code = self.real.take(order)
         return self._by_code
+
+    def tiled_sums(self, causal: bool) -> TiledSums | None:
+        """The per-rank sums of :class:`TiledSums` without a window, by prefix sums in code order
+        (``O(R)`` after :meth:`by_code`'s sort, no binary search), or ``None`` where they do not
+        apply: two real tokens share a ``(document, position)``, or a rank's runs are not in
+        code order in the stream (then :func:`visible_pairs` and the unions answer, as for a
+        window). Every built-in layout's stream qualifies (each position once, each rank's
+        slots in position order)."""
+        if causal not in self._tiled:
+            ordered = self.by_code()
+            assert self._order is not None
+            self._tiled[causal] = _tiled_sums(self.real, ordered, self._order, self.world, causal)
+        return self._tiled[causal]
 
     def keys(self, rank: int | None = None) -> KeyCounts:
         """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's).
@@ -455,6 +472,93 @@ class RankRuns:
                 lo, hi = lo + self.shift(), hi + self.shift()
             hit = self._seen[key] = Union(lo, hi)
         return hit
+
+
+@dataclass(frozen=True)
+class TiledSums:
+    """Per-rank sums of one row group's real runs for a mask without a window (see
+    :meth:`RankRuns.tiled_sums`); pad tokens are not counted.
+
+    Attributes:
+        pairs: ``[C]`` visible pairs of each rank's queries against every key.
+        local: ``[C]`` of those, against the rank's own keys.
+        recv: ``[C]`` remote key slots each rank's queries see.
+        send: ``[C]`` sum over the other ranks of the rank's key slots they see.
+    """
+
+    pairs: _I64
+    local: _I64
+    recv: _I64
+    send: _I64
+
+
+def _group_prefix(n: _I64, head: npt.NDArray[np.bool_]) -> tuple[_I64, _I64]:
+    """``(before, total)``: per element, the sum of ``n`` over the earlier elements of its group
+    (groups start where ``head`` holds, ``head[0]`` true) and its group's whole sum."""
+    incl = np.cumsum(n)
+    excl = incl - n
+    gid = np.cumsum(head) - 1
+    first = np.flatnonzero(head)
+    last = np.append(first[1:], n.size) - 1
+    before: _I64 = excl - excl[first][gid]
+    total: _I64 = (incl[last] - excl[first])[gid]
+    return before, total
+
+
+def _tiled_sums(
+    real: StreamRuns, ordered: StreamRuns, order: _I64, world: int, causal: bool
+) -> TiledSums | None:
+    """:meth:`RankRuns.tiled_sums` from the real runs (stream order), the same runs sorted by
+    code (``ordered = real.take(order)``).
+
+    With every real token's code distinct, the runs of one document sorted by code are disjoint
+    and ascending, so the keys below a run are the tokens of the document's earlier runs, and
+    a query ``q`` of run ``i`` sees ``before(i) + (q - code(i)) + 1`` keys (causal; all of its
+    document's keys otherwise). A rank's queries of one document see the codes up to the end
+    of its last run there (causal), which holds every key of the document's runs up to that
+    one: rank ``t`` receives those minus its own, and a key run is seen whole by every rank
+    whose last run of the document is at or after it (by none of the others).
+    """
+    c = world
+    z = np.zeros(c, dtype=np.int64)
+    if not real.n.size:
+        return TiledSums(z, z, z, z)
+    code, n, rank = real.code, real.n, real.rank
+    end = code + n
+    same_rank = rank[1:] == rank[:-1]
+    if not bool(((code[1:] >= end[:-1]) | ~same_rank).all()):
+        return None  # a rank's runs out of code order, or overlapping
+    s_code, s_n = ordered.code, ordered.n
+    if not bool((s_code[1:] >= s_code[:-1] + s_n[:-1]).all()):
+        return None  # two real tokens share a (document, position)
+    s_doc, s_rank = ordered.doc, ordered.rank
+    # document groups in code order; (rank, document) groups in stream order
+    head = np.ones(s_n.size, dtype=bool)
+    head[1:] = s_doc[1:] != s_doc[:-1]
+    before, doc_total = _group_prefix(s_n, head)
+    own_head = np.ones(n.size, dtype=bool)
+    own_head[1:] = ~same_rank | (real.doc[1:] != real.doc[:-1])
+    own_before, own_total = _group_prefix(n, own_head)
+    last = np.empty(n.size, dtype=bool)  # the last run of its (rank, document)
+    last[:-1] = own_head[1:]
+    last[-1] = True
+    s_last = last[order]
+    mine = per_rank(rank, n, c)
+    if causal:
+        pairs = per_rank(s_rank, s_n * before + s_n * (s_n + 1) // 2, c)
+        local = per_rank(rank, n * own_before + n * (n + 1) // 2, c)
+        seen = before + s_n  # keys of the document up to the end of each run
+        # ranks whose last run of the document is at or after each run
+        marks, in_doc = _group_prefix(s_last.astype(np.int64), head)
+        after = in_doc - marks
+    else:
+        pairs = per_rank(s_rank, s_n * doc_total, c)
+        local = per_rank(rank, n * own_total, c)
+        seen = doc_total
+        _, after = _group_prefix(s_last.astype(np.int64), head)
+    recv = per_rank(s_rank[s_last], seen[s_last], c) - mine
+    send = per_rank(s_rank, s_n * after, c) - mine
+    return TiledSums(pairs, local, recv, send)
 
 
 def _joined(runs: StreamRuns) -> tuple[_I64, _I64]:

@@ -1,0 +1,115 @@
+"""The prefix-sum facts of :meth:`RankRuns.tiled_sums` against the rule, token by token, and
+against the binary-search path they replace, on the streams of every packed layout (TE's
+``packed`` cuts each document into ``2C`` chunks and pads it) and on streams where they must
+step aside (repeated positions, a rank's slots out of position order)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_visibility import _dense
+
+from cpshard.attention.cost import _pairs, _searched_pairs, plan_facts
+from cpshard.attention.selective_plan import _searched_sums, exchange_sums, meta_arrays
+from cpshard.layouts.documents import PackSpec
+from cpshard.sharding.meta import TokenMeta
+from cpshard.tools.balance import all_plans
+from cpshard.tools.plan_cost import plan_meta
+
+MASKS = ((True, None), (True, 1), (True, 3), (False, None))
+
+
+def _metas(rng: np.random.Generator, world: int) -> list[tuple[str, TokenMeta]]:
+    """Rank 0's meta of one random packed row under every layout."""
+    tokens = 2 * world * int(rng.integers(3, 12))
+    lens, left = [], tokens
+    while left:
+        n = min(left, int(rng.integers(1, 3 * world + 4)))
+        lens.append(n)
+        left -= n
+    spec = PackSpec.from_seq_lens([lens], tokens)
+    return [(p.layout, plan_meta(p, 0)) for p in all_plans(spec, world, include_torch=False)]
+
+
+def _assert_dense(meta: TokenMeta, world: int, causal: bool, window: int | None) -> None:
+    a = meta_arrays(meta)
+    pairs, local, _, moved = _dense(a.pos, a.doc, world, causal, window)
+    facts = plan_facts(meta, causal, window)
+    diag = np.diag(moved)
+    np.testing.assert_array_equal(facts.pairs, pairs)
+    np.testing.assert_array_equal(facts.local_pairs, local)
+    np.testing.assert_array_equal(facts.recv_slots, moved.sum(axis=1) - diag)
+    np.testing.assert_array_equal(facts.send_slots, moved.sum(axis=0) - diag)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_layout_streams_take_the_prefix_sums_and_equal_the_rule(world: int) -> None:
+    rng = np.random.default_rng(world)
+    for _ in range(6):
+        for layout, meta in _metas(rng, world):
+            a = meta_arrays(meta)
+            runs = a.runs[0]
+            for causal in (True, False):
+                tiled = runs.tiled_sums(causal)
+                assert tiled is not None, layout
+                pairs, local = _searched_pairs(runs, a.frame, causal, None)
+                recv, send = _searched_sums(runs, causal, None)
+                np.testing.assert_array_equal(tiled.pairs, pairs)
+                np.testing.assert_array_equal(tiled.local, local)
+                np.testing.assert_array_equal(tiled.recv, recv)
+                np.testing.assert_array_equal(tiled.send, send)
+            for causal, window in MASKS:  # windows: the searches; every mask: the rule
+                _assert_dense(meta, world, causal, window)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_several_row_groups_take_the_prefix_sums_per_group(world: int) -> None:
+    """Rows of different structure (layouts of one batch, TE's ``packed`` of several batches):
+    the pairs are summed per group, the exchange is the union over the groups."""
+    rng = np.random.default_rng(10 + world)
+    tested = 0
+    for _ in range(12):
+        by_width: dict[tuple[str, int], list[TokenMeta]] = {}
+        for _ in range(2):
+            for layout, m in _metas(rng, world):
+                key = (layout == "packed", int(m.positions.shape[1]))
+                by_width.setdefault(key, []).append(m)
+        for rows in by_width.values():
+            if len(rows) < 2:
+                continue
+            pos = torch.cat([m.positions for m in rows]).clone()
+            doc = torch.cat([m.document_ids for m in rows]).clone()
+            meta = TokenMeta(0, world, pos, doc)
+            a = meta_arrays(meta)
+            if len(a.runs) < 2:
+                continue
+            assert all(r.tiled_sums(True) is not None for r in a.runs)
+            tested += 1
+            for causal, window in MASKS:
+                _assert_dense(meta, world, causal, window)
+    assert tested >= 6
+
+
+def test_streams_that_break_the_order_step_aside() -> None:
+    """Repeated positions, or a rank's slots out of position order: no prefix sums, and the
+    searches still give the rule's counts."""
+    world, n = 2, 4
+    pos = np.arange(world * n)
+    doc = np.zeros(world * n, dtype=np.int64)
+    swapped = pos.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # rank 0 holds position 1 before 0
+    repeated = pos // 2  # every position twice
+    for p in (swapped, repeated):
+        meta = TokenMeta(0, world, torch.from_numpy(p[None]), torch.from_numpy(doc[None]))
+        a = meta_arrays(meta)
+        for causal in (True, False):
+            assert a.runs[0].tiled_sums(causal) is None
+        for causal, window in MASKS:
+            _assert_dense(meta, world, causal, window)
+            got = (*_pairs(a, causal, window), *exchange_sums(a, causal, window))
+            pairs, local = _searched_pairs(a.runs[0], a.frame, causal, window)
+            want = (pairs + a.runs[0].pad_tokens, local + a.runs[0].pad_tokens,
+                    *_searched_sums(a.runs[0], causal, window))  # fmt: skip
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
