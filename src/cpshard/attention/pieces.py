@@ -376,10 +376,11 @@ def _word(a: _I64, b: _I64) -> npt.NDArray[np.uint64]:
 def _masks(
     p: Pieces, idx: _I64, slot: _I64, r0: _I64, c0: _I64, shape: tuple[_I64, _I64],
     window: int | None, device: torch.device,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> tuple[list[torch.Tensor], _I64]:  # fmt: skip
     """Bool masks ``[1, h[m], w[m]]`` (``shape = (h, w)``): mask ``slot[i]`` holds piece
     ``idx[i]``'s pattern at row ``r0[i]``, column ``c0[i]`` (the union where several pieces
-    share a mask).
+    share a mask). Returns ``(views, of)``: ``views[j]`` is mask ``of[j]`` (the masks in their
+    layout order, so the caller places them with one permutation of its own).
 
     Vectorized over the pieces' rows: a mask row is at most :data:`TILE` = 64 columns, so each
     row of each mask is one ``uint64`` word, the OR of its pieces' column intervals; the words
@@ -432,10 +433,7 @@ def _masks(
         block = big[at : at + rows * width].view(1, rows, width)
         views.extend(block.split_with_sizes(h_of[s:e], dim=1))
         at += rows * width
-    out: list[torch.Tensor] = [big] * h.size
-    for i, v in zip(order.tolist(), views, strict=True):
-        out[i] = v
-    return out
+    return views, order
 
 
 KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
@@ -551,22 +549,25 @@ def _tasks_by_key(
         k0s, k1s = np.concatenate([k0s, g_k0]), np.concatenate([k1s, g_k1])
         tkeys = np.concatenate([tkeys, t_keys])
         kinds = np.concatenate([kinds, np.full(n_tiles, -1, dtype=np.int64)])
-    dev_masks: list[torch.Tensor | None] = [None] * q0s.size
+    # every task's mask as an index into one pool: the masks, the pad identities, then None
+    pool: list[torch.Tensor | None] = []
+    of_task = np.full(q0s.size, -1, dtype=np.int64)
     n_masks = edge.size + n_tiles
     if n_masks:
         cat = np.concatenate
         where = (cat(m_idx), cat(m_slot), cat(m_r), cat(m_c))
-        views = _masks(p, *where, (cat(m_h), cat(m_w)), window, device)
-        at = np.concatenate([edge, direct.size + np.arange(n_tiles)]).tolist()
-        for i, v in zip(at, views, strict=True):
-            dev_masks[i] = v
+        views, of_view = _masks(p, *where, (cat(m_h), cat(m_w)), window, device)
+        at = np.concatenate([edge, direct.size + np.arange(n_tiles)])
+        of_task[at[of_view]] = np.arange(len(views))
+        pool.extend(views)
     ident = np.flatnonzero(kinds == IDENT)
     if ident.size:
         eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
-        sizes = (q1s[ident] - q0s[ident]).tolist()
-        eyes = {n: eye[:, :n, :n] for n in set(sizes)}  # IDENT pieces are square
-        for i, n in zip(ident.tolist(), sizes, strict=True):
-            dev_masks[i] = eyes[n]
+        sizes, which = np.unique(q1s[ident] - q0s[ident], return_inverse=True)
+        of_task[ident] = len(pool) + which.reshape(-1)
+        pool.extend(eye[:, :n, :n] for n in sizes.tolist())  # IDENT pieces are square
+    of_task[of_task < 0] = len(pool)
+    pool.append(None)
     # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
     order = np.lexsort((k0s, q0s, tkeys))
     shift = (int(q1s.max()) + 1) * tkeys[order]  # pairs never see each other's rows
@@ -575,15 +576,12 @@ def _tasks_by_key(
     firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
     sorted_keys = tkeys[order]
     cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
-    make = tuple.__new__
-    tasks = [
-        make(Task, t)
-        for t in zip(
-            q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
-            (kinds[order] == CAUSAL).tolist(), [dev_masks[i] for i in order.tolist()],
-            firsts.tolist(), strict=True,
-        )
-    ]  # fmt: skip
+    columns = zip(
+        q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
+        (kinds[order] == CAUSAL).tolist(), map(pool.__getitem__, of_task[order].tolist()),
+        firsts.tolist(), strict=True,
+    )  # fmt: skip
+    tasks: list[Task] = list(map(tuple.__new__, itertools.repeat(Task, order.size), columns))
     for key in range(n_keys):
         lo, hi = int(cuts[key]), int(cuts[key + 1])
         out[key] = (tuple(tasks[lo:hi]), int(computed_k[key]), int(needed_k[key]))
