@@ -10,8 +10,15 @@ import pytest
 import torch
 from test_visibility import _dense
 
+from _attention_common import visible
 from cpshard.attention.cost import _pairs, _searched_pairs, plan_facts
-from cpshard.attention.selective_plan import _searched_sums, exchange_sums, meta_arrays
+from cpshard.attention.selective_plan import (
+    _searched_sums,
+    exchange_sums,
+    meta_arrays,
+    needed_slots,
+    wanted_of,
+)
 from cpshard.layouts.documents import PackSpec
 from cpshard.sharding.meta import TokenMeta
 from cpshard.tools.balance import all_plans
@@ -32,7 +39,30 @@ def _metas(rng: np.random.Generator, world: int) -> list[tuple[str, TokenMeta]]:
     return [(p.layout, plan_meta(p, 0)) for p in all_plans(spec, world, include_torch=False)]
 
 
+def _assert_slots(meta: TokenMeta, world: int, causal: bool, window: int | None) -> None:
+    """Every rank's received slots and what it sends to each peer, against the rule."""
+    a = meta_arrays(meta)
+    n = a.local_len
+    sees = []  # [t]: the stream slots some query of rank t sees, any row
+    for t in range(world):
+        sl = slice(t * n, (t + 1) * n)
+        sees.append(visible(a.pos[:, sl], a.doc[:, sl], a.pos, a.doc, causal, window).any((0, 1)))
+    for r in range(world):
+        need = sees[r].copy()
+        need[r * n : (r + 1) * n] = False
+        np.testing.assert_array_equal(needed_slots(a, r, causal, window), np.flatnonzero(need))
+        sends = wanted_of(a, r, causal, window)
+        for t in range(world):
+            want = (
+                np.zeros(0, dtype=np.int64)
+                if t == r
+                else np.flatnonzero(sees[t][r * n : (r + 1) * n])
+            )
+            np.testing.assert_array_equal(sends[t], want)
+
+
 def _assert_dense(meta: TokenMeta, world: int, causal: bool, window: int | None) -> None:
+    _assert_slots(meta, world, causal, window)
     a = meta_arrays(meta)
     pairs, local, _, moved = _dense(a.pos, a.doc, world, causal, window)
     facts = plan_facts(meta, causal, window)
@@ -50,9 +80,10 @@ def test_layout_streams_take_the_prefix_sums_and_equal_the_rule(world: int) -> N
         for layout, meta in _metas(rng, world):
             a = meta_arrays(meta)
             runs = a.runs[0]
+            assert runs.tiling() is not None, layout
             for causal in (True, False):
                 tiled = runs.tiled_sums(causal)
-                assert tiled is not None, layout
+                assert tiled is not None
                 pairs, local = _searched_pairs(runs, a.frame, causal, None)
                 recv, send = _searched_sums(runs, causal, None)
                 np.testing.assert_array_equal(tiled.pairs, pairs)
@@ -103,8 +134,7 @@ def test_streams_that_break_the_order_step_aside() -> None:
     for p in (swapped, repeated):
         meta = TokenMeta(0, world, torch.from_numpy(p[None]), torch.from_numpy(doc[None]))
         a = meta_arrays(meta)
-        for causal in (True, False):
-            assert a.runs[0].tiled_sums(causal) is None
+        assert a.runs[0].tiling() is None
         for causal, window in MASKS:
             _assert_dense(meta, world, causal, window)
             got = (*_pairs(a, causal, window), *exchange_sums(a, causal, window))

@@ -33,7 +33,16 @@ import numpy as np
 import torch
 
 from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
-from cpshard.attention.visibility import Depth, Frame, RankRuns, Union, coded, per_rank, raw_runs
+from cpshard.attention.visibility import (
+    Depth,
+    Frame,
+    RankRuns,
+    Tiling,
+    Union,
+    coded,
+    per_rank,
+    raw_runs,
+)
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -115,8 +124,19 @@ def _pads_unique(pos: np.ndarray, doc: np.ndarray) -> bool:
     return True
 
 
+def _tiling_of(a: MetaArrays, window: int | None) -> Tiling | None:
+    """The :class:`~cpshard.attention.visibility.Tiling` of a single row group's runs, for a mask
+    without a window (the slots are whole runs, found by prefix sums), or ``None``."""
+    if window is not None or len(a.runs) != 1:
+        return None
+    return a.runs[0].tiling()
+
+
 def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
     """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
+    tiling = _tiling_of(a, window)
+    if tiling is not None:
+        return tiling.needed(a.runs[0].real, rank, causal)
     need = np.zeros(a.pos.shape[1], dtype=bool)
     for runs in a.runs:
         keys = runs.real.take(runs.real.rank != rank)
@@ -128,6 +148,9 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
     """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees (none for
     ``rank`` itself): what ``rank`` sends to ``t``."""
     c, n = a.world, a.local_len
+    tiling = _tiling_of(a, window)
+    if tiling is not None:
+        return tiling.wanted(rank, c, n, causal)
     if len(a.runs) == 1 and a.runs[0].blocked:  # every peer at once, in its rank block
         runs = a.runs[0]
         own = runs.of(rank)
