@@ -411,28 +411,30 @@ def _masks(
     line, bits_all = np.concatenate(lines), np.concatenate(bits)
     words = np.zeros(n_lines, dtype="<u8")
     np.bitwise_or.at(words, line, bits_all)
+    # masks of one width are one block of lines: unpack each block's ``width`` bits per line
+    # into one contiguous host buffer, then each width's masks are views of it from one split
     flat = np.empty(int((hs * ws).sum()), dtype=bool)
-    wl = np.repeat(ws, hs)  # width of every line
-    cuts = np.flatnonzero(np.diff(wl)) + 1
-    bounds = np.concatenate([[0], cuts, [n_lines]]).tolist()
-    at = 0
-    for s, e in itertools.pairwise(bounds):
-        width = int(wl[s])
-        unpacked = np.unpackbits(words[s:e].view(np.uint8).reshape(-1, 8), axis=1,
-                                 bitorder="little")  # fmt: skip
-        flat[at : at + (e - s) * width] = unpacked[:, :width].reshape(-1).view(bool)
-        at += (e - s) * width
-    big = torch.from_numpy(flat).to(device)
-    views: list[torch.Tensor] = []
-    mask_cut = np.flatnonzero(np.diff(ws)) + 1  # masks of one width: one [1, sum h, w] block
+    as_bytes = words.view(np.uint8).reshape(-1, 8)
+    mask_cut = np.flatnonzero(np.diff(ws)) + 1
     groups = np.concatenate([[0], mask_cut, [h.size]]).tolist()
+    line_at = np.append(line0, n_lines)[groups].tolist()
     h_of, w_of = hs.tolist(), ws.tolist()
     at = 0
-    for s, e in itertools.pairwise(groups):
-        rows, width = sum(h_of[s:e]), w_of[s]
+    blocks = []
+    for (s, e), (l0, l1) in zip(
+        itertools.pairwise(groups), itertools.pairwise(line_at), strict=True
+    ):
+        width = w_of[s]
+        unpacked = np.unpackbits(as_bytes[l0:l1, : (width + 7) // 8], axis=1, count=width,
+                                 bitorder="little")  # fmt: skip
+        flat[at : at + (l1 - l0) * width] = unpacked.reshape(-1).view(bool)
+        blocks.append((at, l1 - l0, width, s, e))
+        at += (l1 - l0) * width
+    big = torch.from_numpy(flat).to(device)
+    views: list[torch.Tensor] = []
+    for at, rows, width, s, e in blocks:
         block = big[at : at + rows * width].view(1, rows, width)
         views.extend(block.split_with_sizes(h_of[s:e], dim=1))
-        at += rows * width
     return views, order
 
 
