@@ -143,3 +143,20 @@ def test_streams_that_break_the_order_step_aside() -> None:
                     *_searched_sums(a.runs[0], causal, window))  # fmt: skip
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(g, w)
+
+
+def test_class_ids_order_like_the_distinct_classes() -> None:
+    """Dense ids (an offset) and spread ids (a sort) both order the classes as their ranks."""
+    from cpshard.attention.pieces import PAD_CLASS, _class_ids
+
+    rng = np.random.default_rng(0)
+    for spread in (10, 1 << 40, 1 << 62):
+        cls = rng.integers(-spread, spread, size=200)
+        cls[rng.random(200) < 0.2] = PAD_CLASS
+        ids = _class_ids(cls)
+        ranks = np.unique(cls, return_inverse=True)[1].reshape(-1)
+        assert ids.min() >= 0
+        np.testing.assert_array_equal(
+            np.argsort(ids, kind="stable"), np.argsort(ranks, kind="stable")
+        )
+        np.testing.assert_array_equal(ids[:, None] == ids[None], ranks[:, None] == ranks[None])

@@ -171,9 +171,8 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     if not q.n.size or not k.n.size:
         z = np.zeros(0, dtype=np.int64)
         return z, z
-    _, inv = np.unique(np.concatenate([q.cls, k.cls]), return_inverse=True)
     groups = int(max(q.grp.max(), k.grp.max())) + 1
-    inv = inv.reshape(-1).astype(np.int64) * groups
+    inv = _class_ids(np.concatenate([q.cls, k.cls])) * groups
     qc, kc_all = inv[: q.cls.size] + q.grp, inv[q.cls.size :] + k.grp
     order = np.lexsort((k.pos, kc_all))
     kcr, kp, kn = kc_all[order], k.pos[order], k.n[order]
@@ -210,6 +209,22 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     keep &= np.where(pad[qi], kend[ki] > a[qi], kend[ki] - lo > lower[qi])
     qi, ki = qi[keep], ki[keep]
     return qi, order[ki]
+
+
+def _class_ids(cls: _I64) -> _I64:
+    """Small non-negative ids of the classes, in their order (:data:`PAD_CLASS` lowest): the
+    offset from the lowest document id where the ids lie in a range of at most ``8 * N + 4096``
+    (one pass; every built-in layout's ids), else the rank among the distinct classes (a
+    sort)."""
+    real = cls != PAD_CLASS
+    if real.any():
+        lo, hi = int(cls[real].min()), int(cls[real].max())
+        if hi - lo <= 8 * cls.size + 4096:
+            out: _I64 = np.where(real, cls - (lo - 1), 0)
+            return out
+    _, inv = np.unique(cls, return_inverse=True)
+    ids: _I64 = inv.reshape(-1).astype(np.int64)
+    return ids
 
 
 def _emit(out: list[tuple[int, ...]], qi: int, qp: int, ki: int, kp: int, qa: int, qb: int,

@@ -153,7 +153,13 @@ def raw_runs(
 
 def coded(runs: StreamRuns, frame: Frame) -> StreamRuns:
     """``runs`` (from :func:`raw_runs`) with document indices of ``frame`` and codes."""
-    doc = np.where(runs.pad, 0, np.searchsorted(frame.docs, runs.doc))
+    docs = frame.docs
+    if docs.size and docs[0] >= 0 and int(docs[-1]) <= 8 * runs.doc.size + 4096:
+        index = np.zeros(int(docs[-1]) + 1, dtype=np.int64)  # dense ids: one lookup, no search
+        index[docs] = np.arange(docs.size, dtype=np.int64)
+        doc = np.where(runs.pad, 0, index[np.where(runs.pad, 0, runs.doc)])
+    else:
+        doc = np.where(runs.pad, 0, np.searchsorted(docs, runs.doc))
     code = np.where(runs.pad, 0, frame.code(doc, runs.pos))
     return StreamRuns(runs.start, runs.n, runs.pos, doc, runs.rank, runs.pad, code)
 
