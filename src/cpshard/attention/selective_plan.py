@@ -32,7 +32,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
+from cpshard.attention.pieces import run_table
+from cpshard.attention.plan import (
+    PairPlan,
+    _merge_pads,
+    host_rows,
+    pair_plan,
+    stream_table,
+    table_plan,
+)
 from cpshard.attention.visibility import (
     Depth,
     Frame,
@@ -42,6 +50,7 @@ from cpshard.attention.visibility import (
     coded,
     per_rank,
     raw_runs,
+    slot_table,
 )
 from cpshard.sharding.meta import TokenMeta
 
@@ -406,7 +415,7 @@ def selective_plan(
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
     merge = host_rows(meta).merge  # holds for the whole stream: so for any of its slots
-    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    remote = _remote_plan(a, rank, recv_slots, q_pos, q_doc, causal, window, device, merge)
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
         send_splits=tuple(int(s.size) for s in sends),
@@ -423,17 +432,36 @@ def selective_plan(
             device=device,
             pads_by_convention=merge,
         ),
-        remote=pair_plan(
-            q_pos,
-            q_doc,
-            k_pos,
-            k_doc,
-            a.rows,
-            causal=causal,
-            window=window,
-            device=device,
-            pads_by_convention=merge,
-        ),
+        remote=remote,
     )
     meta.plan_cache[key] = plan
     return plan
+
+
+def _remote_plan(
+    a: MetaArrays,
+    rank: int,
+    recv_slots: np.ndarray,
+    q_pos: np.ndarray,
+    q_doc: np.ndarray,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    merge: bool,
+) -> PairPlan:
+    """The local queries against the received keys: from the received runs' table where the
+    runs' tiling names them (no gather or pass over the received tokens), else from the
+    gathered positions and document ids."""
+    tiling = _tiling_of(a, window)
+    if tiling is not None and (not a.frame.docs.size or int(a.frame.docs[0]) >= 0):
+        keys = slot_table(a.runs[0].real, tiling.needed_runs(rank, causal), a.frame)
+        merge = merge or _merge_pads(q_pos, q_doc)  # the keys hold no negative id: as pair_plan
+        return table_plan(
+            run_table(q_pos, q_doc, merge), keys, q_pos.shape[1], recv_slots.size, a.rows,
+            causal=causal, window=window, device=device,
+        )  # fmt: skip
+    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    return pair_plan(
+        q_pos, q_doc, k_pos, k_doc, a.rows, causal=causal, window=window, device=device,
+        pads_by_convention=merge,
+    )  # fmt: skip
