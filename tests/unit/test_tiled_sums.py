@@ -202,3 +202,15 @@ def test_remote_plan_from_the_received_runs_equals_the_gathered_one(world: int) 
                         device=cpu,
                     )  # fmt: skip
                     _same_plan(plan.remote, want)
+
+
+def test_stable_order_is_the_stable_argsort() -> None:
+    from cpshard.attention.visibility import _stable_order
+
+    rng = np.random.default_rng(1)
+    for hi in (7, 1 << 16, 1 << 20, (1 << 32) - 1, 1 << 32, 1 << 50):
+        for size in (5, 3000):
+            x = rng.integers(0, hi, size=size, endpoint=True)
+            np.testing.assert_array_equal(_stable_order(x), np.argsort(x, kind="stable"))
+    x = rng.integers(-5, 5, size=3000)
+    np.testing.assert_array_equal(_stable_order(x), np.argsort(x, kind="stable"))

@@ -409,7 +409,7 @@ class RankRuns:
         of :class:`KeyCounts` walk their sorted ends forward (each rank's runs are mostly sorted
         already, so the sort merges ``C`` sorted blocks)."""
         if self._by_code is None:
-            order = np.argsort(self.real.code, kind="stable")
+            order = _stable_order(self.real.code)
             self._order = order
             self._by_code = self.real.take(order)
         return self._by_code
@@ -613,6 +613,18 @@ def slot_table(runs: StreamRuns, take: npt.NDArray[np.bool_], frame: Frame) -> R
     start = ends - n
     length = np.diff(np.append(start[first], ends[-1]))
     return RunTable(start[first], length, pos[first], cls[first], np.zeros(first.size, np.int64))
+
+
+def _stable_order(x: _I64) -> _I64:
+    """``np.argsort(x, kind="stable")``; for values in ``[0, 2**32)`` by two stable passes over
+    16-bit digits (numpy sorts 16-bit keys by counting, in linear time)."""
+    if x.size < 1024 or int(x.min()) < 0 or int(x.max()) >= 1 << 32:
+        out: _I64 = np.argsort(x, kind="stable")
+        return out
+    low = np.argsort((x & 0xFFFF).astype(np.uint16), kind="stable")
+    high = np.argsort((x[low] >> 16).astype(np.uint16), kind="stable")
+    order: _I64 = low[high]
+    return order
 
 
 def _group_prefix(n: _I64, head: npt.NDArray[np.bool_]) -> tuple[_I64, _I64]:
