@@ -26,6 +26,14 @@ squares exceed int64 for large codes, so they are taken modulo ``2**64`` (numpy 
 wraps): every result is a count that fits in int64, and a difference of values that agree
 modulo ``2**64`` is exact.
 
+Where the runs *tile* their documents (no two real tokens share a code, and each rank's runs
+are in code order in the stream: every built-in layout), the runs sorted by code once answer
+without any search (:class:`Tiling`): a run's keys below it are the tokens of its document's
+earlier runs (a prefix sum), a rank's queries of a document see the document up to the end of
+its last run there, and a key run is seen whole or not at all. Without a window the facts
+(:meth:`RankRuns.tiled_sums`) and the selective plan's slots are prefix sums over the sorted
+runs, ``O(R)`` after one linear sort; a window keeps the searches above.
+
 A pad (document id ``-1 - position``) sees only itself: pad runs count one pair per token, on
 their own rank, and are never keys of anyone else.
 
