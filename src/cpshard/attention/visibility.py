@@ -588,7 +588,7 @@ class Tiling:
         to = s.rank[np.flatnonzero(self.last)[mark]]
         keep = to != rank
         run, to = run[keep], to[keep]
-        by_peer = np.argsort(to, kind="stable")  # per peer, in this rank's slot order
+        by_peer = _stable_order(to)  # per peer, in this rank's slot order
         run, to = run[by_peer], to[by_peer]
         j = own[run]
         a = s.start[j] - rank * local_len
@@ -629,6 +629,9 @@ def _stable_order(x: _I64) -> _I64:
     if x.size < 1024 or int(x.min()) < 0 or int(x.max()) >= 1 << 32:
         out: _I64 = np.argsort(x, kind="stable")
         return out
+    if int(x.max()) < 1 << 16:
+        small: _I64 = np.argsort(x.astype(np.uint16), kind="stable")
+        return small
     low = np.argsort((x & 0xFFFF).astype(np.uint16), kind="stable")
     high = np.argsort((x[low] >> 16).astype(np.uint16), kind="stable")
     order: _I64 = low[high]
