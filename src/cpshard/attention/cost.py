@@ -52,7 +52,7 @@ import numpy as np
 
 from cpshard.attention.methods import METHODS
 from cpshard.attention.selective_plan import MetaArrays, exchange_sums, meta_arrays
-from cpshard.attention.visibility import per_rank, visible_pairs
+from cpshard.attention.visibility import Frame, RankRuns, per_rank, visible_pairs
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -211,7 +211,9 @@ class PlanFacts:
 
 def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
     """``([C], [C])``: visible pairs of each rank's queries against every key, and against its
-    own keys (weighted by the meta rows each group stands for); closed forms over runs."""
+    own keys (weighted by the meta rows each group stands for); closed forms over runs (prefix
+    sums in code order where :meth:`~cpshard.attention.visibility.RankRuns.tiled_sums`
+    applies, binary searches otherwise)."""
     c = a.world
     pairs = np.zeros(c, dtype=np.int64)
     local = np.zeros(c, dtype=np.int64)
@@ -219,17 +221,34 @@ def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray,
         w = int(a.weights[g])
         pairs += w * runs.pad_tokens  # a pad sees itself, on its own rank
         local += w * runs.pad_tokens
-        real = runs.real
-        ordered = runs.by_code()  # the same runs, sorted: per-rank sums are order-free
-        seen = visible_pairs(ordered, runs.keys(), a.frame, causal, window)
-        pairs += w * per_rank(ordered.rank, seen, c)
-        if runs.blocked:  # every rank's own keys at once, in its rank block
-            mine = visible_pairs(real, runs.block_keys(), a.frame, causal, window, runs.shift())
-            local += w * per_rank(real.rank, mine, c)
+        tiled = runs.tiled_sums(causal) if window is None else None
+        if tiled is not None:
+            pairs += w * tiled.pairs
+            local += w * tiled.local
             continue
-        for r in range(c):
-            mine = visible_pairs(runs.of(r), runs.keys(r), a.frame, causal, window)
-            local[r] += w * int(mine.sum())
+        seen, mine = _searched_pairs(runs, a.frame, causal, window)
+        pairs += w * seen
+        local += w * mine
+    return pairs, local
+
+
+def _searched_pairs(
+    runs: RankRuns, frame: Frame, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``([C], [C])``: one row group's real pairs of :func:`_pairs` by binary searches
+    (:func:`~cpshard.attention.visibility.visible_pairs`), for any stream and window."""
+    c = runs.world
+    ordered = runs.by_code()  # the same runs, sorted: per-rank sums are order-free
+    seen = visible_pairs(ordered, runs.keys(), frame, causal, window)
+    pairs = per_rank(ordered.rank, seen, c)
+    if runs.blocked:  # every rank's own keys at once, in its rank block
+        real = runs.real
+        mine = visible_pairs(real, runs.block_keys(), frame, causal, window, runs.shift())
+        return pairs, per_rank(real.rank, mine, c)
+    local = np.zeros(c, dtype=np.int64)
+    for r in range(c):
+        mine = visible_pairs(runs.of(r), runs.keys(r), frame, causal, window)
+        local[r] = int(mine.sum())
     return pairs, local
 
 

@@ -171,9 +171,8 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     if not q.n.size or not k.n.size:
         z = np.zeros(0, dtype=np.int64)
         return z, z
-    _, inv = np.unique(np.concatenate([q.cls, k.cls]), return_inverse=True)
     groups = int(max(q.grp.max(), k.grp.max())) + 1
-    inv = inv.reshape(-1).astype(np.int64) * groups
+    inv = _class_ids(np.concatenate([q.cls, k.cls])) * groups
     qc, kc_all = inv[: q.cls.size] + q.grp, inv[q.cls.size :] + k.grp
     order = np.lexsort((k.pos, kc_all))
     kcr, kp, kn = kc_all[order], k.pos[order], k.n[order]
@@ -210,6 +209,22 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     keep &= np.where(pad[qi], kend[ki] > a[qi], kend[ki] - lo > lower[qi])
     qi, ki = qi[keep], ki[keep]
     return qi, order[ki]
+
+
+def _class_ids(cls: _I64) -> _I64:
+    """Small non-negative ids of the classes, in their order (:data:`PAD_CLASS` lowest): the
+    offset from the lowest document id where the ids lie in a range of at most ``8 * N + 4096``
+    (one pass; every built-in layout's ids), else the rank among the distinct classes (a
+    sort)."""
+    real = cls != PAD_CLASS
+    if real.any():
+        lo, hi = int(cls[real].min()), int(cls[real].max())
+        if hi - lo <= 8 * cls.size + 4096:
+            out: _I64 = np.where(real, cls - (lo - 1), 0)
+            return out
+    _, inv = np.unique(cls, return_inverse=True)
+    ids: _I64 = inv.reshape(-1).astype(np.int64)
+    return ids
 
 
 def _emit(out: list[tuple[int, ...]], qi: int, qp: int, ki: int, kp: int, qa: int, qb: int,
@@ -376,10 +391,11 @@ def _word(a: _I64, b: _I64) -> npt.NDArray[np.uint64]:
 def _masks(
     p: Pieces, idx: _I64, slot: _I64, r0: _I64, c0: _I64, shape: tuple[_I64, _I64],
     window: int | None, device: torch.device,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> tuple[list[torch.Tensor], _I64]:  # fmt: skip
     """Bool masks ``[1, h[m], w[m]]`` (``shape = (h, w)``): mask ``slot[i]`` holds piece
     ``idx[i]``'s pattern at row ``r0[i]``, column ``c0[i]`` (the union where several pieces
-    share a mask).
+    share a mask). Returns ``(views, of)``: ``views[j]`` is mask ``of[j]`` (the masks in their
+    layout order, so the caller places them with one permutation of its own).
 
     Vectorized over the pieces' rows: a mask row is at most :data:`TILE` = 64 columns, so each
     row of each mask is one ``uint64`` word, the OR of its pieces' column intervals; the words
@@ -410,32 +426,31 @@ def _masks(
     line, bits_all = np.concatenate(lines), np.concatenate(bits)
     words = np.zeros(n_lines, dtype="<u8")
     np.bitwise_or.at(words, line, bits_all)
+    # masks of one width are one block of lines: unpack each block's ``width`` bits per line
+    # into one contiguous host buffer, then each width's masks are views of it from one split
     flat = np.empty(int((hs * ws).sum()), dtype=bool)
-    wl = np.repeat(ws, hs)  # width of every line
-    cuts = np.flatnonzero(np.diff(wl)) + 1
-    bounds = np.concatenate([[0], cuts, [n_lines]]).tolist()
-    at = 0
-    for s, e in itertools.pairwise(bounds):
-        width = int(wl[s])
-        unpacked = np.unpackbits(words[s:e].view(np.uint8).reshape(-1, 8), axis=1,
-                                 bitorder="little")  # fmt: skip
-        flat[at : at + (e - s) * width] = unpacked[:, :width].reshape(-1).view(bool)
-        at += (e - s) * width
-    big = torch.from_numpy(flat).to(device)
-    views: list[torch.Tensor] = []
-    mask_cut = np.flatnonzero(np.diff(ws)) + 1  # masks of one width: one [1, sum h, w] block
+    as_bytes = words.view(np.uint8).reshape(-1, 8)
+    mask_cut = np.flatnonzero(np.diff(ws)) + 1
     groups = np.concatenate([[0], mask_cut, [h.size]]).tolist()
+    line_at = np.append(line0, n_lines)[groups].tolist()
     h_of, w_of = hs.tolist(), ws.tolist()
     at = 0
-    for s, e in itertools.pairwise(groups):
-        rows, width = sum(h_of[s:e]), w_of[s]
+    blocks = []
+    for (s, e), (l0, l1) in zip(
+        itertools.pairwise(groups), itertools.pairwise(line_at), strict=True
+    ):
+        width = w_of[s]
+        unpacked = np.unpackbits(as_bytes[l0:l1, : (width + 7) // 8], axis=1, count=width,
+                                 bitorder="little")  # fmt: skip
+        flat[at : at + (l1 - l0) * width] = unpacked.reshape(-1).view(bool)
+        blocks.append((at, l1 - l0, width, s, e))
+        at += (l1 - l0) * width
+    big = torch.from_numpy(flat).to(device)
+    views: list[torch.Tensor] = []
+    for at, rows, width, s, e in blocks:
         block = big[at : at + rows * width].view(1, rows, width)
         views.extend(block.split_with_sizes(h_of[s:e], dim=1))
-        at += rows * width
-    out: list[torch.Tensor] = [big] * h.size
-    for i, v in zip(order.tolist(), views, strict=True):
-        out[i] = v
-    return out
+    return views, order
 
 
 KeyedTasks = list[tuple[tuple[Task, ...], int, int]]
@@ -551,22 +566,25 @@ def _tasks_by_key(
         k0s, k1s = np.concatenate([k0s, g_k0]), np.concatenate([k1s, g_k1])
         tkeys = np.concatenate([tkeys, t_keys])
         kinds = np.concatenate([kinds, np.full(n_tiles, -1, dtype=np.int64)])
-    dev_masks: list[torch.Tensor | None] = [None] * q0s.size
+    # every task's mask as an index into one pool: the masks, the pad identities, then None
+    pool: list[torch.Tensor | None] = []
+    of_task = np.full(q0s.size, -1, dtype=np.int64)
     n_masks = edge.size + n_tiles
     if n_masks:
         cat = np.concatenate
         where = (cat(m_idx), cat(m_slot), cat(m_r), cat(m_c))
-        views = _masks(p, *where, (cat(m_h), cat(m_w)), window, device)
-        at = np.concatenate([edge, direct.size + np.arange(n_tiles)]).tolist()
-        for i, v in zip(at, views, strict=True):
-            dev_masks[i] = v
+        views, of_view = _masks(p, *where, (cat(m_h), cat(m_w)), window, device)
+        at = np.concatenate([edge, direct.size + np.arange(n_tiles)])
+        of_task[at[of_view]] = np.arange(len(views))
+        pool.extend(views)
     ident = np.flatnonzero(kinds == IDENT)
     if ident.size:
         eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
-        sizes = (q1s[ident] - q0s[ident]).tolist()
-        eyes = {n: eye[:, :n, :n] for n in set(sizes)}  # IDENT pieces are square
-        for i, n in zip(ident.tolist(), sizes, strict=True):
-            dev_masks[i] = eyes[n]
+        sizes, which = np.unique(q1s[ident] - q0s[ident], return_inverse=True)
+        of_task[ident] = len(pool) + which.reshape(-1)
+        pool.extend(eye[:, :n, :n] for n in sizes.tolist())  # IDENT pieces are square
+    of_task[of_task < 0] = len(pool)
+    pool.append(None)
     # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
     order = np.lexsort((k0s, q0s, tkeys))
     shift = (int(q1s.max()) + 1) * tkeys[order]  # pairs never see each other's rows
@@ -575,15 +593,12 @@ def _tasks_by_key(
     firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
     sorted_keys = tkeys[order]
     cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
-    make = tuple.__new__
-    tasks = [
-        make(Task, t)
-        for t in zip(
-            q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
-            (kinds[order] == CAUSAL).tolist(), [dev_masks[i] for i in order.tolist()],
-            firsts.tolist(), strict=True,
-        )
-    ]  # fmt: skip
+    columns = zip(
+        q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
+        (kinds[order] == CAUSAL).tolist(), map(pool.__getitem__, of_task[order].tolist()),
+        firsts.tolist(), strict=True,
+    )  # fmt: skip
+    tasks: list[Task] = list(map(tuple.__new__, itertools.repeat(Task, order.size), columns))
     for key in range(n_keys):
         lo, hi = int(cuts[key]), int(cuts[key + 1])
         out[key] = (tuple(tasks[lo:hi]), int(computed_k[key]), int(needed_k[key]))

@@ -70,6 +70,7 @@ __all__ = [
     "host_rows",
     "pair_plan",
     "stream_table",
+    "table_plan",
 ]
 
 
@@ -310,9 +311,28 @@ def pair_plan(
         The :class:`PairPlan`.
     """
     merge = pads_by_convention or (_merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc))
-    nq, nk = q_pos.shape[1], k_pos.shape[1]
     q = run_table(q_pos, q_doc, merge)
     k = run_table(k_pos, k_doc, merge)
+    return table_plan(
+        q, k, q_pos.shape[1], k_pos.shape[1], rows, causal=causal, window=window,
+        device=device, skip_keys=skip_keys,
+    )  # fmt: skip
+
+
+def table_plan(
+    q: RunTable,
+    k: RunTable,
+    nq: int,
+    nk: int,
+    rows: list[list[int]] | None,
+    *,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    skip_keys: tuple[int, int] | None = None,
+) -> PairPlan:
+    """:func:`pair_plan` from the run tables of both sets (``run_table`` of ``[G, nq]`` query
+    and ``[G, nk]`` key slots, or tables equal to those made without a per-token pass)."""
     pieces = _pieces(q, k, causal, window)
     group = pieces.qi // max(nq, 1)
     pieces = pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk)

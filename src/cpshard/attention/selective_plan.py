@@ -32,8 +32,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
-from cpshard.attention.visibility import Depth, Frame, RankRuns, Union, coded, per_rank, raw_runs
+from cpshard.attention.pieces import run_table
+from cpshard.attention.plan import (
+    PairPlan,
+    _merge_pads,
+    host_rows,
+    pair_plan,
+    stream_table,
+    table_plan,
+)
+from cpshard.attention.visibility import (
+    Depth,
+    Frame,
+    RankRuns,
+    Tiling,
+    Union,
+    coded,
+    per_rank,
+    raw_runs,
+    slot_table,
+)
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -115,8 +133,19 @@ def _pads_unique(pos: np.ndarray, doc: np.ndarray) -> bool:
     return True
 
 
+def _tiling_of(a: MetaArrays, window: int | None) -> Tiling | None:
+    """The :class:`~cpshard.attention.visibility.Tiling` of a single row group's runs, for a mask
+    without a window (the slots are whole runs, found by prefix sums), or ``None``."""
+    if window is not None or len(a.runs) != 1:
+        return None
+    return a.runs[0].tiling()
+
+
 def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
     """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
+    tiling = _tiling_of(a, window)
+    if tiling is not None:
+        return tiling.needed(a.runs[0].real, rank, causal)
     need = np.zeros(a.pos.shape[1], dtype=bool)
     for runs in a.runs:
         keys = runs.real.take(runs.real.rank != rank)
@@ -128,6 +157,9 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
     """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees (none for
     ``rank`` itself): what ``rank`` sends to ``t``."""
     c, n = a.world, a.local_len
+    tiling = _tiling_of(a, window)
+    if tiling is not None:
+        return tiling.wanted(rank, c, n, causal)
     if len(a.runs) == 1 and a.runs[0].blocked:  # every peer at once, in its rank block
         runs = a.runs[0]
         own = runs.of(rank)
@@ -203,16 +235,28 @@ def exchange_sums(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.n
     exchange receives) and the slots its peers need of it (what it sends).
 
     The row and column sums of :func:`exchange_counts` off the diagonal, in ``O(R log R)`` for one
-    row group: a rank receives ``|U_t & keys| - |U_t & own keys|`` (``U_t`` the codes its queries
+    row group (prefix sums in code order where
+    :meth:`~cpshard.attention.visibility.RankRuns.tiled_sums` applies): a rank receives
+    ``|U_t & keys| - |U_t & own keys|`` (``U_t`` the codes its queries
     see), and what all ranks need of a key run is the integral over the run of the *depth*, the
     number of ranks whose ``U_t`` covers a code (one sweep over every ``U_t``'s ends). With several
     row groups, the union over the groups of the slots rank ``t`` needs
     (:func:`_union_sums`): what the exchange moves, not the per-group sum.
     """
-    c = a.world
     if len(a.runs) != 1:
         return _union_sums(a, causal, window)
-    runs = a.runs[0]
+    tiled = a.runs[0].tiled_sums(causal) if window is None else None
+    if tiled is not None:
+        return tiled.recv, tiled.send
+    return _searched_sums(a.runs[0], causal, window)
+
+
+def _searched_sums(
+    runs: RankRuns, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`exchange_sums` of one row group by binary searches and the depth sweep (any
+    stream, any window)."""
+    c = runs.world
     every = runs.keys()
     if runs.blocked:  # every rank at once, in its rank block
         u = runs.block_seen(causal, window)
@@ -371,7 +415,7 @@ def selective_plan(
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
     q_pos, q_doc = a.pos[:, own], a.doc[:, own]
     merge = host_rows(meta).merge  # holds for the whole stream: so for any of its slots
-    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    remote = _remote_plan(a, rank, recv_slots, q_pos, q_doc, causal, window, device, merge)
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
         send_splits=tuple(int(s.size) for s in sends),
@@ -388,17 +432,36 @@ def selective_plan(
             device=device,
             pads_by_convention=merge,
         ),
-        remote=pair_plan(
-            q_pos,
-            q_doc,
-            k_pos,
-            k_doc,
-            a.rows,
-            causal=causal,
-            window=window,
-            device=device,
-            pads_by_convention=merge,
-        ),
+        remote=remote,
     )
     meta.plan_cache[key] = plan
     return plan
+
+
+def _remote_plan(
+    a: MetaArrays,
+    rank: int,
+    recv_slots: np.ndarray,
+    q_pos: np.ndarray,
+    q_doc: np.ndarray,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    merge: bool,
+) -> PairPlan:
+    """The local queries against the received keys: from the received runs' table where the
+    runs' tiling names them (no gather or pass over the received tokens), else from the
+    gathered positions and document ids."""
+    tiling = _tiling_of(a, window)
+    if tiling is not None and (not a.frame.docs.size or int(a.frame.docs[0]) >= 0):
+        keys = slot_table(a.runs[0].real, tiling.needed_runs(rank, causal), a.frame)
+        merge = merge or _merge_pads(q_pos, q_doc)  # the keys hold no negative id: as pair_plan
+        return table_plan(
+            run_table(q_pos, q_doc, merge), keys, q_pos.shape[1], recv_slots.size, a.rows,
+            causal=causal, window=window, device=device,
+        )  # fmt: skip
+    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    return pair_plan(
+        q_pos, q_doc, k_pos, k_doc, a.rows, causal=causal, window=window, device=device,
+        pads_by_convention=merge,
+    )  # fmt: skip

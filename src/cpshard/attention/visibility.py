@@ -26,6 +26,14 @@ squares exceed int64 for large codes, so they are taken modulo ``2**64`` (numpy 
 wraps): every result is a count that fits in int64, and a difference of values that agree
 modulo ``2**64`` is exact.
 
+Where the runs *tile* their documents (no two real tokens share a code, and each rank's runs
+are in code order in the stream: every built-in layout), the runs sorted by code once answer
+without any search (:class:`Tiling`): a run's keys below it are the tokens of its document's
+earlier runs (a prefix sum), a rank's queries of a document see the document up to the end of
+its last run there, and a key run is seen whole or not at all. Without a window the facts
+(:meth:`RankRuns.tiled_sums`) and the selective plan's slots are prefix sums over the sorted
+runs, ``O(R)`` after one linear sort; a window keeps the searches above.
+
 A pad (document id ``-1 - position``) sees only itself: pad runs count one pair per token, on
 their own rank, and are never keys of anyone else.
 
@@ -47,11 +55,14 @@ __all__ = [
     "KeyCounts",
     "RankRuns",
     "StreamRuns",
+    "TiledSums",
+    "Tiling",
     "Union",
     "coded",
     "per_rank",
     "query_intervals",
     "raw_runs",
+    "slot_table",
     "visible_pairs",
 ]
 
@@ -151,7 +162,13 @@ def raw_runs(
 
 def coded(runs: StreamRuns, frame: Frame) -> StreamRuns:
     """``runs`` (from :func:`raw_runs`) with document indices of ``frame`` and codes."""
-    doc = np.where(runs.pad, 0, np.searchsorted(frame.docs, runs.doc))
+    docs = frame.docs
+    if docs.size and docs[0] >= 0 and int(docs[-1]) <= 8 * runs.doc.size + 4096:
+        index = np.zeros(int(docs[-1]) + 1, dtype=np.int64)  # dense ids: one lookup, no search
+        index[docs] = np.arange(docs.size, dtype=np.int64)
+        doc = np.where(runs.pad, 0, index[np.where(runs.pad, 0, runs.doc)])
+    else:
+        doc = np.where(runs.pad, 0, np.searchsorted(docs, runs.doc))
     code = np.where(runs.pad, 0, frame.code(doc, runs.pos))
     return StreamRuns(runs.start, runs.n, runs.pos, doc, runs.rank, runs.pad, code)
 
@@ -385,6 +402,9 @@ class RankRuns:
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
         self._by_code: StreamRuns | None = None
+        self._order: _I64 | None = None
+        self._tiled: dict[bool, TiledSums | None] = {}
+        self._tiling: list[Tiling | None] = []
         self._block_keys: KeyCounts | None = None
         self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
 
@@ -397,9 +417,31 @@ class RankRuns:
         of :class:`KeyCounts` walk their sorted ends forward (each rank's runs are mostly sorted
         already, so the sort merges ``C`` sorted blocks)."""
         if self._by_code is None:
-            order = np.argsort(self.real.code, kind="stable")
+            order = _stable_order(self.real.code)
+            self._order = order
             self._by_code = self.real.take(order)
         return self._by_code
+
+    def tiling(self) -> Tiling | None:
+        """The :class:`Tiling` of the real runs, or ``None`` where it does not hold: two real
+        tokens share a ``(document, position)``, or a rank's runs are not in code order in the
+        stream. Every built-in layout's stream has one (each position once, each rank's slots
+        in position order)."""
+        if not self._tiling:
+            ordered = self.by_code()
+            assert self._order is not None
+            self._tiling.append(_tiling(self.real, ordered, self._order))
+        return self._tiling[0]
+
+    def tiled_sums(self, causal: bool) -> TiledSums | None:
+        """The per-rank sums of :class:`TiledSums` without a window, by prefix sums in code order
+        (``O(R)`` after :meth:`by_code`'s sort, no binary search), or ``None`` without a
+        :meth:`tiling` (then :func:`visible_pairs` and the unions answer, as for a window)."""
+        if causal not in self._tiled:
+            tiling = self.tiling()
+            sums = None if tiling is None else _tiled_sums(self.real, tiling, self.world, causal)
+            self._tiled[causal] = sums
+        return self._tiled[causal]
 
     def keys(self, rank: int | None = None) -> KeyCounts:
         """The :class:`KeyCounts` of ``rank``'s real runs (``None``: of every rank's).
@@ -455,6 +497,212 @@ class RankRuns:
                 lo, hi = lo + self.shift(), hi + self.shift()
             hit = self._seen[key] = Union(lo, hi)
         return hit
+
+
+@dataclass(frozen=True)
+class TiledSums:
+    """Per-rank sums of one row group's real runs for a mask without a window (see
+    :meth:`RankRuns.tiled_sums`); pad tokens are not counted.
+
+    Attributes:
+        pairs: ``[C]`` visible pairs of each rank's queries against every key.
+        local: ``[C]`` of those, against the rank's own keys.
+        recv: ``[C]`` remote key slots each rank's queries see.
+        send: ``[C]`` sum over the other ranks of the rank's key slots they see.
+    """
+
+    pairs: _I64
+    local: _I64
+    recv: _I64
+    send: _I64
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The real runs of one row group sorted by code when they tile their documents: no two
+    real tokens share a code, so the runs of a document in code order are disjoint and
+    ascending, and each rank's runs are in code order in the stream too (see
+    :meth:`RankRuns.tiling`).
+
+    Attributes:
+        order: ``[R]`` the real runs (stream order) in code order: ``ordered = real.take(order)``.
+        ordered: The real runs in code order.
+        head: ``[R]`` (code order) the run is its document's first.
+        before: ``[R]`` (code order) tokens of the document's earlier runs.
+        doc_total: ``[R]`` (code order) tokens of the run's document.
+        last: ``[R]`` (code order) the run is its rank's last of the document.
+        own_head: ``[R]`` (stream order) the run is its rank's first of the document.
+    """
+
+    order: _I64
+    ordered: StreamRuns
+    head: npt.NDArray[np.bool_]
+    before: _I64
+    doc_total: _I64
+    last: npt.NDArray[np.bool_]
+    own_head: npt.NDArray[np.bool_]
+
+    def marks(self) -> tuple[_I64, _I64]:
+        """``(marks, in_doc)`` per run (code order): the :attr:`last` marks of its document
+        before it, and in its whole document (each rank with runs there has one)."""
+        return _group_prefix(self.last.astype(np.int64), self.head)
+
+    def covered(self, rank: int, causal: bool) -> npt.NDArray[np.bool_]:
+        """``[R]`` (code order): the runs some query of ``rank`` sees (its own included): its
+        documents' runs up to its last run there (causal), or all of them."""
+        mine = (self.ordered.rank == rank).astype(np.int64)
+        seen, in_doc = _group_prefix(mine, self.head)
+        out: npt.NDArray[np.bool_] = (in_doc > seen) if causal else (in_doc > 0)
+        return out
+
+    def needed_runs(self, rank: int, causal: bool) -> npt.NDArray[np.bool_]:
+        """``[R]`` (stream order): the other ranks' runs some query of ``rank`` sees (whole)."""
+        seen = self.covered(rank, causal) & (self.ordered.rank != rank)
+        take = np.zeros(seen.size, dtype=bool)
+        take[self.order] = seen
+        return take
+
+    def needed(self, real: StreamRuns, rank: int, causal: bool) -> _I64:
+        """Sorted stream slots of the other ranks' keys some query of ``rank`` sees (``real``:
+        the runs this tiling sorts, in stream order, so the slots come out sorted)."""
+        take = self.needed_runs(rank, causal)
+        return _aranges(real.start[take], real.start[take] + real.n[take])
+
+    def wanted(self, rank: int, world: int, local_len: int, causal: bool) -> list[_I64]:
+        """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees (none for
+        ``rank`` itself). A run of ``rank`` is seen by the ranks whose last run of its document
+        is at or after it (causal), or by every rank with a run there."""
+        s = self.ordered
+        size = s.n.size
+        own = np.flatnonzero(s.rank == rank)  # code order: also its stream order
+        marks = np.zeros(size + 1, dtype=np.int64)
+        np.cumsum(self.last, out=marks[1:])
+        first = np.flatnonzero(self.head)
+        doc = np.cumsum(self.head)[own] - 1
+        ends = np.append(first[1:], size)[doc]
+        lo = marks[own] if causal else marks[first[doc]]
+        counts = marks[ends] - lo
+        run = np.repeat(np.arange(own.size, dtype=np.int64), counts)
+        offs = np.cumsum(counts) - counts
+        mark = lo[run] + (np.arange(run.size, dtype=np.int64) - offs[run])
+        to = s.rank[np.flatnonzero(self.last)[mark]]
+        keep = to != rank
+        run, to = run[keep], to[keep]
+        by_peer = _stable_order(to)  # per peer, in this rank's slot order
+        run, to = run[by_peer], to[by_peer]
+        j = own[run]
+        a = s.start[j] - rank * local_len
+        slots = _aranges(a, a + s.n[j])
+        cuts = np.zeros(world + 1, dtype=np.int64)
+        np.cumsum(per_rank(to, s.n[j], world), out=cuts[1:])
+        return [slots[cuts[t] : cuts[t + 1]] for t in range(world)]
+
+
+def slot_table(runs: StreamRuns, take: npt.NDArray[np.bool_], frame: Frame) -> RunTable:
+    """The :class:`~cpshard.attention.pieces.RunTable` of the slots of the runs ``take`` (stream
+    order) laid end to end, as ``run_table`` makes it of their gathered positions and document
+    ids (one row, no breaks, no pads: every document id non-negative): neighbours of one
+    document with consecutive positions join. No per-token pass.
+
+    Args:
+        runs: Real runs in stream order, coded by ``frame``.
+        take: ``[R]`` the runs whose slots are taken, in this order.
+        frame: The code map (document ids from indices).
+    """
+    n, pos = runs.n[take], runs.pos[take]
+    cls = frame.docs[runs.doc[take]]
+    if not n.size:
+        z = np.zeros(0, dtype=np.int64)
+        return RunTable(z, z, z, z, z)
+    joined = np.ones(n.size, dtype=bool)
+    joined[1:] = (pos[1:] != pos[:-1] + n[:-1]) | (cls[1:] != cls[:-1])
+    first = np.flatnonzero(joined)
+    ends = np.cumsum(n)
+    start = ends - n
+    length = np.diff(np.append(start[first], ends[-1]))
+    return RunTable(start[first], length, pos[first], cls[first], np.zeros(first.size, np.int64))
+
+
+def _stable_order(x: _I64) -> _I64:
+    """``np.argsort(x, kind="stable")``; for values in ``[0, 2**32)`` by two stable passes over
+    16-bit digits (numpy sorts 16-bit keys by counting, in linear time)."""
+    if x.size < 1024 or int(x.min()) < 0 or int(x.max()) >= 1 << 32:
+        out: _I64 = np.argsort(x, kind="stable")
+        return out
+    if int(x.max()) < 1 << 16:
+        small: _I64 = np.argsort(x.astype(np.uint16), kind="stable")
+        return small
+    low = np.argsort((x & 0xFFFF).astype(np.uint16), kind="stable")
+    high = np.argsort((x[low] >> 16).astype(np.uint16), kind="stable")
+    order: _I64 = low[high]
+    return order
+
+
+def _group_prefix(n: _I64, head: npt.NDArray[np.bool_]) -> tuple[_I64, _I64]:
+    """``(before, total)``: per element, the sum of ``n`` over the earlier elements of its group
+    (groups start where ``head`` holds, ``head[0]`` true) and its group's whole sum."""
+    incl = np.cumsum(n)
+    excl = incl - n
+    gid = np.cumsum(head) - 1
+    first = np.flatnonzero(head)
+    last = np.append(first[1:], n.size) - 1
+    before: _I64 = excl - excl[first][gid]
+    total: _I64 = (incl[last] - excl[first])[gid]
+    return before, total
+
+
+def _tiling(real: StreamRuns, ordered: StreamRuns, order: _I64) -> Tiling | None:
+    """:meth:`RankRuns.tiling` from the real runs (stream order) and the same runs sorted by code
+    (``ordered = real.take(order)``)."""
+    code, n, rank = real.code, real.n, real.rank
+    if not n.size:
+        e = np.zeros(0, dtype=bool)
+        return Tiling(order, ordered, e, n, n, e, e)
+    same_rank = rank[1:] == rank[:-1]
+    if not bool(((code[1:] >= code[:-1] + n[:-1]) | ~same_rank).all()):
+        return None  # a rank's runs out of code order, or overlapping
+    s_code, s_n = ordered.code, ordered.n
+    if not bool((s_code[1:] >= s_code[:-1] + s_n[:-1]).all()):
+        return None  # two real tokens share a (document, position)
+    head = np.ones(s_n.size, dtype=bool)
+    head[1:] = ordered.doc[1:] != ordered.doc[:-1]
+    before, doc_total = _group_prefix(s_n, head)
+    own_head = np.ones(n.size, dtype=bool)
+    own_head[1:] = ~same_rank | (real.doc[1:] != real.doc[:-1])
+    last = np.empty(n.size, dtype=bool)  # the last run of its (rank, document), stream order
+    last[:-1] = own_head[1:]
+    last[-1] = True
+    return Tiling(order, ordered, head, before, doc_total, last[order], own_head)
+
+
+def _tiled_sums(real: StreamRuns, tiling: Tiling, world: int, causal: bool) -> TiledSums:
+    """:meth:`RankRuns.tiled_sums`.
+
+    A query ``q`` of run ``i`` sees ``before(i) + (q - code(i)) + 1`` keys (causal; all of its
+    document's keys otherwise). A rank's queries of one document see the codes up to the end
+    of its last run there (causal), which holds every key of the document's runs up to that
+    one: rank ``t`` receives those minus its own, and a key run is seen whole by every rank
+    whose last run of the document is at or after it (by none of the others).
+    """
+    c = world
+    n, rank = real.n, real.rank
+    s_n, s_rank = tiling.ordered.n, tiling.ordered.rank
+    before, doc_total, s_last = tiling.before, tiling.doc_total, tiling.last
+    own_before, own_total = _group_prefix(n, tiling.own_head)
+    mine = per_rank(rank, n, c)
+    marks, in_doc = tiling.marks()
+    if causal:
+        pairs = per_rank(s_rank, s_n * before + s_n * (s_n + 1) // 2, c)
+        local = per_rank(rank, n * own_before + n * (n + 1) // 2, c)
+        seen = before + s_n  # keys of the document up to the end of each run
+        after = in_doc - marks  # ranks whose last run of the document is at or after each run
+    else:
+        pairs = per_rank(s_rank, s_n * doc_total, c)
+        local = per_rank(rank, n * own_total, c)
+        seen, after = doc_total, in_doc
+    recv = per_rank(s_rank[s_last], seen[s_last], c) - mine
+    send = per_rank(s_rank, s_n * after, c) - mine
+    return TiledSums(pairs, local, recv, send)
 
 
 def _joined(runs: StreamRuns) -> tuple[_I64, _I64]:
