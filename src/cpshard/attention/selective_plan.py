@@ -32,7 +32,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.plan import PairPlan, host_rows, pair_plan, stream_table
+from cpshard.attention.pieces import PAD_CLASS, RunTable
+from cpshard.attention.plan import (
+    PairPlan,
+    block_table,
+    host_rows,
+    pair_plan,
+    pair_plan_of_runs,
+    stream_table,
+    take_spans,
+)
 from cpshard.attention.visibility import Depth, Frame, RankRuns, Union, coded, per_rank, raw_runs
 from cpshard.sharding.meta import TokenMeta
 
@@ -43,6 +52,7 @@ __all__ = [
     "exchange_sums",
     "meta_arrays",
     "needed_slots",
+    "needed_spans",
     "selective_plan",
     "selective_planned",
     "wanted_of",
@@ -87,11 +97,17 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
-    merge = host.merge and _pads_unique(p, d)
+    if host.table is not None:  # from the rows' runs, no pass over the tokens
+        merge = _pad_runs_apart(host.table)
+        lo_pos = int(host.table.pos.min())
+        hi_pos = int((host.table.pos + host.table.n).max()) - 1
+    else:
+        merge = host.merge and _pads_unique(p, d)
+        lo_pos = int(p.min()) if p.size else 0
+        hi_pos = int(p.max()) if p.size else 0
     raw = raw_runs(p, d, n, merge, stream_table(meta, merge))
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
-    lo_pos = int(p.min()) if p.size else 0
-    frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)
+    frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
     if docs.size * frame.span >= 1 << 62:
         raise ValueError(
             f"the token meta's positions span {frame.span - 2} over {docs.size} documents: the "
@@ -115,13 +131,37 @@ def _pads_unique(pos: np.ndarray, doc: np.ndarray) -> bool:
     return True
 
 
-def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
-    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
-    need = np.zeros(a.pos.shape[1], dtype=bool)
+def _pad_runs_apart(table: RunTable) -> bool:
+    """:func:`_pads_unique` from the pad runs of a table with pad stretches merged: no two pad
+    runs of one row group overlap in positions (a pad run's own positions are distinct)."""
+    pad = np.flatnonzero(table.cls == PAD_CLASS)
+    if pad.size < 2:
+        return True
+    grp, pos, n = table.grp[pad], table.pos[pad], table.n[pad]
+    order = np.lexsort((pos, grp))
+    grp, pos, n = grp[order], pos[order], n[order]
+    same = grp[1:] == grp[:-1]
+    return not bool((same & (pos[1:] < pos[:-1] + n[:-1])).any())
+
+
+def needed_spans(
+    a: MetaArrays, rank: int, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: the stream slots some query of ``rank`` (any row group) sees, off ``rank``
+    itself, as sorted disjoint slot ranges ``[lo, hi)`` (touching ranges joined)."""
+    lo, hi = [], []
     for runs in a.runs:
         keys = runs.real.take(runs.real.rank != rank)
-        need[runs.seen(rank, causal, window).covered_slots(keys)[0]] = True
-    return np.flatnonzero(need)
+        s0, s1, _ = runs.seen(rank, causal, window).covered_spans(keys)
+        lo.append(s0)
+        hi.append(s1)
+    u = Union(np.concatenate(lo), np.concatenate(hi))
+    return u.lo, u.hi
+
+
+def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
+    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
+    return Union(*needed_spans(a, rank, causal, window)).members()
 
 
 def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> list[np.ndarray]:
@@ -139,15 +179,19 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
         cuts = np.searchsorted(dest, np.arange(c + 1))
         return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
     if all(runs.blocked for runs in a.runs):  # every row group at once per group, then union
-        need = np.zeros((c, n), dtype=bool)
+        lo, hi = [], []  # slot ranges of rank's block, moved to t * L + local slot
         for runs in a.runs:
             own = runs.of(rank)
             peers = np.delete(np.arange(c), rank)
             reps = own.take(np.tile(np.arange(own.n.size), peers.size))
             to = np.repeat(peers, own.n.size)
-            slots, run = runs.block_seen(causal, window).covered_slots(reps, runs.shift(to))
-            need[to[run], slots - rank * n] = True
-        return [np.flatnonzero(row) for row in need]
+            s0, s1, run = runs.block_seen(causal, window).covered_spans(reps, runs.shift(to))
+            base = to[run] * n - rank * n
+            lo.append(base + s0)
+            hi.append(base + s1)
+        lanes = Union(np.concatenate(lo), np.concatenate(hi)).members()
+        cuts = np.searchsorted(lanes, np.arange(c + 1) * n)
+        return [lanes[cuts[t] : cuts[t + 1]] - t * n for t in range(c)]
     out = []
     for t in range(c):
         need_t = np.zeros(n, dtype=bool)
@@ -365,19 +409,51 @@ def selective_plan(
     a = meta_arrays(meta)
     rank, world, n = meta.rank, a.world, a.local_len
     own = a.rank_slice(rank)
-    recv_slots = needed_slots(a, rank, causal, window)
-    recv_splits = tuple(int(x) for x in np.bincount(recv_slots // max(n, 1), minlength=world))
+    spans = needed_spans(a, rank, causal, window)
+    recv = Union(*spans)
+    recv_slots = recv.members()
+    recv_splits = tuple(int(x) for x in np.diff(recv.measure_below(np.arange(world + 1) * n)))
     sends = wanted_of(a, rank, causal, window)
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
-    q_pos, q_doc = a.pos[:, own], a.doc[:, own]
-    merge = host_rows(meta).merge  # holds for the whole stream: so for any of its slots
-    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    host = host_rows(meta)
+    if host.table is not None:  # the query and key runs cut from the stream's runs
+        stream = stream_table(meta, True)
+        width = a.pos.shape[1]
+        q = block_table(stream, width, n, rank)
+        k = take_spans(stream, width, *spans)
+        local = pair_plan_of_runs(q, q, n, n, a.rows, causal=causal, window=window,
+                                  device=device)  # fmt: skip
+        remote = pair_plan_of_runs(q, k, n, recv_slots.size, a.rows, causal=causal,
+                                   window=window, device=device)  # fmt: skip
+    else:
+        local, remote = _pair_plans(a, own, recv_slots, host.merge, causal, window, device)
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
         send_splits=tuple(int(s.size) for s in sends),
         recv_splits=recv_splits,
         recv_slots=recv_slots,
-        local=pair_plan(
+        local=local,
+        remote=remote,
+    )
+    meta.plan_cache[key] = plan
+    return plan
+
+
+def _pair_plans(
+    a: MetaArrays,
+    own: slice,
+    recv_slots: np.ndarray,
+    merge: bool,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+) -> tuple[PairPlan, PairPlan]:
+    """The local and remote kernel plans from the host copies (token by token): where the rows
+    have no run table (a negative id that is not a pad of the convention)."""
+    q_pos, q_doc = a.pos[:, own], a.doc[:, own]
+    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    return (
+        pair_plan(
             q_pos,
             q_doc,
             q_pos,
@@ -388,7 +464,7 @@ def selective_plan(
             device=device,
             pads_by_convention=merge,
         ),
-        remote=pair_plan(
+        pair_plan(
             q_pos,
             q_doc,
             k_pos,
@@ -400,5 +476,3 @@ def selective_plan(
             pads_by_convention=merge,
         ),
     )
-    meta.plan_cache[key] = plan
-    return plan

@@ -302,6 +302,10 @@ class Union:
         """``[N]``: codes of each interval ``[lo, hi)`` inside the union."""
         return self.measure_below(hi) - self.measure_below(lo)
 
+    def members(self) -> _I64:
+        """Every code inside the union, sorted."""
+        return _aranges(self.lo, self.hi)
+
     def covered_slots(self, runs: StreamRuns, shift: _I64 | int = 0) -> tuple[_I64, _I64]:
         """Stream slots of ``runs`` whose code (plus ``shift``) lies inside the union, in run
         order, and the index of the run each slot belongs to."""
