@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cpshard.attention.grouped_runs import GroupedRuns
 from cpshard.attention.pieces import PAD_CLASS, RunTable
 from cpshard.attention.plan import (
     PairPlan,
@@ -73,6 +74,9 @@ class MetaArrays:
         frame: The ``(document, position)`` code map of the batch.
         runs: The runs of every group's stream, by rank
             (:class:`~cpshard.attention.visibility.RankRuns`).
+        grouped: With several row groups, the same runs in one code space
+            (:class:`~cpshard.attention.grouped_runs.GroupedRuns`: every group at once), or
+            ``None``; used only while it was made of :attr:`runs` (:meth:`every_group`).
     """
 
     pos: np.ndarray
@@ -83,6 +87,15 @@ class MetaArrays:
     local_len: int
     frame: Frame
     runs: tuple[RankRuns, ...]
+    grouped: GroupedRuns | None = None
+
+    def every_group(self) -> GroupedRuns | None:
+        """:attr:`grouped`, where it answers for :attr:`runs` (made of them, every group in rank
+        blocks, codes in int64); else ``None``: ask group by group."""
+        g = self.grouped
+        if g is None or g.groups is not self.runs or not g.fits:
+            return None
+        return g if all(r.blocked for r in self.runs) else None
 
     def rank_slice(self, rank: int) -> slice:
         """Stream slots of ``rank``'s local tokens."""
@@ -116,7 +129,8 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
             "built-in layout), pass those"
         )
     runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
-    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
+    grouped = GroupedRuns(runs) if len(runs) > 1 else None
+    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs, grouped)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
@@ -149,6 +163,9 @@ def needed_spans(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)``: the stream slots some query of ``rank`` (any row group) sees, off ``rank``
     itself, as sorted disjoint slot ranges ``[lo, hi)`` (touching ranges joined)."""
+    every = a.every_group()
+    if every is not None:
+        return every.needed_spans(rank, causal, window)
     lo, hi = [], []
     for runs in a.runs:
         keys = runs.real.take(runs.real.rank != rank)
@@ -178,7 +195,10 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
         dest = to[run]
         cuts = np.searchsorted(dest, np.arange(c + 1))
         return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
-    if all(runs.blocked for runs in a.runs):  # every row group at once per group, then union
+    every = a.every_group()
+    if every is not None:  # every row group at once
+        return every.wanted(rank, causal, window, n)
+    if all(runs.blocked for runs in a.runs):  # every rank at once per group, then union
         lo, hi = [], []  # slot ranges of rank's block, moved to t * L + local slot
         for runs in a.runs:
             own = runs.of(rank)
@@ -325,6 +345,9 @@ def _union_matrix(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray
     group's :meth:`RankRuns.block_seen`; their slot ranges, moved to ``t * C * L + slot``, form one
     union measured at every ``(t * C + o) * L``."""
     c, n = a.world, a.local_len
+    every = a.every_group()
+    if every is not None:
+        return every.matrix(causal, window, n)
     lo, hi = [], []
     for runs in a.runs:
         keys, u = runs.real, runs.block_seen(causal, window)
