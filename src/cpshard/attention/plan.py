@@ -223,43 +223,53 @@ def _host_by_tokens(pos: np.ndarray, doc: np.ndarray, same: bool, same_pos: bool
     return HostRows(p, d, None if len(groups) == 1 else groups, weights, _merge_pads(p, d))
 
 
-def _lossless_runs(pos: np.ndarray, doc: np.ndarray, cut: int) -> tuple[np.ndarray, ...] | None:
+def _lossless_runs(
+    pos: np.ndarray, doc: np.ndarray, cut: int
+) -> tuple[np.ndarray, ...] | None:
     """The runs of every row of ``[B, N]`` tokens in one pass, or ``None`` where some negative id
     is not a pad of the convention ``-1 - position``.
 
-    A run is a stretch of slots with consecutive positions and one *key*: the document id of a
-    real token, ``id + position`` of a pad (``-1`` for every pad of the convention), never
-    crossing a sign change of the id or a multiple of ``cut`` slots. The runs describe every
-    token exactly (a token's position is its run's first plus its offset; its id is the key,
-    or ``-1 - position`` for a pad), and with every pad by the convention they are the runs of
-    ``run_table(pos, doc, True, breaks=cut)``.
+    With every pad by the convention, a run is a stretch of slots with consecutive positions
+    and one document id, or a stretch of pads (each pad's id is then ``-1 - position``), never
+    crossing a multiple of ``cut`` slots: the runs of ``run_table(pos, doc, True, breaks=cut)``.
+    They describe every token exactly (position: the run's first plus the offset; id: the run's,
+    or ``-1 - position`` for a pad), so rows with equal runs are equal.
+
+    The pass makes bool temporaries only (no int64 array of the tokens' size: a fresh one costs
+    a page fault per 4 KiB on first touch, which at ``[8, 32768]`` outweighs the arithmetic).
 
     Returns:
         ``(row, col, n, pos, key, pad)`` per run, in row-major order: its row, first slot in
-        the row, length, first position, key, and whether it is padding.
+        the row, length, first position, document id (``-1`` for padding), and whether it is
+        padding.
     """
     rows, width = doc.shape
     neg = doc < 0
-    key = np.where(neg, doc + pos, doc)  # no wrap to -1: doc + pos >= -2**64 for doc < 0
+    if pos.strides[0] == 0:  # one row of positions for every row: its arithmetic once
+        one = pos[0]
+        conv = doc == -1 - one
+        steps = (one[1:] == one[:-1] + 1)[None, :]
+    else:
+        conv = doc == -1 - pos
+        steps = pos[:, 1:] == pos[:, :-1] + 1
+    if bool(np.greater(neg, conv).any()):  # a negative id that is not -1 - position
+        return None
     brk = np.empty((rows, width), dtype=bool)
     brk[:, 0] = True
     inner = brk[:, 1:]
-    np.not_equal(key[:, 1:], key[:, :-1], out=inner)
-    inner |= neg[:, 1:] != neg[:, :-1]
-    if pos.strides[0] == 0:  # one row of positions for every row: its breaks once
-        inner |= (pos[0, 1:] != pos[0, :-1] + 1)[None, :]
-    else:
-        inner |= pos[:, 1:] != pos[:, :-1] + 1
+    # a slot goes on with the run before it: the next position, and the same document or
+    # both pads (two pads of the convention never share an id at consecutive positions)
+    np.equal(doc[:, 1:], doc[:, :-1], out=inner)
+    inner |= neg[:, 1:] & neg[:, :-1]
+    inner &= steps
+    np.logical_not(inner, out=inner)
     brk[:, ::cut] = True
     flat = np.flatnonzero(brk)
-    pad = neg.reshape(-1)[flat]
-    key0 = key.reshape(-1)[flat]
-    if not bool((key0[pad] == -1).all()):
-        return None
     row = flat // width
     col = flat - row * width
     n = np.diff(np.append(flat, rows * width))
-    return row, col, n, pos[row, col], key0, pad
+    pad = neg[row, col]
+    return row, col, n, pos[row, col], np.where(pad, -1, doc[row, col]), pad
 
 
 def _host_by_runs(pos: np.ndarray, doc: np.ndarray, local_len: int) -> HostRows | None:
