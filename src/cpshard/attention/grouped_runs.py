@@ -46,6 +46,9 @@ class GroupedRuns:
 
     Args:
         groups: One :class:`RankRuns` per row group, of one frame and CP size.
+        real: The real runs of every group, group after group (default: joined from
+            ``groups``).
+        grp: ``[R]`` the group of each of them (with ``real``).
 
     Attributes:
         groups: The groups' runs it was made of.
@@ -55,17 +58,25 @@ class GroupedRuns:
         fits: The codes of every group and rank block fit int64.
     """
 
-    def __init__(self, groups: tuple[RankRuns, ...]) -> None:
+    def __init__(
+        self,
+        groups: tuple[RankRuns, ...],
+        real: StreamRuns | None = None,
+        grp: _I64 | None = None,
+    ) -> None:
         first = groups[0]
         self.groups = groups
         self.world = first.world
         self.frame = first.frame
         self.stride = first.stride
-        reals = [g.real for g in groups]
-        fields = StreamRuns.__dataclass_fields__
-        self.real = StreamRuns(*(np.concatenate([getattr(r, f) for r in reals]) for f in fields))
-        sizes = [r.n.size for r in reals]
-        self.grp: _I64 = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
+        if real is None or grp is None:
+            reals = [g.real for g in groups]
+            fields = StreamRuns.__dataclass_fields__
+            real = StreamRuns(*(np.concatenate([getattr(r, f) for r in reals]) for f in fields))
+            sizes = [r.n.size for r in reals]
+            grp = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
+        self.real = real
+        self.grp: _I64 = grp
         self.pad_tokens: _I64 = np.stack([g.pad_tokens for g in groups])
         self.fits = len(groups) * self.world * self.stride < 1 << 62
         self._lane = self.grp * self.world  # the block of each run's group and rank 0

@@ -223,9 +223,7 @@ def _host_by_tokens(pos: np.ndarray, doc: np.ndarray, same: bool, same_pos: bool
     return HostRows(p, d, None if len(groups) == 1 else groups, weights, _merge_pads(p, d))
 
 
-def _lossless_runs(
-    pos: np.ndarray, doc: np.ndarray, cut: int
-) -> tuple[np.ndarray, ...] | None:
+def _lossless_runs(pos: np.ndarray, doc: np.ndarray, cut: int) -> tuple[np.ndarray, ...] | None:
     """The runs of every row of ``[B, N]`` tokens in one pass, or ``None`` where some negative id
     is not a pad of the convention ``-1 - position``.
 

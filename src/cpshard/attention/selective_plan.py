@@ -35,6 +35,7 @@ import torch
 from cpshard.attention.grouped_runs import GroupedRuns
 from cpshard.attention.pieces import PAD_CLASS, RunTable
 from cpshard.attention.plan import (
+    HostRows,
     PairPlan,
     block_table,
     host_rows,
@@ -43,7 +44,16 @@ from cpshard.attention.plan import (
     stream_table,
     take_spans,
 )
-from cpshard.attention.visibility import Depth, Frame, RankRuns, Union, coded, per_rank, raw_runs
+from cpshard.attention.visibility import (
+    Depth,
+    Frame,
+    RankRuns,
+    StreamRuns,
+    Union,
+    coded,
+    per_rank,
+    raw_runs,
+)
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -118,9 +128,22 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
         merge = host.merge and _pads_unique(p, d)
         lo_pos = int(p.min()) if p.size else 0
         hi_pos = int(p.max()) if p.size else 0
-    raw = raw_runs(p, d, n, merge, stream_table(meta, merge))
+    table = stream_table(meta, merge)
+    if len(p) > 1:  # several row groups: code every group's runs at once
+        return _grouped_arrays(meta, host, table, lo_pos, hi_pos)
+    raw = raw_runs(p, d, n, merge, table)
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
     frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
+    _check_codes(frame)
+    runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
+    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
+    meta.plan_cache["meta_arrays"] = arrays
+    return arrays
+
+
+def _check_codes(frame: Frame) -> None:
+    """Raise where ``(document, position)`` codes would not fit int64."""
+    docs = frame.docs
     if docs.size * frame.span >= 1 << 62:
         raise ValueError(
             f"the token meta's positions span {frame.span - 2} over {docs.size} documents: the "
@@ -128,9 +151,35 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
             "2**62; positions are token positions in the padded stream (0..P-1 for every "
             "built-in layout), pass those"
         )
-    runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
-    grouped = GroupedRuns(runs) if len(runs) > 1 else None
-    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs, grouped)
+
+
+def _grouped_arrays(
+    meta: TokenMeta, host: HostRows, table: RunTable, lo_pos: int, hi_pos: int
+) -> MetaArrays:
+    """:func:`meta_arrays` for several row groups: the runs of every group coded in one pass
+    (:func:`~cpshard.attention.visibility.raw_runs` and :func:`~cpshard.attention.visibility.
+    coded` of each group, at once), then cut into the groups' :class:`RankRuns`, and their
+    :class:`~cpshard.attention.grouped_runs.GroupedRuns`."""
+    p, d = host.pos, host.doc
+    n, c = meta.local_len, meta.world_size
+    width = p.shape[1]
+    start = table.start - table.grp * width
+    pad = table.cls == PAD_CLASS
+    rank = start // max(n, 1)
+    ids = d[table.grp, start]
+    docs = np.unique(ids[~pad])
+    frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
+    _check_codes(frame)
+    doc = np.where(pad, 0, np.searchsorted(docs, ids))
+    code = np.where(pad, 0, frame.code(doc, table.pos))
+    every = StreamRuns(start, table.n, table.pos, doc, rank, pad, code)
+    cuts = np.searchsorted(table.grp, np.arange(p.shape[0] + 1)).tolist()
+    runs = tuple(
+        RankRuns(every.take(slice(cuts[g], cuts[g + 1])), c, frame) for g in range(p.shape[0])
+    )
+    real = ~pad
+    grouped = GroupedRuns(runs, every.take(real), table.grp[real])
+    arrays = MetaArrays(p, d, host.rows, host.weights, c, n, frame, runs, grouped)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
