@@ -72,6 +72,7 @@ __all__ = [
     "join_runs",
     "pair_plan",
     "pair_plan_of_runs",
+    "pair_plans_of_runs",
     "stream_table",
     "take_spans",
 ]
@@ -529,14 +530,53 @@ def pair_plan_of_runs(
         device: Device of the masks and row indices.
         skip_keys: Key slots ``[start, end)`` that no query attends to in this plan, or ``None``.
     """
-    pieces = _pieces(q, k, causal, window)
-    group = pieces.qi // max(nq, 1)
-    pieces = pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk)
+    pieces, group = _group_pieces(q, k, nq, nk, causal, window)
     if skip_keys is not None:
         s, e = skip_keys
         keep = (pieces.ki + pieces.nk <= s) | (pieces.ki >= e)
         pieces, group = pieces.take(keep), group[keep]
     return _plan_of(pieces, group, rows, window, device)
+
+
+def pair_plans_of_runs(
+    q: RunTable,
+    keys: list[tuple[RunTable, int]],
+    nq: int,
+    rows: list[list[int]] | None,
+    *,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+) -> list[PairPlan]:
+    """:func:`pair_plan_of_runs` of one query set against several key sets ``(runs, slots per
+    row group)``, the kernel calls of all made at once (one mask transfer): equal, plan for
+    plan, to one call per key set."""
+    n_groups = 1 if rows is None else len(rows)
+    parts, tags = [], []
+    for j, (k, nk) in enumerate(keys):
+        pieces, group = _group_pieces(q, k, nq, nk, causal, window)
+        parts.append(pieces)
+        tags.append(j * n_groups + group)
+    keyed = tasks_by_key(
+        Pieces.concat(parts),
+        np.concatenate(tags) if tags else np.zeros(0, dtype=np.int64),
+        len(keys) * n_groups,
+        window,
+        device,
+    )
+    return [
+        _assemble(keyed[j * n_groups : (j + 1) * n_groups], rows, device) for j in range(len(keys))
+    ]
+
+
+def _group_pieces(
+    q: RunTable, k: RunTable, nq: int, nk: int, causal: bool, window: int | None
+) -> tuple[Pieces, np.ndarray]:
+    """The pieces of ``q`` against ``k`` with slots relative to their row group, and the group
+    of each."""
+    pieces = _pieces(q, k, causal, window)
+    group = pieces.qi // max(nq, 1)
+    return pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk), group
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from cpshard.attention.plan import (
     block_table,
     host_rows,
     pair_plan,
-    pair_plan_of_runs,
+    pair_plans_of_runs,
     stream_table,
     take_spans,
 )
@@ -493,10 +493,10 @@ def selective_plan(
         width = a.pos.shape[1]
         q = block_table(stream, width, n, rank)
         k = take_spans(stream, width, *spans)
-        local = pair_plan_of_runs(q, q, n, n, a.rows, causal=causal, window=window,
-                                  device=device)  # fmt: skip
-        remote = pair_plan_of_runs(q, k, n, recv_slots.size, a.rows, causal=causal,
-                                   window=window, device=device)  # fmt: skip
+        local, remote = pair_plans_of_runs(
+            q, [(q, n), (k, recv_slots.size)], n, a.rows, causal=causal, window=window,
+            device=device,
+        )  # fmt: skip
     else:
         local, remote = _pair_plans(a, own, recv_slots, host.merge, causal, window, device)
     plan = SelectivePlan(
