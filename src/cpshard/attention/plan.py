@@ -201,7 +201,9 @@ def host_rows(meta: TokenMeta) -> HostRows:
     # one row of positions expanded over the batch (every built-in layout): equal rows by
     # construction, no compare
     same_pos = n_rows == 1 or pos.strides[0] == 0 or bool((pos == pos[:1]).all())
-    same = same_pos and (n_rows == 1 or bool((doc == doc[:1]).all()))
+    same = same_pos and (
+        n_rows == 1 or (np.array_equal(doc[1], doc[0]) and bool((doc == doc[:1]).all()))
+    )  # rows 0 and 1 first: most batches of distinct rows differ there
     if same_pos and n_rows > 1:
         pos = np.broadcast_to(pos[:1], doc.shape)
     host = _host_by_runs(pos[:1] if same else pos, doc[:1] if same else doc, meta.local_len)
@@ -246,13 +248,13 @@ def _lossless_runs(pos: np.ndarray, doc: np.ndarray, cut: int) -> tuple[np.ndarr
     neg = doc < 0
     if pos.strides[0] == 0:  # one row of positions for every row: its arithmetic once
         one = pos[0]
-        conv = doc == -1 - one
         steps = (one[1:] == one[:-1] + 1)[None, :]
     else:
-        conv = doc == -1 - pos
         steps = pos[:, 1:] == pos[:, :-1] + 1
-    if bool(np.greater(neg, conv).any()):  # a negative id that is not -1 - position
-        return None
+    if bool(neg.any()):
+        conv = doc == -1 - (pos[0] if pos.strides[0] == 0 else pos)
+        if bool(np.greater(neg, conv).any()):  # a negative id that is not -1 - position
+            return None
     brk = np.empty((rows, width), dtype=bool)
     brk[:, 0] = True
     inner = brk[:, 1:]
