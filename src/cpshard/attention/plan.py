@@ -445,14 +445,22 @@ def _assemble(
     rows: list[list[int]] | None,
     device: torch.device,
     orders: list[np.ndarray | None] | None = None,
+    row_index: list[torch.Tensor] | None = None,
 ) -> PairPlan:
+    """One :class:`PairPlan` from the tasks of each row group (``row_index``: the groups' row
+    tensors when made already, shared by several plans; read only)."""
     groups = []
     computed = needed = 0
     for g, (tasks, c, n) in enumerate(keyed):
         weight = 1 if rows is None else len(rows[g])
         computed += c * weight
         needed += n * weight
-        idx = None if rows is None else torch.tensor(rows[g], dtype=torch.long, device=device)
+        if rows is None:
+            idx = None
+        elif row_index is not None:
+            idx = row_index[g]
+        else:
+            idx = torch.tensor(rows[g], dtype=torch.long, device=device)
         groups.append((idx, tasks))
     slot_order: tuple[torch.Tensor | None, ...] = ()
     if orders is not None and any(o is not None for o in orders):
@@ -551,23 +559,46 @@ def pair_plans_of_runs(
     device: torch.device,
 ) -> list[PairPlan]:
     """:func:`pair_plan_of_runs` of one query set against several key sets ``(runs, slots per
-    row group)``, the kernel calls of all made at once (one mask transfer): equal, plan for
-    plan, to one call per key set."""
+    row group)``, all at once: plan for plan equal to one call per key set.
+
+    Key set ``j``'s runs join the pairing as row groups ``j * G + g`` (the queries repeated
+    for each set), so one pairing and one cut find every set's pieces, and their kernel calls
+    are made together (one mask transfer).
+    """
     n_groups = 1 if rows is None else len(rows)
-    parts, tags = [], []
-    for j, (k, nk) in enumerate(keys):
-        pieces, group = _group_pieces(q, k, nq, nk, causal, window)
-        parts.append(pieces)
-        tags.append(j * n_groups + group)
-    keyed = tasks_by_key(
-        Pieces.concat(parts),
-        np.concatenate(tags) if tags else np.zeros(0, dtype=np.int64),
-        len(keys) * n_groups,
-        window,
-        device,
+    n_sets = len(keys)
+    tags = np.arange(n_sets, dtype=np.int64) * n_groups
+    base = [0]  # first key slot of each set in the joined key slots
+    for _, nk in keys:
+        base.append(base[-1] + n_groups * nk)
+    q_all = RunTable(
+        np.concatenate([q.start + tag * nq for tag in tags.tolist()]),
+        np.tile(q.n, n_sets),
+        np.tile(q.pos, n_sets),
+        np.tile(q.cls, n_sets),
+        np.concatenate([q.grp + tag for tag in tags.tolist()]),
     )
+    k_all = RunTable(
+        np.concatenate([k.start + b for (k, _), b in zip(keys, base, strict=False)]),
+        np.concatenate([k.n for k, _ in keys]),
+        np.concatenate([k.pos for k, _ in keys]),
+        np.concatenate([k.cls for k, _ in keys]),
+        np.concatenate([k.grp + tag for (k, _), tag in zip(keys, tags.tolist(), strict=True)]),
+    )
+    pieces = _pieces(q_all, k_all, causal, window)
+    tag = pieces.qi // max(nq, 1)  # set * G + group
+    which = tag // n_groups
+    width = np.array([nk for _, nk in keys], dtype=np.int64)
+    k_base = np.array(base[:-1], dtype=np.int64)
+    pieces = pieces._replace(
+        qi=pieces.qi - tag * nq,
+        ki=pieces.ki - k_base[which] - (tag - which * n_groups) * width[which],
+    )
+    keyed = tasks_by_key(pieces, tag, n_sets * n_groups, window, device)
+    idx = None if rows is None else [torch.tensor(r, dtype=torch.long, device=device) for r in rows]
     return [
-        _assemble(keyed[j * n_groups : (j + 1) * n_groups], rows, device) for j in range(len(keys))
+        _assemble(keyed[j * n_groups : (j + 1) * n_groups], rows, device, row_index=idx)
+        for j in range(n_sets)
     ]
 
 
