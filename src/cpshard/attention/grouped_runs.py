@@ -15,7 +15,7 @@ every question is one vectorized pass over the runs of all groups:
 * :meth:`GroupedRuns.needed_spans` and :meth:`GroupedRuns.wanted`: one rank's side of it.
 
 Codes of one group stay below ``stride`` above its block, queries only see keys of their own
-document, so no group sees another's keys. Only where ``G * C * stride < 2**62``
+document, so no group sees another's keys. Only where ``2 * G * C * stride < 2**62``
 (:attr:`GroupedRuns.fits`); the callers ask group by group otherwise.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
@@ -55,7 +55,8 @@ class GroupedRuns:
         real: The real runs of every group, group after group.
         grp: ``[R]`` the group of each run of :attr:`real`.
         pad_tokens: ``[G, C]`` pad tokens of each group and rank.
-        fits: The codes of every group and rank block fit int64.
+        lanes: Rank blocks of every group, ``G * C``.
+        fits: The codes of every group and rank block fit int64, twice over.
     """
 
     def __init__(
@@ -78,7 +79,8 @@ class GroupedRuns:
         self.real = real
         self.grp: _I64 = grp
         self.pad_tokens: _I64 = np.stack([g.pad_tokens for g in groups])
-        self.fits = len(groups) * self.world * self.stride < 1 << 62
+        self.lanes = len(groups) * self.world  # rank blocks of every group
+        self.fits = 2 * self.lanes * self.stride < 1 << 62  # twice: see :meth:`pairs`
         self._lane = self.grp * self.world  # the block of each run's group and rank 0
         self._seen: dict[tuple[bool, int | None], Union] = {}
 
@@ -106,13 +108,19 @@ class GroupedRuns:
         c, q = self.world, self.real
         pads = (weights[:, None] * self.pad_tokens).sum(axis=0)
         w = weights[self.grp]
-        group_at = self.shift(0)  # every rank's keys of a group: the group's rank-0 block
-        every = KeyCounts(q.code + group_at, q.code + group_at + q.n)
-        seen = visible_pairs(q, every, self.frame, causal, window, group_at)
-        own_at = self.shift(q.rank)
-        mine = KeyCounts(q.code + own_at, q.code + own_at + q.n)
-        local = visible_pairs(q, mine, self.frame, causal, window, own_at)
-        return pads + per_rank(q.rank, w * seen, c), pads + per_rank(q.rank, w * local, c)
+        # one key set for both questions: every rank's keys of a group in the group's rank-0
+        # block, and each rank's own keys in its block past every group's (lanes G * C on)
+        every_at = self.shift(0)
+        own_at = self.shift(q.rank + self.lanes)
+        lo = np.concatenate([q.code + every_at, q.code + own_at])
+        keys = KeyCounts(lo, lo + np.tile(q.n, 2))
+        both = StreamRuns(*(np.tile(getattr(q, f), 2) for f in StreamRuns.__dataclass_fields__))
+        seen = visible_pairs(
+            both, keys, self.frame, causal, window, np.concatenate([every_at, own_at])
+        )
+        r = q.n.size
+        pairs = pads + per_rank(q.rank, w * seen[:r], c)
+        return pairs, pads + per_rank(q.rank, w * seen[r:], c)
 
     def matrix(self, causal: bool, window: int | None, local_len: int) -> _I64:
         """``[C, C]``: ``m[t, o]`` = slots of rank ``o`` some query of rank ``t`` sees in any
