@@ -377,9 +377,10 @@ def take_spans(table: RunTable, width: int, lo: np.ndarray, hi: np.ndarray) -> R
 
 
 def stream_table(meta: TokenMeta, merge: bool) -> RunTable:
-    """The runs of the whole stream of every row group, cut at the rank blocks (one per-token
-    pass per batch, cached on the meta: the attention plan's keys and the selective plan's and
-    cost model's runs are this table).
+    """The runs of the whole stream of every row group, cut at the rank blocks (cached on the
+    meta: the attention plan's keys and the selective plan's and cost model's runs are this
+    table). With pads merged it is the table :func:`host_rows` found in its pass over the
+    tokens (joined at a coarser cut for a merged 2-D meta); otherwise one pass of its own.
 
     Args:
         meta: The token meta.
