@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpshard.attention.cost import _pairs
+from cpshard.attention.grouped_runs import GroupedRuns
 from cpshard.attention.pieces import run_table
 from cpshard.attention.plan import (
     PairPlan,
@@ -219,3 +220,24 @@ def test_every_row_group_at_once_equals_group_by_group(pads: str) -> None:
                 ):
                     np.testing.assert_array_equal(got, want)
     assert checked > 10
+
+
+def test_grouped_runs_answer_only_for_the_runs_they_were_made_of() -> None:
+    """Codes that would not fit int64 twice over, or runs replaced after the fact: the facts
+    are asked group by group (and agree)."""
+    rng = np.random.default_rng(60)
+    done = 0
+    while done < 5:
+        meta = _meta(rng, "right")
+        a = meta_arrays(meta)
+        if a.every_group() is None:
+            continue
+        done += 1
+        assert a.grouped is not None
+        too_wide = GroupedRuns(a.runs)
+        too_wide.fits = False
+        other = dataclasses.replace(a, runs=tuple(list(a.runs)))  # equal runs, another tuple
+        for b in (dataclasses.replace(a, grouped=too_wide), other):
+            assert b.every_group() is None
+            for got, want in zip(_pairs(a, True, 3), _pairs(b, True, 3), strict=True):
+                np.testing.assert_array_equal(got, want)
