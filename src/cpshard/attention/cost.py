@@ -211,9 +211,13 @@ class PlanFacts:
 
 def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
     """``([C], [C])``: visible pairs of each rank's queries against every key, and against its
-    own keys (weighted by the meta rows each group stands for); closed forms over runs (prefix
-    sums in code order where :meth:`~cpshard.attention.visibility.RankRuns.tiled_sums`
-    applies, binary searches otherwise)."""
+    own keys (weighted by the meta rows each group stands for); closed forms over runs (several
+    row groups at once where :meth:`MetaArrays.every_group` applies, else per group: prefix sums
+    in code order where :meth:`~cpshard.attention.visibility.RankRuns.tiled_sums` applies,
+    binary searches otherwise)."""
+    every = a.every_group()
+    if every is not None:  # several row groups, all at once
+        return every.pairs(a.weights, causal, window)
     c = a.world
     pairs = np.zeros(c, dtype=np.int64)
     local = np.zeros(c, dtype=np.int64)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from cpshard.attention.pieces import (
+    PAD_CLASS,
     SMALL_PAIRS,
     TILE,
     Pieces,
@@ -68,9 +69,12 @@ __all__ = [
     "block_table",
     "check_window",
     "host_rows",
+    "join_runs",
     "pair_plan",
+    "pair_plan_of_runs",
+    "pair_plans_of_runs",
     "stream_table",
-    "table_plan",
+    "take_spans",
 ]
 
 
@@ -156,11 +160,16 @@ class HostRows(NamedTuple):
     """Host copies of a token meta, one row per group of batch rows with equal structure.
 
     Attributes:
-        pos: ``[G, C * L]`` int64 positions of each group's first row.
+        pos: ``[G, C * L]`` int64 positions of each group's first row (may be a read-only
+            broadcast view of the meta's positions).
         doc: ``[G, C * L]`` int64 document ids.
         rows: Batch rows of every group, or ``None`` (one group serving every row).
         weights: ``[G]`` meta rows each group stands for.
         merge: Every negative id is a pad of the convention ``-1 - position``.
+        table: Where :attr:`merge` holds, the runs of the groups' stream with pad stretches
+            merged, cut every :attr:`cut` slots (``run_table(pos, doc, True, breaks=cut)``,
+            found in the one pass over the tokens that also groups the rows); else ``None``.
+        cut: The cut of :attr:`table` (the meta's local length), ``0`` without a table.
     """
 
     pos: np.ndarray
@@ -168,11 +177,19 @@ class HostRows(NamedTuple):
     rows: list[list[int]] | None
     weights: np.ndarray
     merge: bool
+    table: RunTable | None = None
+    cut: int = 0
 
 
 def host_rows(meta: TokenMeta) -> HostRows:
     """The :class:`HostRows` of ``meta`` (cached on it: one host copy and one grouping per batch,
-    shared by the attention plan and the selective plan)."""
+    shared by the attention plan and the selective plan).
+
+    One pass over the tokens finds the runs of every row (:func:`_lossless_runs`); equal rows are
+    those with equal runs, and the pass yields the merge verdict and the stream's run table
+    (:attr:`HostRows.table`) too. Where some negative id is not a pad of the convention, the
+    rows are compared token by token instead (:func:`_row_groups`) and there is no table.
+    """
     hit = meta.plan_cache.get("host_rows")
     if isinstance(hit, HostRows):
         return hit
@@ -180,25 +197,190 @@ def host_rows(meta: TokenMeta) -> HostRows:
     doc = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
     if pos.shape[0] != doc.shape[0]:  # one row of positions for every row of documents, or so
         pos, doc = np.broadcast_arrays(pos, doc)
-    groups = [list(range(pos.shape[0]))]
-    if pos.shape[0] > 1:
-        # one row of positions expanded over the batch (every built-in layout): equal rows by
-        # construction, no compare
-        same_pos = pos.strides[0] == 0 or bool((pos == pos[:1]).all())
-        if not (same_pos and bool((doc == doc[:1]).all())):
-            groups = _row_groups(None if same_pos else pos, doc)
-    firsts = [g[0] for g in groups]
-    p, d = np.ascontiguousarray(pos[firsts]), np.ascontiguousarray(doc[firsts])
-    weights = np.array([len(g) for g in groups], dtype=np.int64)
-    host = HostRows(p, d, None if len(groups) == 1 else groups, weights, _merge_pads(p, d))
+    n_rows = pos.shape[0]
+    # one row of positions expanded over the batch (every built-in layout): equal rows by
+    # construction, no compare
+    same_pos = n_rows == 1 or pos.strides[0] == 0 or bool((pos == pos[:1]).all())
+    same = same_pos and (
+        n_rows == 1 or (np.array_equal(doc[1], doc[0]) and bool((doc == doc[:1]).all()))
+    )  # rows 0 and 1 first: most batches of distinct rows differ there
+    if same_pos and n_rows > 1:
+        pos = np.broadcast_to(pos[:1], doc.shape)
+    host = _host_by_runs(pos[:1] if same else pos, doc[:1] if same else doc, meta.local_len)
+    if host is None:
+        host = _host_by_tokens(pos, doc, same, same_pos)
+    elif same and n_rows > 1:  # one group standing for every row
+        host = host._replace(weights=np.array([n_rows], dtype=np.int64))
     meta.plan_cache["host_rows"] = host
     return host
 
 
+def _host_by_tokens(pos: np.ndarray, doc: np.ndarray, same: bool, same_pos: bool) -> HostRows:
+    """:class:`HostRows` without a run table, rows compared token by token."""
+    groups = [list(range(pos.shape[0]))]
+    if not same:
+        groups = _row_groups(None if same_pos else pos, doc)
+    firsts = [g[0] for g in groups]
+    p, d = np.ascontiguousarray(pos[firsts]), np.ascontiguousarray(doc[firsts])
+    weights = np.array([len(g) for g in groups], dtype=np.int64)
+    return HostRows(p, d, None if len(groups) == 1 else groups, weights, _merge_pads(p, d))
+
+
+def _lossless_runs(pos: np.ndarray, doc: np.ndarray, cut: int) -> tuple[np.ndarray, ...] | None:
+    """The runs of every row of ``[B, N]`` tokens in one pass, or ``None`` where some negative id
+    is not a pad of the convention ``-1 - position``.
+
+    With every pad by the convention, a run is a stretch of slots with consecutive positions
+    and one document id, or a stretch of pads (each pad's id is then ``-1 - position``), never
+    crossing a multiple of ``cut`` slots: the runs of ``run_table(pos, doc, True, breaks=cut)``.
+    They describe every token exactly (position: the run's first plus the offset; id: the run's,
+    or ``-1 - position`` for a pad), so rows with equal runs are equal.
+
+    The pass makes bool temporaries only (no int64 array of the tokens' size: a fresh one costs
+    a page fault per 4 KiB on first touch, which at ``[8, 32768]`` outweighs the arithmetic).
+
+    Returns:
+        ``(row, col, n, pos, key, pad)`` per run, in row-major order: its row, first slot in
+        the row, length, first position, document id (``-1`` for padding), and whether it is
+        padding.
+    """
+    rows, width = doc.shape
+    neg = doc < 0
+    if pos.strides[0] == 0:  # one row of positions for every row: its arithmetic once
+        one = pos[0]
+        steps = (one[1:] == one[:-1] + 1)[None, :]
+    else:
+        steps = pos[:, 1:] == pos[:, :-1] + 1
+    if bool(neg.any()):
+        conv = doc == -1 - (pos[0] if pos.strides[0] == 0 else pos)
+        if bool(np.greater(neg, conv).any()):  # a negative id that is not -1 - position
+            return None
+    brk = np.empty((rows, width), dtype=bool)
+    brk[:, 0] = True
+    inner = brk[:, 1:]
+    # a slot goes on with the run before it: the next position, and the same document or
+    # both pads (two pads of the convention never share an id at consecutive positions)
+    np.equal(doc[:, 1:], doc[:, :-1], out=inner)
+    inner |= neg[:, 1:] & neg[:, :-1]
+    inner &= steps
+    np.logical_not(inner, out=inner)
+    brk[:, ::cut] = True
+    flat = np.flatnonzero(brk)
+    row = flat // width
+    col = flat - row * width
+    n = np.diff(np.append(flat, rows * width))
+    pad = neg[row, col]
+    return row, col, n, pos[row, col], np.where(pad, -1, doc[row, col]), pad
+
+
+def _host_by_runs(pos: np.ndarray, doc: np.ndarray, local_len: int) -> HostRows | None:
+    """:class:`HostRows` from :func:`_lossless_runs`: rows with equal runs form a group (in
+    order of first appearance); ``None`` where the runs cannot stand for the tokens (a negative
+    id that is not a pad of the convention) or there are no tokens."""
+    n_rows, width = doc.shape
+    if width == 0 or local_len <= 0:
+        return None
+    found = _lossless_runs(pos, doc, local_len)
+    if found is None:
+        return None
+    row, col, n, p0, key, pad = found
+    bounds = np.searchsorted(row, np.arange(n_rows + 1)).tolist()
+    firsts = list(range(n_rows))
+    groups: list[list[int]] = [[r] for r in firsts]
+    if n_rows > 1:
+        cols = np.stack([col, n, p0, key, pad.astype(np.int64)])
+        seen: dict[bytes, list[int]] = {}
+        for r in range(n_rows):
+            seen.setdefault(cols[:, bounds[r] : bounds[r + 1]].tobytes(), []).append(r)
+        groups = list(seen.values())
+        firsts = [g[0] for g in groups]
+    if len(firsts) == n_rows:
+        p, d = pos, doc
+        sel = np.arange(row.size)
+        grp = row
+    else:
+        p, d = np.ascontiguousarray(pos[firsts]), np.ascontiguousarray(doc[firsts])
+        parts = [np.arange(bounds[r], bounds[r + 1]) for r in firsts]
+        sel = np.concatenate(parts)
+        grp = np.repeat(np.arange(len(firsts)), [x.size for x in parts])
+    table = RunTable(
+        grp * width + col[sel], n[sel], p0[sel], np.where(pad[sel], PAD_CLASS, key[sel]), grp
+    )
+    weights = np.array([len(g) for g in groups], dtype=np.int64)
+    rows = None if len(groups) == 1 else groups
+    return HostRows(p, d, rows, weights, True, table, local_len)
+
+
+def join_runs(table: RunTable, width: int, cut: int = 0) -> RunTable:
+    """``table`` with every two neighbouring runs joined where the second continues the first
+    (same row group and class, next slot, next position) and their border is not a multiple of
+    ``cut`` slots (``0``: no cuts): the runs :func:`~cpshard.attention.pieces.run_table` finds
+    for the same slots (with ``breaks=cut``), given runs that cut them finer.
+
+    Args:
+        table: Runs sorted by slot; slot ``g * width + i`` is slot ``i`` of row group ``g``.
+        width: Slots per row group.
+        cut: Keep the borders at multiples of ``cut`` slots of a row group.
+    """
+    if table.start.size < 2:
+        return table
+    end = table.start + table.n
+    go_on = table.grp[1:] == table.grp[:-1]
+    go_on &= table.start[1:] == end[:-1]
+    go_on &= table.pos[1:] == table.pos[:-1] + table.n[:-1]
+    go_on &= table.cls[1:] == table.cls[:-1]
+    if cut:
+        go_on &= (table.start[1:] - table.grp[1:] * width) % cut != 0
+    if not go_on.any():
+        return table
+    head = np.ones(table.start.size, dtype=bool)
+    head[1:] = ~go_on
+    first = np.flatnonzero(head)
+    n = np.add.reduceat(table.n, first)
+    return RunTable(table.start[first], n, table.pos[first], table.cls[first], table.grp[first])
+
+
+def take_spans(table: RunTable, width: int, lo: np.ndarray, hi: np.ndarray) -> RunTable:
+    """The runs of the slots ``[lo[j], hi[j])`` (sorted, disjoint; the same for every row group)
+    taken out of ``table`` and laid end to end: slot ``g * R + i`` of the result is the ``i``-th
+    taken slot of group ``g`` (``R`` taken slots in all). Equal to :func:`~cpshard.attention.
+    pieces.run_table` of the taken positions and documents, without a per-token pass.
+
+    Args:
+        table: Runs of ``[G, width]`` slots with pad stretches merged (no cuts needed).
+        width: Slots per row group of ``table``.
+        lo: ``[J]`` first slot of each span.
+        hi: ``[J]`` one past its last.
+    """
+    size = hi - lo
+    total = int(size.sum())
+    start = table.start - table.grp * width
+    end = start + table.n
+    i0 = np.searchsorted(hi, start, side="right")  # first span ending after the run starts
+    i1 = np.searchsorted(lo, end, side="left")  # spans starting before it ends
+    counts = np.maximum(i1 - i0, 0)
+    run = np.repeat(np.arange(start.size), counts)
+    heads = np.cumsum(counts) - counts
+    span = i0[run] + (np.arange(run.size) - heads[run])
+    a = np.maximum(start[run], lo[span])
+    b = np.minimum(end[run], hi[span])
+    before = np.cumsum(size) - size  # taken slots before each span
+    grp = table.grp[run]
+    taken = RunTable(
+        grp * total + before[span] + (a - lo[span]),
+        b - a,
+        table.pos[run] + (a - start[run]),
+        table.cls[run],
+        grp,
+    )
+    return join_runs(taken, total)
+
+
 def stream_table(meta: TokenMeta, merge: bool) -> RunTable:
-    """The runs of the whole stream of every row group, cut at the rank blocks (one per-token
-    pass per batch, cached on the meta: the attention plan's keys and the selective plan's and
-    cost model's runs are this table).
+    """The runs of the whole stream of every row group, cut at the rank blocks (cached on the
+    meta: the attention plan's keys and the selective plan's and cost model's runs are this
+    table). With pads merged it is the table :func:`host_rows` found in its pass over the
+    tokens (joined at a coarser cut for a merged 2-D meta); otherwise one pass of its own.
 
     Args:
         meta: The token meta.
@@ -210,7 +392,13 @@ def stream_table(meta: TokenMeta, merge: bool) -> RunTable:
     if isinstance(hit, RunTable):
         return hit
     host = host_rows(meta)
-    table = run_table(host.pos, host.doc, merge, breaks=max(meta.local_len, 1))
+    cut = max(meta.local_len, 1)
+    if merge and host.table is not None and cut % host.cut == 0:  # the rows' pass found it
+        table = host.table
+        if cut != host.cut:  # a merged meta (2-D CP) shares the rows of its finer-cut meta
+            table = join_runs(table, host.pos.shape[1], cut)
+    else:
+        table = run_table(host.pos, host.doc, merge, breaks=cut)
     meta.plan_cache[key] = table
     return table
 
@@ -258,14 +446,22 @@ def _assemble(
     rows: list[list[int]] | None,
     device: torch.device,
     orders: list[np.ndarray | None] | None = None,
+    row_index: list[torch.Tensor] | None = None,
 ) -> PairPlan:
+    """One :class:`PairPlan` from the tasks of each row group (``row_index``: the groups' row
+    tensors when made already, shared by several plans; read only)."""
     groups = []
     computed = needed = 0
     for g, (tasks, c, n) in enumerate(keyed):
         weight = 1 if rows is None else len(rows[g])
         computed += c * weight
         needed += n * weight
-        idx = None if rows is None else torch.tensor(rows[g], dtype=torch.long, device=device)
+        if rows is None:
+            idx = None
+        elif row_index is not None:
+            idx = row_index[g]
+        else:
+            idx = torch.tensor(rows[g], dtype=torch.long, device=device)
         groups.append((idx, tasks))
     slot_order: tuple[torch.Tensor | None, ...] = ()
     if orders is not None and any(o is not None for o in orders):
@@ -313,13 +509,13 @@ def pair_plan(
     merge = pads_by_convention or (_merge_pads(q_pos, q_doc) and _merge_pads(k_pos, k_doc))
     q = run_table(q_pos, q_doc, merge)
     k = run_table(k_pos, k_doc, merge)
-    return table_plan(
-        q, k, q_pos.shape[1], k_pos.shape[1], rows, causal=causal, window=window,
-        device=device, skip_keys=skip_keys,
+    return pair_plan_of_runs(
+        q, k, q_pos.shape[1], k_pos.shape[1], rows, causal=causal, window=window, device=device,
+        skip_keys=skip_keys,
     )  # fmt: skip
 
 
-def table_plan(
+def pair_plan_of_runs(
     q: RunTable,
     k: RunTable,
     nq: int,
@@ -331,16 +527,90 @@ def table_plan(
     device: torch.device,
     skip_keys: tuple[int, int] | None = None,
 ) -> PairPlan:
-    """:func:`pair_plan` from the run tables of both sets (``run_table`` of ``[G, nq]`` query
-    and ``[G, nk]`` key slots, or tables equal to those made without a per-token pass)."""
-    pieces = _pieces(q, k, causal, window)
-    group = pieces.qi // max(nq, 1)
-    pieces = pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk)
+    """:func:`pair_plan` from the run tables of the two sets (pads merged where the convention
+    holds), e.g. cut from the stream's table (:func:`block_table`, :func:`take_spans`).
+
+    Args:
+        q: Runs of the query slots, slot ``g * nq + i`` for slot ``i`` of row group ``g``.
+        k: Runs of the key slots, slot ``g * nk + i``.
+        nq: Query slots per row group.
+        nk: Key slots per row group.
+        rows: Batch rows of every group, or ``None`` (one group serving every row).
+        causal: Causal masking by global position.
+        window: Sliding window or ``None``.
+        device: Device of the masks and row indices.
+        skip_keys: Key slots ``[start, end)`` that no query attends to in this plan, or ``None``.
+    """
+    pieces, group = _group_pieces(q, k, nq, nk, causal, window)
     if skip_keys is not None:
         s, e = skip_keys
         keep = (pieces.ki + pieces.nk <= s) | (pieces.ki >= e)
         pieces, group = pieces.take(keep), group[keep]
     return _plan_of(pieces, group, rows, window, device)
+
+
+def pair_plans_of_runs(
+    q: RunTable,
+    keys: list[tuple[RunTable, int]],
+    nq: int,
+    rows: list[list[int]] | None,
+    *,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+) -> list[PairPlan]:
+    """:func:`pair_plan_of_runs` of one query set against several key sets ``(runs, slots per
+    row group)``, all at once: plan for plan equal to one call per key set.
+
+    Key set ``j``'s runs join the pairing as row groups ``j * G + g`` (the queries repeated
+    for each set), so one pairing and one cut find every set's pieces, and their kernel calls
+    are made together (one mask transfer).
+    """
+    n_groups = 1 if rows is None else len(rows)
+    n_sets = len(keys)
+    tags = np.arange(n_sets, dtype=np.int64) * n_groups
+    base = [0]  # first key slot of each set in the joined key slots
+    for _, nk in keys:
+        base.append(base[-1] + n_groups * nk)
+    q_all = RunTable(
+        np.concatenate([q.start + tag * nq for tag in tags.tolist()]),
+        np.tile(q.n, n_sets),
+        np.tile(q.pos, n_sets),
+        np.tile(q.cls, n_sets),
+        np.concatenate([q.grp + tag for tag in tags.tolist()]),
+    )
+    k_all = RunTable(
+        np.concatenate([k.start + b for (k, _), b in zip(keys, base, strict=False)]),
+        np.concatenate([k.n for k, _ in keys]),
+        np.concatenate([k.pos for k, _ in keys]),
+        np.concatenate([k.cls for k, _ in keys]),
+        np.concatenate([k.grp + tag for (k, _), tag in zip(keys, tags.tolist(), strict=True)]),
+    )
+    pieces = _pieces(q_all, k_all, causal, window)
+    tag = pieces.qi // max(nq, 1)  # set * G + group
+    which = tag // n_groups
+    width = np.array([nk for _, nk in keys], dtype=np.int64)
+    k_base = np.array(base[:-1], dtype=np.int64)
+    pieces = pieces._replace(
+        qi=pieces.qi - tag * nq,
+        ki=pieces.ki - k_base[which] - (tag - which * n_groups) * width[which],
+    )
+    keyed = tasks_by_key(pieces, tag, n_sets * n_groups, window, device)
+    idx = None if rows is None else [torch.tensor(r, dtype=torch.long, device=device) for r in rows]
+    return [
+        _assemble(keyed[j * n_groups : (j + 1) * n_groups], rows, device, row_index=idx)
+        for j in range(n_sets)
+    ]
+
+
+def _group_pieces(
+    q: RunTable, k: RunTable, nq: int, nk: int, causal: bool, window: int | None
+) -> tuple[Pieces, np.ndarray]:
+    """The pieces of ``q`` against ``k`` with slots relative to their row group, and the group
+    of each."""
+    pieces = _pieces(q, k, causal, window)
+    group = pieces.qi // max(nq, 1)
+    return pieces._replace(qi=pieces.qi - group * nq, ki=pieces.ki - group * nk), group
 
 
 @dataclass(frozen=True)

@@ -32,25 +32,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard.attention.pieces import run_table
+from cpshard.attention.grouped_runs import GroupedRuns
+from cpshard.attention.pieces import PAD_CLASS, RunTable
 from cpshard.attention.plan import (
+    HostRows,
     PairPlan,
-    _merge_pads,
+    block_table,
     host_rows,
     pair_plan,
+    pair_plans_of_runs,
     stream_table,
-    table_plan,
+    take_spans,
 )
 from cpshard.attention.visibility import (
     Depth,
     Frame,
     RankRuns,
+    StreamRuns,
     Tiling,
     Union,
     coded,
     per_rank,
     raw_runs,
-    slot_table,
 )
 from cpshard.sharding.meta import TokenMeta
 
@@ -61,6 +64,7 @@ __all__ = [
     "exchange_sums",
     "meta_arrays",
     "needed_slots",
+    "needed_spans",
     "selective_plan",
     "selective_planned",
     "wanted_of",
@@ -81,6 +85,9 @@ class MetaArrays:
         frame: The ``(document, position)`` code map of the batch.
         runs: The runs of every group's stream, by rank
             (:class:`~cpshard.attention.visibility.RankRuns`).
+        grouped: With several row groups, the same runs in one code space
+            (:class:`~cpshard.attention.grouped_runs.GroupedRuns`: every group at once), or
+            ``None``; used only while it was made of :attr:`runs` (:meth:`every_group`).
     """
 
     pos: np.ndarray
@@ -91,6 +98,15 @@ class MetaArrays:
     local_len: int
     frame: Frame
     runs: tuple[RankRuns, ...]
+    grouped: GroupedRuns | None = None
+
+    def every_group(self) -> GroupedRuns | None:
+        """:attr:`grouped`, where it answers for :attr:`runs` (made of them, every group in rank
+        blocks, codes in int64); else ``None``: ask group by group."""
+        g = self.grouped
+        if g is None or g.groups is not self.runs or not g.fits:
+            return None
+        return g if all(r.blocked for r in self.runs) else None
 
     def rank_slice(self, rank: int) -> slice:
         """Stream slots of ``rank``'s local tokens."""
@@ -105,11 +121,30 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     host = host_rows(meta)
     p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
-    merge = host.merge and _pads_unique(p, d)
-    raw = raw_runs(p, d, n, merge, stream_table(meta, merge))
+    if host.table is not None:  # from the rows' runs, no pass over the tokens
+        merge = _pad_runs_apart(host.table)
+        lo_pos = int(host.table.pos.min())
+        hi_pos = int((host.table.pos + host.table.n).max()) - 1
+    else:
+        merge = host.merge and _pads_unique(p, d)
+        lo_pos = int(p.min()) if p.size else 0
+        hi_pos = int(p.max()) if p.size else 0
+    table = stream_table(meta, merge)
+    if len(p) > 1:  # several row groups: code every group's runs at once
+        return _grouped_arrays(meta, host, table, lo_pos, hi_pos)
+    raw = raw_runs(p, d, n, merge, table)
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
-    lo_pos = int(p.min()) if p.size else 0
-    frame = Frame(docs, lo_pos, int(p.max()) - lo_pos + 2 if p.size else 2)
+    frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
+    _check_codes(frame)
+    runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
+    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
+    meta.plan_cache["meta_arrays"] = arrays
+    return arrays
+
+
+def _check_codes(frame: Frame) -> None:
+    """Raise where ``(document, position)`` codes would not fit int64."""
+    docs = frame.docs
     if docs.size * frame.span >= 1 << 62:
         raise ValueError(
             f"the token meta's positions span {frame.span - 2} over {docs.size} documents: the "
@@ -117,8 +152,35 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
             "2**62; positions are token positions in the padded stream (0..P-1 for every "
             "built-in layout), pass those"
         )
-    runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
-    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
+
+
+def _grouped_arrays(
+    meta: TokenMeta, host: HostRows, table: RunTable, lo_pos: int, hi_pos: int
+) -> MetaArrays:
+    """:func:`meta_arrays` for several row groups: the runs of every group coded in one pass
+    (:func:`~cpshard.attention.visibility.raw_runs` and :func:`~cpshard.attention.visibility.
+    coded` of each group, at once), then cut into the groups' :class:`RankRuns`, and their
+    :class:`~cpshard.attention.grouped_runs.GroupedRuns`."""
+    p, d = host.pos, host.doc
+    n, c = meta.local_len, meta.world_size
+    width = p.shape[1]
+    start = table.start - table.grp * width
+    pad = table.cls == PAD_CLASS
+    rank = start // max(n, 1)
+    ids = d[table.grp, start]
+    docs = np.unique(ids[~pad])
+    frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
+    _check_codes(frame)
+    doc = np.where(pad, 0, np.searchsorted(docs, ids))
+    code = np.where(pad, 0, frame.code(doc, table.pos))
+    every = StreamRuns(start, table.n, table.pos, doc, rank, pad, code)
+    cuts = np.searchsorted(table.grp, np.arange(p.shape[0] + 1)).tolist()
+    runs = tuple(
+        RankRuns(every.take(slice(cuts[g], cuts[g + 1])), c, frame) for g in range(p.shape[0])
+    )
+    real = ~pad
+    grouped = GroupedRuns(runs, every.take(real), table.grp[real])
+    arrays = MetaArrays(p, d, host.rows, host.weights, c, n, frame, runs, grouped)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
@@ -133,6 +195,19 @@ def _pads_unique(pos: np.ndarray, doc: np.ndarray) -> bool:
     return True
 
 
+def _pad_runs_apart(table: RunTable) -> bool:
+    """:func:`_pads_unique` from the pad runs of a table with pad stretches merged: no two pad
+    runs of one row group overlap in positions (a pad run's own positions are distinct)."""
+    pad = np.flatnonzero(table.cls == PAD_CLASS)
+    if pad.size < 2:
+        return True
+    grp, pos, n = table.grp[pad], table.pos[pad], table.n[pad]
+    order = np.lexsort((pos, grp))
+    grp, pos, n = grp[order], pos[order], n[order]
+    same = grp[1:] == grp[:-1]
+    return not bool((same & (pos[1:] < pos[:-1] + n[:-1])).any())
+
+
 def _tiling_of(a: MetaArrays, window: int | None) -> Tiling | None:
     """The :class:`~cpshard.attention.visibility.Tiling` of a single row group's runs, for a mask
     without a window (the slots are whole runs, found by prefix sums), or ``None``."""
@@ -141,16 +216,33 @@ def _tiling_of(a: MetaArrays, window: int | None) -> Tiling | None:
     return a.runs[0].tiling()
 
 
-def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
-    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
+def needed_spans(
+    a: MetaArrays, rank: int, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: the stream slots some query of ``rank`` (any row group) sees, off ``rank``
+    itself, as sorted disjoint slot ranges ``[lo, hi)`` (touching ranges joined)."""
+    every = a.every_group()
+    if every is not None:
+        return every.needed_spans(rank, causal, window)
     tiling = _tiling_of(a, window)
-    if tiling is not None:
-        return tiling.needed(a.runs[0].real, rank, causal)
-    need = np.zeros(a.pos.shape[1], dtype=bool)
+    if tiling is not None:  # whole runs, found by prefix sums
+        real = a.runs[0].real
+        take = tiling.needed_runs(rank, causal)
+        u = Union(real.start[take], real.start[take] + real.n[take])
+        return u.lo, u.hi
+    lo, hi = [], []
     for runs in a.runs:
         keys = runs.real.take(runs.real.rank != rank)
-        need[runs.seen(rank, causal, window).covered_slots(keys)[0]] = True
-    return np.flatnonzero(need)
+        s0, s1, _ = runs.seen(rank, causal, window).covered_spans(keys)
+        lo.append(s0)
+        hi.append(s1)
+    u = Union(np.concatenate(lo), np.concatenate(hi))
+    return u.lo, u.hi
+
+
+def needed_slots(a: MetaArrays, rank: int, causal: bool, window: int | None) -> np.ndarray:
+    """Sorted stream slots some query of ``rank`` (any row group) sees, off ``rank`` itself."""
+    return Union(*needed_spans(a, rank, causal, window)).members()
 
 
 def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> list[np.ndarray]:
@@ -170,16 +262,23 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
         dest = to[run]
         cuts = np.searchsorted(dest, np.arange(c + 1))
         return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
-    if all(runs.blocked for runs in a.runs):  # every row group at once per group, then union
-        need = np.zeros((c, n), dtype=bool)
+    every = a.every_group()
+    if every is not None:  # every row group at once
+        return every.wanted(rank, causal, window, n)
+    if all(runs.blocked for runs in a.runs):  # every rank at once per group, then union
+        lo, hi = [], []  # slot ranges of rank's block, moved to t * L + local slot
         for runs in a.runs:
             own = runs.of(rank)
             peers = np.delete(np.arange(c), rank)
             reps = own.take(np.tile(np.arange(own.n.size), peers.size))
             to = np.repeat(peers, own.n.size)
-            slots, run = runs.block_seen(causal, window).covered_slots(reps, runs.shift(to))
-            need[to[run], slots - rank * n] = True
-        return [np.flatnonzero(row) for row in need]
+            s0, s1, run = runs.block_seen(causal, window).covered_spans(reps, runs.shift(to))
+            base = to[run] * n - rank * n
+            lo.append(base + s0)
+            hi.append(base + s1)
+        lanes = Union(np.concatenate(lo), np.concatenate(hi)).members()
+        cuts = np.searchsorted(lanes, np.arange(c + 1) * n)
+        return [lanes[cuts[t] : cuts[t + 1]] - t * n for t in range(c)]
     out = []
     for t in range(c):
         need_t = np.zeros(n, dtype=bool)
@@ -325,6 +424,9 @@ def _union_matrix(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray
     group's :meth:`RankRuns.block_seen`; their slot ranges, moved to ``t * C * L + slot``, form one
     union measured at every ``(t * C + o) * L``."""
     c, n = a.world, a.local_len
+    every = a.every_group()
+    if every is not None:
+        return every.matrix(causal, window, n)
     lo, hi = [], []
     for runs in a.runs:
         keys, u = runs.real, runs.block_seen(causal, window)
@@ -409,19 +511,51 @@ def selective_plan(
     a = meta_arrays(meta)
     rank, world, n = meta.rank, a.world, a.local_len
     own = a.rank_slice(rank)
-    recv_slots = needed_slots(a, rank, causal, window)
-    recv_splits = tuple(int(x) for x in np.bincount(recv_slots // max(n, 1), minlength=world))
+    spans = needed_spans(a, rank, causal, window)
+    recv = Union(*spans)
+    recv_slots = recv.members()
+    recv_splits = tuple(int(x) for x in np.diff(recv.measure_below(np.arange(world + 1) * n)))
     sends = wanted_of(a, rank, causal, window)
     send_index = np.concatenate(sends) if sends else np.zeros(0, dtype=np.int64)
-    q_pos, q_doc = a.pos[:, own], a.doc[:, own]
-    merge = host_rows(meta).merge  # holds for the whole stream: so for any of its slots
-    remote = _remote_plan(a, rank, recv_slots, q_pos, q_doc, causal, window, device, merge)
+    host = host_rows(meta)
+    if host.table is not None:  # the query and key runs cut from the stream's runs
+        stream = stream_table(meta, True)
+        width = a.pos.shape[1]
+        q = block_table(stream, width, n, rank)
+        k = take_spans(stream, width, *spans)
+        local, remote = pair_plans_of_runs(
+            q, [(q, n), (k, recv_slots.size)], n, a.rows, causal=causal, window=window,
+            device=device,
+        )  # fmt: skip
+    else:
+        local, remote = _pair_plans(a, own, recv_slots, host.merge, causal, window, device)
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
         send_splits=tuple(int(s.size) for s in sends),
         recv_splits=recv_splits,
         recv_slots=recv_slots,
-        local=pair_plan(
+        local=local,
+        remote=remote,
+    )
+    meta.plan_cache[key] = plan
+    return plan
+
+
+def _pair_plans(
+    a: MetaArrays,
+    own: slice,
+    recv_slots: np.ndarray,
+    merge: bool,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+) -> tuple[PairPlan, PairPlan]:
+    """The local and remote kernel plans from the host copies (token by token): where the rows
+    have no run table (a negative id that is not a pad of the convention)."""
+    q_pos, q_doc = a.pos[:, own], a.doc[:, own]
+    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
+    return (
+        pair_plan(
             q_pos,
             q_doc,
             q_pos,
@@ -432,36 +566,15 @@ def selective_plan(
             device=device,
             pads_by_convention=merge,
         ),
-        remote=remote,
+        pair_plan(
+            q_pos,
+            q_doc,
+            k_pos,
+            k_doc,
+            a.rows,
+            causal=causal,
+            window=window,
+            device=device,
+            pads_by_convention=merge,
+        ),
     )
-    meta.plan_cache[key] = plan
-    return plan
-
-
-def _remote_plan(
-    a: MetaArrays,
-    rank: int,
-    recv_slots: np.ndarray,
-    q_pos: np.ndarray,
-    q_doc: np.ndarray,
-    causal: bool,
-    window: int | None,
-    device: torch.device,
-    merge: bool,
-) -> PairPlan:
-    """The local queries against the received keys: from the received runs' table where the
-    runs' tiling names them (no gather or pass over the received tokens), else from the
-    gathered positions and document ids."""
-    tiling = _tiling_of(a, window)
-    if tiling is not None and (not a.frame.docs.size or int(a.frame.docs[0]) >= 0):
-        keys = slot_table(a.runs[0].real, tiling.needed_runs(rank, causal), a.frame)
-        merge = merge or _merge_pads(q_pos, q_doc)  # the keys hold no negative id: as pair_plan
-        return table_plan(
-            run_table(q_pos, q_doc, merge), keys, q_pos.shape[1], recv_slots.size, a.rows,
-            causal=causal, window=window, device=device,
-        )  # fmt: skip
-    k_pos, k_doc = a.pos[:, recv_slots], a.doc[:, recv_slots]
-    return pair_plan(
-        q_pos, q_doc, k_pos, k_doc, a.rows, causal=causal, window=window, device=device,
-        pads_by_convention=merge,
-    )  # fmt: skip

@@ -62,7 +62,6 @@ __all__ = [
     "per_rank",
     "query_intervals",
     "raw_runs",
-    "slot_table",
     "visible_pairs",
 ]
 
@@ -319,6 +318,10 @@ class Union:
         """``[N]``: codes of each interval ``[lo, hi)`` inside the union."""
         return self.measure_below(hi) - self.measure_below(lo)
 
+    def members(self) -> _I64:
+        """Every code inside the union, sorted."""
+        return _aranges(self.lo, self.hi)
+
     def covered_slots(self, runs: StreamRuns, shift: _I64 | int = 0) -> tuple[_I64, _I64]:
         """Stream slots of ``runs`` whose code (plus ``shift``) lies inside the union, in run
         order, and the index of the run each slot belongs to."""
@@ -562,12 +565,6 @@ class Tiling:
         take[self.order] = seen
         return take
 
-    def needed(self, real: StreamRuns, rank: int, causal: bool) -> _I64:
-        """Sorted stream slots of the other ranks' keys some query of ``rank`` sees (``real``:
-        the runs this tiling sorts, in stream order, so the slots come out sorted)."""
-        take = self.needed_runs(rank, causal)
-        return _aranges(real.start[take], real.start[take] + real.n[take])
-
     def wanted(self, rank: int, world: int, local_len: int, causal: bool) -> list[_I64]:
         """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees (none for
         ``rank`` itself). A run of ``rank`` is seen by the ranks whose last run of its document
@@ -596,31 +593,6 @@ class Tiling:
         cuts = np.zeros(world + 1, dtype=np.int64)
         np.cumsum(per_rank(to, s.n[j], world), out=cuts[1:])
         return [slots[cuts[t] : cuts[t + 1]] for t in range(world)]
-
-
-def slot_table(runs: StreamRuns, take: npt.NDArray[np.bool_], frame: Frame) -> RunTable:
-    """The :class:`~cpshard.attention.pieces.RunTable` of the slots of the runs ``take`` (stream
-    order) laid end to end, as ``run_table`` makes it of their gathered positions and document
-    ids (one row, no breaks, no pads: every document id non-negative): neighbours of one
-    document with consecutive positions join. No per-token pass.
-
-    Args:
-        runs: Real runs in stream order, coded by ``frame``.
-        take: ``[R]`` the runs whose slots are taken, in this order.
-        frame: The code map (document ids from indices).
-    """
-    n, pos = runs.n[take], runs.pos[take]
-    cls = frame.docs[runs.doc[take]]
-    if not n.size:
-        z = np.zeros(0, dtype=np.int64)
-        return RunTable(z, z, z, z, z)
-    joined = np.ones(n.size, dtype=bool)
-    joined[1:] = (pos[1:] != pos[:-1] + n[:-1]) | (cls[1:] != cls[:-1])
-    first = np.flatnonzero(joined)
-    ends = np.cumsum(n)
-    start = ends - n
-    length = np.diff(np.append(start[first], ends[-1]))
-    return RunTable(start[first], length, pos[first], cls[first], np.zeros(first.size, np.int64))
 
 
 def _stable_order(x: _I64) -> _I64:
