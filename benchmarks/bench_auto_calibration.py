@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import pickle
@@ -133,31 +134,49 @@ def _rank(mesh: Any, points: list[tuple[int, int, str, int, int]], dim: int, rou
                 sent = sum(nb for kind, nb in rec.events if kind == "all_to_all")
             else:
                 step(m)
-        best = dict.fromkeys(methods, float("inf"))
-        for _ in range(rounds):
-            for m in methods:
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for r in range(rounds):  # paired rounds, the order rotated: A B C D, B C D A, ...
+            gc.collect()
+            for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
                 dist.barrier(group)
                 t0 = time.perf_counter()
                 step(m)
                 dist.barrier(group)
-                best[m] = min(best[m], time.perf_counter() - t0)
-        out.append({"best": best, "sent": sent, "facts": plan_facts(meta), "rows": rows})
+                times[m].append(time.perf_counter() - t0)
+        out.append({"times": times, "sent": sent, "facts": plan_facts(meta), "rows": rows})
     return out
 
 
+def _stat(times: list[float], stat: str) -> float:
+    return float(np.median(times)) if stat == "median" else min(times)
+
+
 def main() -> None:
-    from cpshard.attention.calibration import Sample, calibration_table, fit_rates, format_table
+    from cpshard.attention.calibration import (
+        FIT_RATES,
+        Sample,
+        calibration_table,
+        cross_validate,
+        fit_rates,
+        format_table,
+    )
     from cpshard.attention.cost import CallShape, CostModel
     from cpshard.launch import run_local_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", default="16384,32768,65536")
     p.add_argument("--cps", default="2,3,4")
-    p.add_argument("--fit-seqs", default="32768", help="S of the points the rates are fitted on")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds per point")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="a point's time per method: median or min of its rounds")  # fmt: skip
+    p.add_argument("--free", default=",".join(FIT_RATES), help="CostModel fields to fit")
+    p.add_argument("--unweighted", action="store_true", help="every (point, method) weighs 1")
+    p.add_argument("--alpha", type=float, default=0.05, help="sign test level of 'beyond noise'")
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--save", help="pickle the measured samples here (refit with --load)")
     p.add_argument("--load", help="fit and print the samples of a --save file, measure nothing")
+    p.add_argument("--table", choices=("loo", "fit"), default="loo",
+                   help="per-point table: held-out (leave one out) or in-sample")  # fmt: skip
     p.add_argument(
         "--share", choices=("cores", "one"), default="cores",
         help="cores: ranks beyond the cores get cores / C of one (CostModel.scaled); one: ignore",
@@ -165,24 +184,27 @@ def main() -> None:
     args = p.parse_args()
     seqs = [int(x) for x in args.seqs.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
-    fit_seqs = {int(x) for x in args.fit_seqs.split(",")}
+    free = tuple(x for x in args.free.split(",") if x)
     cores = os.cpu_count() or 1
     load0 = os.getloadavg()
     print(
         f"machine: {platform.machine()} {cores} cores, Python {platform.python_version()}, torch "
-        f"{torch.__version__}; head dim {args.head_dim}, fp32, {args.rounds} rounds (min counts)"
+        f"{torch.__version__}; head dim {args.head_dim}, fp32, {args.rounds} paired rounds "
+        f"({args.stat} counts)"
     )
     print(f"load average before: {' / '.join(f'{x:.2f}' for x in load0)}", flush=True)
     t_start = time.perf_counter()
     samples: list[Sample] = []
-    fitted_on: set[str] = set()
     volume_ok = volume_all = 0
     if args.load:
         with open(args.load, "rb") as fh:
             samples, load0, load1 = pickle.load(fh)
         cps = []
-        fitted_on = {x.label for x in samples if int(x.label.split("S=")[1].split("k")[0]) * 1024
-                     in fit_seqs}  # fmt: skip
+        samples = [  # the point estimate from the rounds, as --stat says
+            dataclasses.replace(x, measured={m: _stat(list(t), args.stat) for m, t in
+                                             x.rounds.items()}) if x.rounds else x
+            for x in samples
+        ]  # fmt: skip
         print(f"loaded {len(samples)} samples measured at load {load0} -> {load1}")
     for c in cps:
         points = [pt for pt in grid(seqs, cps) if pt[1] == c]
@@ -191,55 +213,76 @@ def main() -> None:
             per_rank = [r[i] for r in res]
             facts, rows = per_rank[0]["facts"], per_rank[0]["rows"]
             shape = CallShape(rows, hq, hkv, args.head_dim, 4)
-            measured = {m: max(r["best"][m] for r in per_rank) for m in per_rank[0]["best"]}
+            methods = list(per_rank[0]["times"])
+            rounds = {  # the slowest rank's time, round by round
+                m: tuple(max(ts) for ts in zip(*(r["times"][m] for r in per_rank), strict=True))
+                for m in methods
+            }
+            measured = {m: _stat(list(rounds[m]), args.stat) for m in methods}
             label = f"{mix} S={s // 1024}k C={c} {hq}/{hkv}"
             share = min(1.0, cores / c) if args.share == "cores" else 1.0
-            samples.append(Sample(label, facts, shape, measured, share))
-            if s in fit_seqs:
-                fitted_on.add(label)
+            samples.append(Sample(label, facts, shape, measured, share, rounds))
             slot = 2 * hkv * args.head_dim * rows
             for r, got in enumerate(per_rank):  # fwd K/V fp32 sent, bwd dK/dV fp32 sent back
                 want = (int(facts.send_slots[r]) + int(facts.recv_slots[r])) * slot * 4
                 volume_ok += int(got["sent"] == want)
                 volume_all += 1
         print(
-            f"C={c}: {len(points)} points measured, {time.perf_counter() - t_start:.0f} s",
+            f"C={c}: {len(points)} points measured, {time.perf_counter() - t_start:.0f} s, "
+            f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
     if not args.load:
         load1 = os.getloadavg()
+        print(
+            f"selective bytes sent (CommRecorder) == cost facts' volume: {volume_ok} of "
+            f"{volume_all} (point, rank) pairs"
+        )
     if args.save:
         with open(args.save, "wb") as fh:
             pickle.dump((samples, load0, load1), fh)
-    if args.load and args.share == "one":
+    if args.share == "one":
         samples = [dataclasses.replace(x, share=1.0) for x in samples]
-    fit = [s for s in samples if s.label in fitted_on] or samples
-    model = fit_rates(fit, CostModel(**START))  # type: ignore[arg-type]
-    print(f"\nload average after: {' / '.join(f'{x:.2f}' for x in load1)}; "
+    print(f"load average after: {' / '.join(f'{x:.2f}' for x in load1)}; "
           f"measuring took {time.perf_counter() - t_start:.0f} s")  # fmt: skip
+    weighted = not args.unweighted
+    t_fit = time.perf_counter()
+    model = fit_rates(samples, CostModel(**START), free, weighted=weighted)  # type: ignore[arg-type]
+    fields = ", ".join(f"{f}={getattr(model, f):.4g}" for f in free)
     print(
-        f"selective bytes sent (CommRecorder) == cost facts' volume: {volume_ok} of "
-        f"{volume_all} (point, rank) pairs"
+        f"\nfitted on all {len(samples)} points ({'weighted' if weighted else 'unweighted'} least "
+        f"squares of log time): CostModel({fields})  [one rank per core]"
     )
-    print(
-        f"fitted on {len(fit)} points (S in {sorted(fit_seqs)}): CostModel(compute_rate="
-        f"{model.compute_rate:.4g}, link_bandwidth={model.link_bandwidth:.4g}, "
-        f"latency={model.latency:.4g}, overlap={model.overlap:.3f})  [one rank per core]\n"
+    fit_rows, fit_points, fit_sum = calibration_table(samples, model, alpha=args.alpha)
+    loo_rows, loo_points, loo_sum = cross_validate(
+        samples, model, free, weighted=weighted, alpha=args.alpha
     )
-    rows_, points_, summary = calibration_table(samples, model)
-    print(format_table(rows_, points_, summary))
-    held = [s for s in samples if s.label not in fitted_on]
-    if held and len(held) < len(samples):
-        _, _, h = calibration_table(held, model)
+    print(f"fit + leave-one-point-out refits: {time.perf_counter() - t_fit:.0f} s\n")
+    if args.table == "loo":
+        print("Held-out table (each point predicted by the rates fitted on the others):\n")
+        print(format_table(loo_rows, loo_points, loo_sum))
+    else:
+        print("In-sample table (the rates fitted on every point):\n")
+        print(format_table(fit_rows, fit_points, fit_sum))
+    _, _, d = calibration_table(samples, CostModel(), alpha=args.alpha)
+    _, _, g = calibration_table(samples, CostModel.cpu_gloo(), alpha=args.alpha)
+    print("\n| summary | within +-15% | rms log err | picks best (strict) | best or within noise "
+          "| within 5% of best |\n|---|---|---|---|---|---|")  # fmt: skip
+    for name, x in (
+        ("held-out (leave one point out)", loo_sum),
+        ("in-sample (fit on all)", fit_sum),
+        ("CostModel.cpu_gloo() as committed", g),
+        ("default CostModel() (GPU rates)", d),
+    ):
         print(
-            f"Held-out points only ({h.points}): within +-15% {h.within:.0%} of {h.rows} rows; "
-            f"picks the best {h.picked_best:.0%}, within 5% of it {h.picked_near:.0%}."
+            f"| {name} | {x.within:.0%} of {x.rows} | {x.log_rms:.3f} | {x.picked_best:.0%} "
+            f"| {x.picked_within_noise:.0%} | {x.picked_near:.0%} |"
         )
-    default = CostModel()
-    _, _, d = calibration_table(samples, default)
     print(
-        f"Default CostModel() (GPU rates) on the same points: picks the best {d.picked_best:.0%}, "
-        f"within 5% {d.picked_near:.0%}."
+        f"\n{fit_sum.points} points; the measured best beats the runner-up beyond the noise "
+        f"(sign test, {args.rounds} paired rounds, alpha {args.alpha}) at {fit_sum.clear:.0%} of "
+        f"them; rounds' IQR/median: median {fit_sum.spread:.1%}, max "
+        f"{max(r.spread for r in fit_rows):.1%}."
     )
 
 
