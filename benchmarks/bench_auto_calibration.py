@@ -15,23 +15,33 @@ is timed per method over a grid:
 
 Each CP size runs in one launch of ``C`` ranks; per point every method runs once to warm up (its
 selective run recorded by :class:`cpshard._comm.CommRecorder`: the bytes each rank sends,
-checked against the cost facts' volume, exactly), then ``--rounds`` rounds time every method in
-turn (barrier, step, barrier; the minimum over rounds counts, the slowest rank's), so a shared
-machine's load disturbs all methods alike.
+checked against the cost facts' volume, exactly), then ``--rounds`` paired rounds time every
+method (barrier, step, barrier; the slowest rank's time), the order rotated each round (A B C D,
+B C D A, ...) so load drift and what ran just before hit every method alike. Every round's time is
+kept (:attr:`cpshard.attention.calibration.Sample.rounds`); a method's time at a point is, by
+``--stat``, :func:`~cpshard.attention.calibration.paired_estimate` (default: the differences
+between methods from every round, the level from the quietest round), the median or the minimum.
 
-Then :func:`cpshard.attention.calibration.fit_rates` fits the CPU+gloo rates (compute rate,
-link bandwidth, latency, overlap) on the points with ``S`` in ``--fit-seqs`` and the table of
-:func:`~cpshard.attention.calibration.calibration_table` compares predicted and measured at every
-point (fitted and held-out separately). Ranks outnumbering the cores get ``cores / C`` of a core
-each (:meth:`~cpshard.attention.cost.CostModel.scaled`). The fitted rates are printed as a
-``CostModel(...)``: on a GPU cluster run this benchmark's grid there (the same code, your
-backend) and pass the rates it prints as ``attention_cost``.
+Then :func:`cpshard.attention.calibration.fit_rates` fits the CPU+gloo rates (``--free``: compute
+rate, link bandwidth, latency, overlap) by least squares of log time, each (point, method)
+weighted by the spread of its rounds, on every point, and
+:func:`~cpshard.attention.calibration.cross_validate` refits it once per point without that
+point: the table's errors and picks are out-of-sample (``--table fit``: in-sample). A pick that
+is not the measured best counts as a miss in the strict rate always, and in the within-noise rate
+only when the picked method was slower than the best in enough paired rounds (a sign test at
+``--alpha``); the table says per point whether the measured best is clear of the runner-up at
+all. Ranks outnumbering the cores get ``cores / C`` of a core each
+(:meth:`~cpshard.attention.cost.CostModel.scaled`). The fitted rates are printed as a
+``CostModel(...)`` (:meth:`~cpshard.attention.cost.CostModel.cpu_gloo` holds this machine's): on
+a GPU cluster run this benchmark's grid there (the same code, your backend) and pass the rates it
+prints as ``attention_cost``.
 
 Usage::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_auto_calibration.py
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_auto_calibration.py \\
-        --seqs 16384 --cps 2 --rounds 1    # a quick look
+        --seqs 16384 --cps 2 --rounds 3    # a quick look
+    ... --save /tmp/c.pkl; ... --load /tmp/c.pkl --stat median --free compute_rate,latency
 """
 
 from __future__ import annotations
@@ -147,8 +157,13 @@ def _rank(mesh: Any, points: list[tuple[int, int, str, int, int]], dim: int, rou
     return out
 
 
-def _stat(times: list[float], stat: str) -> float:
-    return float(np.median(times)) if stat == "median" else min(times)
+def _stat(rounds: dict[str, Any], stat: str) -> dict[str, float]:
+    """A point's time per method from its paired rounds."""
+    from cpshard.attention.calibration import paired_estimate
+
+    if stat == "paired":
+        return paired_estimate(rounds)
+    return {m: float(np.median(t)) if stat == "median" else min(t) for m, t in rounds.items()}
 
 
 def main() -> None:
@@ -167,8 +182,8 @@ def main() -> None:
     p.add_argument("--seqs", default="16384,32768,65536")
     p.add_argument("--cps", default="2,3,4")
     p.add_argument("--rounds", type=int, default=7, help="paired rounds per point")
-    p.add_argument("--stat", choices=("median", "min"), default="median",
-                   help="a point's time per method: median or min of its rounds")  # fmt: skip
+    p.add_argument("--stat", choices=("paired", "median", "min"), default="paired",
+                   help="per method: paired_estimate, median or min of rounds")  # fmt: skip
     p.add_argument("--free", default=",".join(FIT_RATES), help="CostModel fields to fit")
     p.add_argument("--unweighted", action="store_true", help="every (point, method) weighs 1")
     p.add_argument("--alpha", type=float, default=0.05, help="sign test level of 'beyond noise'")
@@ -201,8 +216,7 @@ def main() -> None:
             samples, load0, load1 = pickle.load(fh)
         cps = []
         samples = [  # the point estimate from the rounds, as --stat says
-            dataclasses.replace(x, measured={m: _stat(list(t), args.stat) for m, t in
-                                             x.rounds.items()}) if x.rounds else x
+            dataclasses.replace(x, measured=_stat(dict(x.rounds), args.stat)) if x.rounds else x
             for x in samples
         ]  # fmt: skip
         print(f"loaded {len(samples)} samples measured at load {load0} -> {load1}")
@@ -218,7 +232,7 @@ def main() -> None:
                 m: tuple(max(ts) for ts in zip(*(r["times"][m] for r in per_rank), strict=True))
                 for m in methods
             }
-            measured = {m: _stat(list(rounds[m]), args.stat) for m in methods}
+            measured = _stat(rounds, args.stat)
             label = f"{mix} S={s // 1024}k C={c} {hq}/{hkv}"
             share = min(1.0, cores / c) if args.share == "cores" else 1.0
             samples.append(Sample(label, facts, shape, measured, share, rounds))

@@ -53,6 +53,8 @@ __all__ = [
     "cross_validate",
     "fit_rates",
     "format_table",
+    "paired_estimate",
+    "paired_spread",
     "relative_spread",
     "sign_test",
     "slower_beyond_noise",
@@ -128,6 +130,48 @@ def relative_spread(sample: Sample) -> dict[str, float]:
         q1, med, q3 = np.percentile(times, [25.0, 50.0, 75.0])
         out[m] = float((q3 - q1) / med)
     return out
+
+
+def paired_estimate(rounds: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Per method, a point estimate from paired rounds that load drift between rounds cannot bias.
+
+    Two-way model ``log t[m, r] = level[r] + effect[m] + noise``: ``level[r]`` is round ``r``'s
+    mean log time over the methods (what the machine's load did to the whole round),
+    ``effect[m]`` the median over rounds of method ``m``'s log time minus its round's level. The
+    estimate is ``exp(min(level) + effect[m])``: the differences between methods from every
+    round, the absolute level from the quietest one (load only adds time).
+
+    Args:
+        rounds: Seconds per method and round (every method the same rounds, > 0).
+
+    Returns:
+        ``{method: seconds}``.
+    """
+    names = list(rounds)
+    logs = np.log(np.asarray([list(rounds[m]) for m in names], dtype=np.float64))  # [M, R]
+    level = logs.mean(axis=0)  # [R]
+    effect = np.median(logs - level, axis=1)  # [M]
+    return {m: float(np.exp(level.min() + e)) for m, e in zip(names, effect, strict=True)}
+
+
+def paired_spread(sample: Sample) -> dict[str, float]:
+    """Interquartile range of each method's log time relative to its round's mean over the
+    methods (about the relative spread once load drift between rounds is taken out; 0 without
+    rounds or with one).
+
+    Args:
+        sample: A measured point.
+
+    Returns:
+        ``{method: IQR of log(t[m, r]) - level[r]}`` for every measured method.
+    """
+    if sample.rounds is None or len(next(iter(sample.rounds.values()))) < 2:
+        return dict.fromkeys(sample.measured, 0.0)
+    names = list(sample.measured)
+    logs = np.log(np.asarray([list(sample.rounds[m]) for m in names], dtype=np.float64))
+    rel = logs - logs.mean(axis=0)
+    q1, q3 = np.percentile(rel, [25.0, 75.0], axis=1)
+    return {m: float(b - a) for m, a, b in zip(names, q1, q3, strict=True)}
 
 
 def sign_test(wins: int, n: int) -> float:
@@ -223,6 +267,7 @@ def fit_rates(
     floor: float = 0.02,
     tol: float = 1e-7,
     max_evals: int = 20000,
+    first_step: float = 1.0,
 ) -> CostModel:
     """The rates of ``free`` that fit ``samples`` best (least squares of log ratios).
 
@@ -236,6 +281,8 @@ def fit_rates(
             outweighing the rest).
         tol: Stop when every step is below this (log units; ``overlap`` absolute).
         max_evals: Stop after this many evaluations of the loss.
+        first_step: The search's first step (log units; a quarter of it for ``overlap``): small
+            when ``start`` is near, e.g. a fit on nearly the same samples.
 
     Returns:
         ``start`` with the fitted rates.
@@ -251,7 +298,7 @@ def fit_rates(
         raise ValueError(f"fit_rates(weighted=True) needs floor > 0, got {floor!r}")
     weights = _weights(samples, weighted, floor)
     x = _encode(start, free)
-    step = np.asarray([0.25 if f == "overlap" else 1.0 for f in free])
+    step = np.asarray([first_step * (0.25 if f == "overlap" else 1.0) for f in free])
     best = _loss(samples, weights, _decode(x, start, free))
     evals = 1
     while step.max() > tol and evals < max_evals:
@@ -275,13 +322,15 @@ def fit_rates(
 
 @dataclass(frozen=True)
 class TableRow:
-    """One (sample, method) row: modelled and measured seconds, and the rounds' spread."""
+    """One (sample, method) row: modelled and measured seconds, and the rounds' spread
+    (:func:`relative_spread`, :func:`paired_spread`)."""
 
     label: str
     method: str
     predicted: float
     measured: float
     spread: float = 0.0
+    paired_spread: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -331,6 +380,7 @@ class Summary:
         clear: Share of the samples whose measured best beats the runner-up beyond the noise
             (``nan`` without rounds).
         spread: Median of the rows' :attr:`TableRow.spread` (IQR / median of the rounds).
+        paired_spread: Median of the rows' :attr:`TableRow.paired_spread`.
         log_rms: Root mean square of ``log(predicted / measured)`` over the rows.
     """
 
@@ -345,13 +395,14 @@ class Summary:
     clear: float = float("nan")
     spread: float = 0.0
     log_rms: float = 0.0
+    paired_spread: float = 0.0
 
 
 def _point(sample: Sample, model: CostModel, alpha: float) -> tuple[list[TableRow], PointRow]:
     s = sample
     pred = _predicted(s, model)
-    spread = relative_spread(s)
-    rows = [TableRow(s.label, m, pred[m], t, spread[m]) for m, t in s.measured.items()]
+    spread, paired = relative_spread(s), paired_spread(s)
+    rows = [TableRow(s.label, m, pred[m], t, spread[m], paired[m]) for m, t in s.measured.items()]
     chosen, _ = choose_method(s.facts, s.shape, model.scaled(s.share), tuple(s.measured))
     order = sorted(s.measured, key=lambda m: (s.measured[m], m != chosen))  # a tie: chosen
     best = order[0]
@@ -379,6 +430,7 @@ def _summary(
         clear=sum(judged) / len(judged) if judged else float("nan"),
         spread=float(np.median([r.spread for r in rows])) if rows else 0.0,
         log_rms=math.sqrt(sum(logs) / len(logs)) if logs else 0.0,
+        paired_spread=float(np.median([r.paired_spread for r in rows])) if rows else 0.0,
     )
 
 
@@ -421,7 +473,8 @@ def cross_validate(
     tolerance: float = 0.15,
     near: float = 0.05,
     alpha: float = 0.05,
-    max_evals: int = 20000,
+    tol: float = 1e-4,
+    first_step: float = 0.1,
 ) -> tuple[list[TableRow], list[PointRow], Summary]:
     """Leave-one-point-out :func:`calibration_table`: each sample predicted (and its method
     picked) by rates fitted on every other sample, so the errors are out-of-sample.
@@ -435,7 +488,8 @@ def cross_validate(
         tolerance: As :func:`calibration_table`.
         near: As :func:`calibration_table`.
         alpha: As :func:`calibration_table`.
-        max_evals: Per fit, as :func:`fit_rates`.
+        tol: Per fit, as :func:`fit_rates` (1e-4: rates to 0.01%, far below any timing noise).
+        first_step: Per fit, as :func:`fit_rates` (small: each fit starts at ``start``).
 
     Returns:
         ``(rows, points, summary)`` of the held-out predictions.
@@ -446,7 +500,9 @@ def cross_validate(
     points: list[PointRow] = []
     for i, s in enumerate(samples):
         rest = [x for j, x in enumerate(samples) if j != i]
-        model = fit_rates(rest, start, free, weighted=weighted, floor=floor, max_evals=max_evals)
+        model = fit_rates(
+            rest, start, free, weighted=weighted, floor=floor, tol=tol, first_step=first_step
+        )
         r, p = _point(s, model, alpha)
         rows.extend(r)
         points.append(p)
@@ -479,7 +535,8 @@ def format_table(rows: Sequence[TableRow], points: Sequence[PointRow], summary: 
     lines.append(
         f"Predicted within +-{summary.tolerance:.0%} of measured: "
         f"{summary.within:.0%} of {summary.rows} (point, method) rows "
-        f"(rms log error {summary.log_rms:.3f}; rounds' median IQR/median {summary.spread:.1%}). "
+        f"(rms log error {summary.log_rms:.3f}; rounds' median IQR/median {summary.spread:.1%}, "
+        f"{summary.paired_spread:.1%} within rounds). "
         f"auto picks the measured best at {summary.picked_best:.0%} of {summary.points} points "
         f"(strict), the best or one the rounds cannot tell slower at "
         f"{summary.picked_within_noise:.0%}, a method within {summary.near:.0%} of it at "
