@@ -67,7 +67,13 @@ MIXES = ("lognormal", "long", "dense")
 LAYOUT = {"lognormal": "balanced", "long": "packed", "dense": "round_robin"}
 GQAS = ((8, 8), (8, 2), (8, 1))
 ROW = 2048  # dense rows
-START = {"compute_rate": 2e10, "link_bandwidth": 1e9, "latency": 1e-3, "overlap": 0.5}
+START = {
+    "compute_rate": 2e10,
+    "link_bandwidth": 1e9,
+    "latency": 1e-3,
+    "overlap": 0.5,
+    "pass_rate": 1e8,
+}
 
 
 def lognormal_lens(tokens: int, seed: int = 0) -> list[int]:

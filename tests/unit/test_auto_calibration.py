@@ -26,6 +26,7 @@ from cpshard.attention.calibration import (
     slower_beyond_noise,
 )
 from cpshard.attention.cost import (
+    BACKWARD_FACTOR,
     CallShape,
     CostModel,
     choose_method,
@@ -88,7 +89,7 @@ def _synthetic(model: CostModel) -> list[Sample]:
 def test_fit_recovers_the_rates_that_generated_the_times() -> None:
     samples = _synthetic(TRUE)
     start = CostModel(compute_rate=1e12, link_bandwidth=1e11, latency=1e-5, overlap=1.0)
-    got = fit_rates(samples, start)
+    got = fit_rates(samples, start, ("compute_rate", "link_bandwidth", "latency", "overlap"))
     assert got.compute_rate == pytest.approx(TRUE.compute_rate, rel=1e-3)
     assert got.link_bandwidth == pytest.approx(TRUE.link_bandwidth, rel=1e-3)
     assert got.latency == pytest.approx(TRUE.latency, rel=1e-3)
@@ -340,3 +341,24 @@ def test_cross_validate_predicts_each_point_from_the_others() -> None:
     assert max(abs(math.log(r.ratio)) for r in in_held) < abs(math.log(1 / 1.3)) - 0.02
     with pytest.raises(ValueError, match="at least 2"):
         cross_validate(samples[:1], start, free)
+
+
+def test_pass_rate_adds_passes_over_the_queries() -> None:
+    """A finite pass_rate adds (1 + BACKWARD_FACTOR) * L * B * Hq * D / pass_rate per pass: 2 for
+    all_gather and selective, C for ring, 1 for ulysses; the default (inf) adds nothing."""
+    facts = _packed_facts(3, 3, 3 * 4096)
+    shape = CallShape(2, 8, 2, 16, 4)
+    base = CostModel(compute_rate=1e10, link_bandwidth=1e9, latency=1e-4, overlap=0.3)
+    rate = 5e7
+    with_passes = method_costs(facts, shape, dataclasses.replace(base, pass_rate=rate))
+    plain = method_costs(facts, shape, base)
+    one = facts.local_len * 2 * 8 * 16 / rate * (1 + BACKWARD_FACTOR)
+    passes = {"all_gather": 2, "selective": 2, "ring": 3, "ulysses": 1}
+    for m, k in passes.items():
+        assert with_passes[m] - plain[m] == pytest.approx(k * one, rel=1e-9), m
+    assert method_costs(facts, shape, dataclasses.replace(base, pass_rate=math.inf)) == plain
+    assert dataclasses.replace(base, pass_rate=rate).scaled(0.5).pass_rate == rate * 0.5
+    with pytest.raises(ValueError, match="pass_rate must be > 0"):
+        CostModel(pass_rate=0.0)
+    with pytest.raises(ValueError, match="finite start for pass_rate"):
+        fit_rates(_synthetic(TRUE)[:1], base, ("pass_rate",))

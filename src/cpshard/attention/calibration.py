@@ -60,7 +60,7 @@ __all__ = [
     "slower_beyond_noise",
 ]
 
-FIT_RATES = ("compute_rate", "link_bandwidth", "latency", "overlap")
+FIT_RATES = ("compute_rate", "link_bandwidth", "latency", "overlap", "pass_rate")
 """The :class:`CostModel` fields :func:`fit_rates` may fit (``overlap`` linearly in ``[0, 1]``, the
 others in log space)."""
 
@@ -219,6 +219,8 @@ def _encode(model: CostModel, free: Sequence[str]) -> np.ndarray:
         value = float(getattr(model, name))
         if name == "overlap":
             out.append(value)
+        elif not math.isfinite(value):
+            raise ValueError(f"fit_rates needs a finite start for {name}, got {value!r}")
         else:
             out.append(math.log(max(value, _LATENCY_FLOOR)))
     return np.asarray(out, dtype=np.float64)

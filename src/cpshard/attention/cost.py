@@ -16,6 +16,10 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
   - ``ring``: ``C-1`` hops of ``L`` K/V slots forward; backward K/V and dK/dV travel together;
   - ``ulysses``: q, k, v to heads and the output back, forward; grad-out in and dq, dk, dv out,
     backward; each ``(C-1)/C`` of the local tensors.
+* **passes**: with ``CostModel.pass_rate`` finite, each pass over a rank's queries (reading q,
+  writing a partial output and merging it) costs ``L * B * Hq * D / pass_rate`` forward and
+  :data:`BACKWARD_FACTOR` times that backward, unhidden: all_gather and selective 2 passes (own
+  keys, remote keys), ring ``C``, ulysses 1.
 * **overlap**: ``all_gather`` and ``selective`` hide their exchange behind the own-keys compute
   (``max(comm, local) + remote``); ``ring`` hides each hop behind one block's compute, step by
   step (the remote pairs spread evenly over the ``C - 1`` remote blocks; the last block's compute
@@ -46,6 +50,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +103,12 @@ class CostModel:
         latency: Seconds per collective or ring step. Default 20 us.
         overlap: Share of a transfer that can hide behind compute, in ``[0, 1]``. Default 1 (GPU:
             NCCL on its own engines); gloo on CPU moves bytes on the computing cores.
+        pass_rate: Query elements (``tokens * Hq * D`` of the call) per second one pass over the
+            queries costs besides its pairs: reading q and writing a partial output and its LSE,
+            merging it, and the backward's share (see :func:`method_costs`: all_gather and
+            selective make 2 passes, ring ``C``, ulysses 1). Default ``inf`` (no cost: on GPUs the
+            fused kernels hide it); on CPU it is what makes a batch of short documents (few pairs
+            per token) slower per pair than one of long documents.
         q_heads: Query heads assumed where the call is not known yet (the dispatcher).
         kv_heads: Key/value heads assumed likewise.
         head_dim: Head dim assumed likewise.
@@ -108,13 +119,14 @@ class CostModel:
     compute_rate: float = 400e12
     latency: float = 20e-6
     overlap: float = 1.0
+    pass_rate: float = math.inf
     q_heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
     itemsize: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("link_bandwidth", "compute_rate"):
+        for name in ("link_bandwidth", "compute_rate", "pass_rate"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"CostModel.{name} must be > 0, got {value!r}")
@@ -145,14 +157,17 @@ class CostModel:
         ).scaled(share)
 
     def scaled(self, share: float) -> CostModel:
-        """This model for ranks that get ``share`` of a core each: compute rate and link
-        bandwidth times ``share`` (gloo moves bytes with the cores that compute)."""
+        """This model for ranks that get ``share`` of a core each: compute rate, pass rate and
+        link bandwidth times ``share`` (gloo moves bytes with the cores that compute)."""
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share!r}")
         if share == 1.0:
             return self
         return dataclasses.replace(
-            self, compute_rate=self.compute_rate * share, link_bandwidth=self.link_bandwidth * share
+            self,
+            compute_rate=self.compute_rate * share,
+            link_bandwidth=self.link_bandwidth * share,
+            pass_rate=self.pass_rate * share,
         )
 
     def shape(self, batch: int, causal: bool = True, window: int | None = None) -> CallShape:
@@ -303,9 +318,14 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
         t_b = hide(moved * acc / bw + lat, bwd_local) + (bwd - bwd_local)
         return float((t_f + t_b).max())
 
+    # Passes over the queries: own keys then the remote ones (all_gather, selective: 2), one per
+    # ring step (C), one over the whole stream with 1/C of the heads (ulysses: 1); the backward
+    # makes as many, each BACKWARD_FACTOR times the forward's work.
+    one_pass = n * shape.batch * shape.q_heads * shape.head_dim / model.pass_rate
+    one_pass *= 1.0 + BACKWARD_FACTOR
     costs: dict[str, float] = {}
     if c == 1:
-        base = float((fwd + bwd).max())
+        base = float((fwd + bwd).max()) + one_pass
         return {name: base for name in METHODS}
     full = np.full(c, (c - 1) * n, dtype=np.float64)
     costs["all_gather"] = overlapped(full, full)
@@ -329,7 +349,8 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     costs["selective"] = overlapped(
         facts.recv_slots.astype(np.float64), facts.send_slots.astype(np.float64)
     )
-    return {name: costs[name] for name in METHODS}
+    passes = {"all_gather": 2.0, "selective": 2.0, "ring": float(c), "ulysses": 1.0}
+    return {name: costs[name] + passes[name] * one_pass for name in METHODS}
 
 
 def method_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, np.ndarray]:
