@@ -49,9 +49,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import math
 import os
-import pickle
 import platform
 import sys
 import time
@@ -151,16 +151,66 @@ def _rank(mesh: Any, points: list[tuple[int, int, str, int, int]], dim: int, rou
             else:
                 step(m)
         times: dict[str, list[float]] = {m: [] for m in methods}
+        cpu: dict[str, list[float]] = {m: [] for m in methods}
         for r in range(rounds):  # paired rounds, the order rotated: A B C D, B C D A, ...
             gc.collect()
             for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
                 dist.barrier(group)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(m)
                 dist.barrier(group)
                 times[m].append(time.perf_counter() - t0)
-        out.append({"times": times, "sent": sent, "facts": plan_facts(meta), "rows": rows})
+                cpu[m].append(time.process_time() - c0)  # this process's CPU time, any thread
+        out.append(
+            {"times": times, "cpu": cpu, "sent": sent, "facts": plan_facts(meta), "rows": rows}
+        )
     return out
+
+
+def save_samples(
+    path: str, samples: list[Any], cpu_rounds: list[Any], load0: Any, load1: Any
+) -> None:
+    """The measured points as JSON: label, plan facts, call shape, share, rounds (wall seconds)
+    and cpu_rounds (the ranks' CPU seconds)."""
+    points = []
+    for x, cpu in zip(samples, cpu_rounds, strict=True):
+        f = x.facts
+        facts = {"world": f.world, "local_len": f.local_len, "meta_rows": f.meta_rows}
+        for name in ("pairs", "local_pairs", "recv_slots", "send_slots"):
+            facts[name] = [int(v) for v in getattr(f, name)]
+        rounds = {m: list(t) for m, t in x.rounds.items()}
+        shape = dataclasses.asdict(x.shape)
+        points.append(
+            {"label": x.label, "facts": facts, "shape": shape, "share": x.share, "rounds": rounds,
+             "cpu_rounds": {m: list(t) for m, t in cpu.items()}}
+        )  # fmt: skip
+    with open(path, "w") as fh:
+        json.dump({"load_before": list(load0), "load_after": list(load1), "points": points}, fh)
+
+
+def load_samples(path: str, clock: str = "wall") -> tuple[list[Any], Any, Any]:
+    """The points of a :func:`save_samples` file (measured: the median until --stat says), by
+    ``clock``: wall seconds, or CPU seconds (``share`` 1: a rank's CPU time is what its step
+    takes on a core of its own)."""
+    from cpshard.attention.calibration import Sample
+    from cpshard.attention.cost import CallShape, PlanFacts
+
+    with open(path) as fh:
+        data = json.load(fh)
+    out = []
+    for pt in data["points"]:
+        f = pt["facts"]
+        arrays = {k: np.asarray(f[k], dtype=np.int64)
+                  for k in ("pairs", "local_pairs", "recv_slots", "send_slots")}  # fmt: skip
+        facts = PlanFacts(f["world"], f["local_len"], f["meta_rows"], **arrays)
+        if clock == "cpu" and "cpu_rounds" not in pt:
+            raise ValueError(f"{path}: no CPU times recorded (measured before --clock existed)")
+        key, share = ("cpu_rounds", 1.0) if clock == "cpu" else ("rounds", pt["share"])
+        rounds = {m: tuple(t) for m, t in pt[key].items()}
+        measured = {m: float(np.median(t)) for m, t in rounds.items()}
+        out.append(Sample(pt["label"], facts, CallShape(**pt["shape"]), measured, share,
+                          rounds))  # fmt: skip
+    return out, data["load_before"], data["load_after"]
 
 
 def _stat(rounds: dict[str, Any], stat: str) -> dict[str, float]:
@@ -190,12 +240,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7, help="paired rounds per point")
     p.add_argument("--stat", choices=("paired", "median", "min"), default="paired",
                    help="per method: paired_estimate, median or min of rounds")  # fmt: skip
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: step time; cpu: slowest rank's CPU time (load-proof)")  # fmt: skip
     p.add_argument("--free", default=",".join(FIT_RATES), help="CostModel fields to fit")
     p.add_argument("--unweighted", action="store_true", help="every (point, method) weighs 1")
     p.add_argument("--alpha", type=float, default=0.05, help="sign test level of 'beyond noise'")
     p.add_argument("--head-dim", type=int, default=16)
-    p.add_argument("--save", help="pickle the measured samples here (refit with --load)")
-    p.add_argument("--load", help="fit and print the samples of a --save file, measure nothing")
+    p.add_argument("--save", help="write the measured rounds here, JSON (refit with --load)")
+    p.add_argument("--load", nargs="+",
+                   help="fit and print the points of --save files, measure nothing")  # fmt: skip
     p.add_argument("--table", choices=("loo", "fit"), default="loo",
                    help="per-point table: held-out (leave one out) or in-sample")  # fmt: skip
     p.add_argument(
@@ -216,16 +269,21 @@ def main() -> None:
     print(f"load average before: {' / '.join(f'{x:.2f}' for x in load0)}", flush=True)
     t_start = time.perf_counter()
     samples: list[Sample] = []
+    other_clock: list[dict[str, tuple[float, ...]]] = []
     volume_ok = volume_all = 0
     if args.load:
-        with open(args.load, "rb") as fh:
-            samples, load0, load1 = pickle.load(fh)
+        samples, loads = [], []
+        for path in args.load:
+            got, l0, l1 = load_samples(path, args.clock)
+            samples += got
+            loads.append(f"{path}: load {l0} -> {l1}")
+        load0 = load1 = (float("nan"),) * 3
         cps = []
         samples = [  # the point estimate from the rounds, as --stat says
             dataclasses.replace(x, measured=_stat(dict(x.rounds), args.stat)) if x.rounds else x
             for x in samples
         ]  # fmt: skip
-        print(f"loaded {len(samples)} samples measured at load {load0} -> {load1}")
+        print(f"loaded {len(samples)} points: " + "; ".join(loads))
     for c in cps:
         points = [pt for pt in grid(seqs, cps) if pt[1] == c]
         res = run_local_ranks(c, _rank, points, args.head_dim, args.rounds, timeout_s=3600)
@@ -234,14 +292,19 @@ def main() -> None:
             facts, rows = per_rank[0]["facts"], per_rank[0]["rows"]
             shape = CallShape(rows, hq, hkv, args.head_dim, 4)
             methods = list(per_rank[0]["times"])
-            rounds = {  # the slowest rank's time, round by round
-                m: tuple(max(ts) for ts in zip(*(r["times"][m] for r in per_rank), strict=True))
-                for m in methods
-            }
-            measured = _stat(rounds, args.stat)
+            rounds, cpu = (
+                {  # the slowest rank's time, round by round
+                    m: tuple(max(ts) for ts in zip(*(r[kind][m] for r in per_rank), strict=True))
+                    for m in methods
+                }
+                for kind in ("times", "cpu")
+            )
             label = f"{mix} S={s // 1024}k C={c} {hq}/{hkv}"
             share = min(1.0, cores / c) if args.share == "cores" else 1.0
-            samples.append(Sample(label, facts, shape, measured, share, rounds))
+            if args.clock == "cpu":
+                rounds, cpu, share = cpu, rounds, 1.0
+            samples.append(Sample(label, facts, shape, _stat(rounds, args.stat), share, rounds))
+            other_clock.append(cpu)
             slot = 2 * hkv * args.head_dim * rows
             for r, got in enumerate(per_rank):  # fwd K/V fp32 sent, bwd dK/dV fp32 sent back
                 want = (int(facts.send_slots[r]) + int(facts.recv_slots[r])) * slot * 4
@@ -258,14 +321,23 @@ def main() -> None:
             f"selective bytes sent (CommRecorder) == cost facts' volume: {volume_ok} of "
             f"{volume_all} (point, rank) pairs"
         )
+        print(f"load average after: {' / '.join(f'{x:.2f}' for x in load1)}; "
+              f"measuring took {time.perf_counter() - t_start:.0f} s")  # fmt: skip
     if args.save:
-        with open(args.save, "wb") as fh:
-            pickle.dump((samples, load0, load1), fh)
+        wall, cpus = samples, other_clock  # the file keeps wall rounds as rounds
+        if args.clock == "cpu":
+            wall = [
+                dataclasses.replace(x, rounds=o, share=min(1.0, cores / x.facts.world))
+                for x, o in zip(samples, other_clock, strict=True)
+            ]
+            cpus = [dict(x.rounds) for x in samples]
+        save_samples(args.save, wall, cpus, load0, load1)
     if args.share == "one":
         samples = [dataclasses.replace(x, share=1.0) for x in samples]
-    print(f"load average after: {' / '.join(f'{x:.2f}' for x in load1)}; "
-          f"measuring took {time.perf_counter() - t_start:.0f} s")  # fmt: skip
     weighted = not args.unweighted
+    n_rounds = "/".join(
+        sorted({str(len(next(iter(x.rounds.values())))) for x in samples if x.rounds})
+    )
     t_fit = time.perf_counter()
     model = fit_rates(samples, CostModel(**START), free, weighted=weighted)  # type: ignore[arg-type]
     fields = ", ".join(f"{f}={getattr(model, f):.4g}" for f in free)
@@ -300,7 +372,7 @@ def main() -> None:
         )
     print(
         f"\n{fit_sum.points} points; the measured best beats the runner-up beyond the noise "
-        f"(sign test, {args.rounds} paired rounds, alpha {args.alpha}) at {fit_sum.clear:.0%} of "
+        f"(sign test, {n_rounds} paired rounds, alpha {args.alpha}) at {fit_sum.clear:.0%} of "
         f"them; rounds' IQR/median: median {fit_sum.spread:.1%}, max "
         f"{max(r.spread for r in fit_rows):.1%}."
     )
