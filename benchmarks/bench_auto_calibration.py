@@ -263,10 +263,12 @@ def main() -> None:
     load0 = os.getloadavg()
     print(
         f"machine: {platform.machine()} {cores} cores, Python {platform.python_version()}, torch "
-        f"{torch.__version__}; head dim {args.head_dim}, fp32, {args.rounds} paired rounds "
-        f"({args.stat} counts)"
+        f"{torch.__version__}; head dim {args.head_dim}, fp32, "
+        f"{'the loaded' if args.load else args.rounds} paired rounds ({args.stat} estimate, "
+        f"{args.clock} clock)"
     )
-    print(f"load average before: {' / '.join(f'{x:.2f}' for x in load0)}", flush=True)
+    print(f"load average {'now' if args.load else 'before'}: "
+          f"{' / '.join(f'{x:.2f}' for x in load0)}", flush=True)  # fmt: skip
     t_start = time.perf_counter()
     samples: list[Sample] = []
     other_clock: list[dict[str, tuple[float, ...]]] = []
