@@ -27,6 +27,7 @@ from cpshard.attention.calibration import (
 )
 from cpshard.attention.cost import (
     BACKWARD_FACTOR,
+    CPU_GLOO_RATES,
     CallShape,
     CostModel,
     choose_method,
@@ -204,6 +205,8 @@ def test_cpu_gloo_preset_is_a_cost_model() -> None:
     half = CostModel.cpu_gloo(share=0.5)
     assert half.compute_rate == m.compute_rate * 0.5
     assert half.link_bandwidth == m.link_bandwidth * 0.5
+    assert math.isfinite(m.pass_rate) and half.pass_rate == m.pass_rate * 0.5
+    assert all(getattr(m, name) == value for name, value in CPU_GLOO_RATES.items())
 
 
 # --- noise: paired rounds, spread, sign test, within-noise picks ---------------------------------

@@ -78,14 +78,19 @@ BACKWARD_FACTOR = 2.5
 """Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
 
 CPU_GLOO_RATES: dict[str, float] = {
-    "compute_rate": 3.55e10,
-    "link_bandwidth": 5.69e8,
+    "compute_rate": 3.248e10,
+    "link_bandwidth": 7.486e8,
     "latency": 0.0,
-    "overlap": 0.04,
+    "overlap": 0.1388,
+    "pass_rate": 2.796e8,
 }
-"""The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py``
-(S = 32k points, load average 0.06 -> 3.9) on the 2-core x86_64 container; the fit gave latency
-2.6e-28 s (none measurable beside the per-step noise) and overlap 0.038."""
+"""The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py
+--load benchmarks/data/auto_calibration_2core_cpu.json --clock cpu`` (18 points, S 16k/32k x C
+2/3/4 x three batch mixes x GQA 8/8, 8/2, 8/1, 6 paired rounds each, the slowest rank's CPU time
+per step: what a step takes on a core of its own, whatever the neighbours' load) on the 2-core
+x86_64 container, weighted least squares of log time. The fit put latency at 3e-30 s (none
+measurable beside the per-step noise); leave-one-point-out, 93% of the (point, method) times
+were predicted within 15% (BENCHMARKS.md)."""
 
 TIE_RTOL = 1e-9
 """Modelled times this close (relative) are a tie, decided by the bytes moved."""
@@ -143,7 +148,9 @@ class CostModel:
         """Rates fitted for CPU ranks (1 thread each, the CPU flash kernels) joined by gloo.
 
         Fitted by ``benchmarks/bench_auto_calibration.py`` on a 2-core x86_64 container
-        (BENCHMARKS.md: the grid, the load, the residuals); rerun it on your machine for yours.
+        (:data:`CPU_GLOO_RATES`; BENCHMARKS.md: the grid, the load, the residuals); rerun it on
+        your machine for yours. The rates are per core of its own; ``share`` slows them for ranks
+        that share cores.
 
         Args:
             share: Share of a core each rank gets (``cores / ranks`` where ranks outnumber the
@@ -154,6 +161,7 @@ class CostModel:
             link_bandwidth=CPU_GLOO_RATES["link_bandwidth"],
             latency=CPU_GLOO_RATES["latency"],
             overlap=CPU_GLOO_RATES["overlap"],
+            pass_rate=CPU_GLOO_RATES["pass_rate"],
         ).scaled(share)
 
     def scaled(self, share: float) -> CostModel:
