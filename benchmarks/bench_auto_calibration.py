@@ -15,32 +15,43 @@ is timed per method over a grid:
 
 Each CP size runs in one launch of ``C`` ranks; per point every method runs once to warm up (its
 selective run recorded by :class:`cpshard._comm.CommRecorder`: the bytes each rank sends,
-checked against the cost facts' volume, exactly), then ``--rounds`` rounds time every method in
-turn (barrier, step, barrier; the minimum over rounds counts, the slowest rank's), so a shared
-machine's load disturbs all methods alike.
+checked against the cost facts' volume, exactly), then ``--rounds`` paired rounds time every
+method (barrier, step, barrier; the slowest rank's time), the order rotated each round (A B C D,
+B C D A, ...) so load drift and what ran just before hit every method alike. Every round's time is
+kept (:attr:`cpshard.attention.calibration.Sample.rounds`); a method's time at a point is, by
+``--stat``, :func:`~cpshard.attention.calibration.paired_estimate` (default: the differences
+between methods from every round, the level from the quietest round), the median or the minimum.
 
-Then :func:`cpshard.attention.calibration.fit_rates` fits the CPU+gloo rates (compute rate,
-link bandwidth, latency, overlap) on the points with ``S`` in ``--fit-seqs`` and the table of
-:func:`~cpshard.attention.calibration.calibration_table` compares predicted and measured at every
-point (fitted and held-out separately). Ranks outnumbering the cores get ``cores / C`` of a core
-each (:meth:`~cpshard.attention.cost.CostModel.scaled`). The fitted rates are printed as a
-``CostModel(...)``: on a GPU cluster run this benchmark's grid there (the same code, your
-backend) and pass the rates it prints as ``attention_cost``.
+Then :func:`cpshard.attention.calibration.fit_rates` fits the CPU+gloo rates (``--free``: compute
+rate, link bandwidth, latency, overlap) by least squares of log time, each (point, method)
+weighted by the spread of its rounds, on every point, and
+:func:`~cpshard.attention.calibration.cross_validate` refits it once per point without that
+point: the table's errors and picks are out-of-sample (``--table fit``: in-sample). A pick that
+is not the measured best counts as a miss in the strict rate always, and in the within-noise rate
+only when the picked method was slower than the best in enough paired rounds (a sign test at
+``--alpha``); the table says per point whether the measured best is clear of the runner-up at
+all. Ranks outnumbering the cores get ``cores / C`` of a core each
+(:meth:`~cpshard.attention.cost.CostModel.scaled`). The fitted rates are printed as a
+``CostModel(...)`` (:meth:`~cpshard.attention.cost.CostModel.cpu_gloo` holds this machine's): on
+a GPU cluster run this benchmark's grid there (the same code, your backend) and pass the rates it
+prints as ``attention_cost``.
 
 Usage::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_auto_calibration.py
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_auto_calibration.py \\
-        --seqs 16384 --cps 2 --rounds 1    # a quick look
+        --seqs 16384 --cps 2 --rounds 3    # a quick look
+    ... --save /tmp/c.pkl; ... --load /tmp/c.pkl --stat median --free compute_rate,latency
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import json
 import math
 import os
-import pickle
 import platform
 import sys
 import time
@@ -56,7 +67,13 @@ MIXES = ("lognormal", "long", "dense")
 LAYOUT = {"lognormal": "balanced", "long": "packed", "dense": "round_robin"}
 GQAS = ((8, 8), (8, 2), (8, 1))
 ROW = 2048  # dense rows
-START = {"compute_rate": 2e10, "link_bandwidth": 1e9, "latency": 1e-3, "overlap": 0.5}
+START = {
+    "compute_rate": 2e10,
+    "link_bandwidth": 1e9,
+    "latency": 1e-3,
+    "overlap": 0.5,
+    "pass_rate": 1e8,
+}
 
 
 def lognormal_lens(tokens: int, seed: int = 0) -> list[int]:
@@ -133,31 +150,107 @@ def _rank(mesh: Any, points: list[tuple[int, int, str, int, int]], dim: int, rou
                 sent = sum(nb for kind, nb in rec.events if kind == "all_to_all")
             else:
                 step(m)
-        best = dict.fromkeys(methods, float("inf"))
-        for _ in range(rounds):
-            for m in methods:
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        cpu: dict[str, list[float]] = {m: [] for m in methods}
+        for r in range(rounds):  # paired rounds, the order rotated: A B C D, B C D A, ...
+            gc.collect()
+            for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
                 dist.barrier(group)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(m)
                 dist.barrier(group)
-                best[m] = min(best[m], time.perf_counter() - t0)
-        out.append({"best": best, "sent": sent, "facts": plan_facts(meta), "rows": rows})
+                times[m].append(time.perf_counter() - t0)
+                cpu[m].append(time.process_time() - c0)  # this process's CPU time, any thread
+        out.append(
+            {"times": times, "cpu": cpu, "sent": sent, "facts": plan_facts(meta), "rows": rows}
+        )
     return out
 
 
+def save_samples(
+    path: str, samples: list[Any], cpu_rounds: list[Any], load0: Any, load1: Any
+) -> None:
+    """The measured points as JSON: label, plan facts, call shape, share, rounds (wall seconds)
+    and cpu_rounds (the ranks' CPU seconds)."""
+    points = []
+    for x, cpu in zip(samples, cpu_rounds, strict=True):
+        f = x.facts
+        facts = {"world": f.world, "local_len": f.local_len, "meta_rows": f.meta_rows}
+        for name in ("pairs", "local_pairs", "recv_slots", "send_slots"):
+            facts[name] = [int(v) for v in getattr(f, name)]
+        rounds = {m: list(t) for m, t in x.rounds.items()}
+        shape = dataclasses.asdict(x.shape)
+        points.append(
+            {"label": x.label, "facts": facts, "shape": shape, "share": x.share, "rounds": rounds,
+             "cpu_rounds": {m: list(t) for m, t in cpu.items()}}
+        )  # fmt: skip
+    with open(path, "w") as fh:
+        json.dump({"load_before": list(load0), "load_after": list(load1), "points": points}, fh)
+
+
+def load_samples(path: str, clock: str = "wall") -> tuple[list[Any], Any, Any]:
+    """The points of a :func:`save_samples` file (measured: the median until --stat says), by
+    ``clock``: wall seconds, or CPU seconds (``share`` 1: a rank's CPU time is what its step
+    takes on a core of its own)."""
+    from cpshard.attention.calibration import Sample
+    from cpshard.attention.cost import CallShape, PlanFacts
+
+    with open(path) as fh:
+        data = json.load(fh)
+    out = []
+    for pt in data["points"]:
+        f = pt["facts"]
+        arrays = {k: np.asarray(f[k], dtype=np.int64)
+                  for k in ("pairs", "local_pairs", "recv_slots", "send_slots")}  # fmt: skip
+        facts = PlanFacts(f["world"], f["local_len"], f["meta_rows"], **arrays)
+        if clock == "cpu" and "cpu_rounds" not in pt:
+            raise ValueError(f"{path}: no CPU times recorded (measured before --clock existed)")
+        key, share = ("cpu_rounds", 1.0) if clock == "cpu" else ("rounds", pt["share"])
+        rounds = {m: tuple(t) for m, t in pt[key].items()}
+        measured = {m: float(np.median(t)) for m, t in rounds.items()}
+        out.append(Sample(pt["label"], facts, CallShape(**pt["shape"]), measured, share,
+                          rounds))  # fmt: skip
+    return out, data["load_before"], data["load_after"]
+
+
+def _stat(rounds: dict[str, Any], stat: str) -> dict[str, float]:
+    """A point's time per method from its paired rounds."""
+    from cpshard.attention.calibration import paired_estimate
+
+    if stat == "paired":
+        return paired_estimate(rounds)
+    return {m: float(np.median(t)) if stat == "median" else min(t) for m, t in rounds.items()}
+
+
 def main() -> None:
-    from cpshard.attention.calibration import Sample, calibration_table, fit_rates, format_table
+    from cpshard.attention.calibration import (
+        FIT_RATES,
+        Sample,
+        calibration_table,
+        cross_validate,
+        fit_rates,
+        format_table,
+    )
     from cpshard.attention.cost import CallShape, CostModel
     from cpshard.launch import run_local_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", default="16384,32768,65536")
     p.add_argument("--cps", default="2,3,4")
-    p.add_argument("--fit-seqs", default="32768", help="S of the points the rates are fitted on")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds per point")
+    p.add_argument("--stat", choices=("paired", "median", "min"), default="paired",
+                   help="per method: paired_estimate, median or min of rounds")  # fmt: skip
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: step time; cpu: slowest rank's CPU time (load-proof)")  # fmt: skip
+    p.add_argument("--free", default=",".join(FIT_RATES), help="CostModel fields to fit")
+    p.add_argument("--unweighted", action="store_true", help="every (point, method) weighs 1")
+    p.add_argument("--alpha", type=float, default=0.05, help="sign test level of 'beyond noise'")
     p.add_argument("--head-dim", type=int, default=16)
-    p.add_argument("--save", help="pickle the measured samples here (refit with --load)")
-    p.add_argument("--load", help="fit and print the samples of a --save file, measure nothing")
+    p.add_argument("--save", help="write the measured rounds here, JSON (refit with --load)")
+    p.add_argument("--load", nargs="+",
+                   help="fit and print the points of --save files, measure nothing")  # fmt: skip
+    p.add_argument("--table", choices=("loo", "fit"), default="loo",
+                   help="per-point table: held-out (leave one out) or in-sample")  # fmt: skip
     p.add_argument(
         "--share", choices=("cores", "one"), default="cores",
         help="cores: ranks beyond the cores get cores / C of one (CostModel.scaled); one: ignore",
@@ -165,25 +258,34 @@ def main() -> None:
     args = p.parse_args()
     seqs = [int(x) for x in args.seqs.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
-    fit_seqs = {int(x) for x in args.fit_seqs.split(",")}
+    free = tuple(x for x in args.free.split(",") if x)
     cores = os.cpu_count() or 1
     load0 = os.getloadavg()
     print(
         f"machine: {platform.machine()} {cores} cores, Python {platform.python_version()}, torch "
-        f"{torch.__version__}; head dim {args.head_dim}, fp32, {args.rounds} rounds (min counts)"
+        f"{torch.__version__}; head dim {args.head_dim}, fp32, "
+        f"{'the loaded' if args.load else args.rounds} paired rounds ({args.stat} estimate, "
+        f"{args.clock} clock)"
     )
-    print(f"load average before: {' / '.join(f'{x:.2f}' for x in load0)}", flush=True)
+    print(f"load average {'now' if args.load else 'before'}: "
+          f"{' / '.join(f'{x:.2f}' for x in load0)}", flush=True)  # fmt: skip
     t_start = time.perf_counter()
     samples: list[Sample] = []
-    fitted_on: set[str] = set()
+    other_clock: list[dict[str, tuple[float, ...]]] = []
     volume_ok = volume_all = 0
     if args.load:
-        with open(args.load, "rb") as fh:
-            samples, load0, load1 = pickle.load(fh)
+        samples, loads = [], []
+        for path in args.load:
+            got, l0, l1 = load_samples(path, args.clock)
+            samples += got
+            loads.append(f"{path}: load {l0} -> {l1}")
+        load0 = load1 = (float("nan"),) * 3
         cps = []
-        fitted_on = {x.label for x in samples if int(x.label.split("S=")[1].split("k")[0]) * 1024
-                     in fit_seqs}  # fmt: skip
-        print(f"loaded {len(samples)} samples measured at load {load0} -> {load1}")
+        samples = [  # the point estimate from the rounds, as --stat says
+            dataclasses.replace(x, measured=_stat(dict(x.rounds), args.stat)) if x.rounds else x
+            for x in samples
+        ]  # fmt: skip
+        print(f"loaded {len(samples)} points: " + "; ".join(loads))
     for c in cps:
         points = [pt for pt in grid(seqs, cps) if pt[1] == c]
         res = run_local_ranks(c, _rank, points, args.head_dim, args.rounds, timeout_s=3600)
@@ -191,55 +293,90 @@ def main() -> None:
             per_rank = [r[i] for r in res]
             facts, rows = per_rank[0]["facts"], per_rank[0]["rows"]
             shape = CallShape(rows, hq, hkv, args.head_dim, 4)
-            measured = {m: max(r["best"][m] for r in per_rank) for m in per_rank[0]["best"]}
+            methods = list(per_rank[0]["times"])
+            rounds, cpu = (
+                {  # the slowest rank's time, round by round
+                    m: tuple(max(ts) for ts in zip(*(r[kind][m] for r in per_rank), strict=True))
+                    for m in methods
+                }
+                for kind in ("times", "cpu")
+            )
             label = f"{mix} S={s // 1024}k C={c} {hq}/{hkv}"
             share = min(1.0, cores / c) if args.share == "cores" else 1.0
-            samples.append(Sample(label, facts, shape, measured, share))
-            if s in fit_seqs:
-                fitted_on.add(label)
+            if args.clock == "cpu":
+                rounds, cpu, share = cpu, rounds, 1.0
+            samples.append(Sample(label, facts, shape, _stat(rounds, args.stat), share, rounds))
+            other_clock.append(cpu)
             slot = 2 * hkv * args.head_dim * rows
             for r, got in enumerate(per_rank):  # fwd K/V fp32 sent, bwd dK/dV fp32 sent back
                 want = (int(facts.send_slots[r]) + int(facts.recv_slots[r])) * slot * 4
                 volume_ok += int(got["sent"] == want)
                 volume_all += 1
         print(
-            f"C={c}: {len(points)} points measured, {time.perf_counter() - t_start:.0f} s",
+            f"C={c}: {len(points)} points measured, {time.perf_counter() - t_start:.0f} s, "
+            f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
     if not args.load:
         load1 = os.getloadavg()
-    if args.save:
-        with open(args.save, "wb") as fh:
-            pickle.dump((samples, load0, load1), fh)
-    if args.load and args.share == "one":
-        samples = [dataclasses.replace(x, share=1.0) for x in samples]
-    fit = [s for s in samples if s.label in fitted_on] or samples
-    model = fit_rates(fit, CostModel(**START))  # type: ignore[arg-type]
-    print(f"\nload average after: {' / '.join(f'{x:.2f}' for x in load1)}; "
-          f"measuring took {time.perf_counter() - t_start:.0f} s")  # fmt: skip
-    print(
-        f"selective bytes sent (CommRecorder) == cost facts' volume: {volume_ok} of "
-        f"{volume_all} (point, rank) pairs"
-    )
-    print(
-        f"fitted on {len(fit)} points (S in {sorted(fit_seqs)}): CostModel(compute_rate="
-        f"{model.compute_rate:.4g}, link_bandwidth={model.link_bandwidth:.4g}, "
-        f"latency={model.latency:.4g}, overlap={model.overlap:.3f})  [one rank per core]\n"
-    )
-    rows_, points_, summary = calibration_table(samples, model)
-    print(format_table(rows_, points_, summary))
-    held = [s for s in samples if s.label not in fitted_on]
-    if held and len(held) < len(samples):
-        _, _, h = calibration_table(held, model)
         print(
-            f"Held-out points only ({h.points}): within +-15% {h.within:.0%} of {h.rows} rows; "
-            f"picks the best {h.picked_best:.0%}, within 5% of it {h.picked_near:.0%}."
+            f"selective bytes sent (CommRecorder) == cost facts' volume: {volume_ok} of "
+            f"{volume_all} (point, rank) pairs"
         )
-    default = CostModel()
-    _, _, d = calibration_table(samples, default)
+        print(f"load average after: {' / '.join(f'{x:.2f}' for x in load1)}; "
+              f"measuring took {time.perf_counter() - t_start:.0f} s")  # fmt: skip
+    if args.save:
+        wall, cpus = samples, other_clock  # the file keeps wall rounds as rounds
+        if args.clock == "cpu":
+            wall = [
+                dataclasses.replace(x, rounds=o, share=min(1.0, cores / x.facts.world))
+                for x, o in zip(samples, other_clock, strict=True)
+            ]
+            cpus = [dict(x.rounds) for x in samples]
+        save_samples(args.save, wall, cpus, load0, load1)
+    if args.share == "one":
+        samples = [dataclasses.replace(x, share=1.0) for x in samples]
+    weighted = not args.unweighted
+    n_rounds = "/".join(
+        sorted({str(len(next(iter(x.rounds.values())))) for x in samples if x.rounds})
+    )
+    t_fit = time.perf_counter()
+    model = fit_rates(samples, CostModel(**START), free, weighted=weighted)  # type: ignore[arg-type]
+    fields = ", ".join(f"{f}={getattr(model, f):.4g}" for f in free)
     print(
-        f"Default CostModel() (GPU rates) on the same points: picks the best {d.picked_best:.0%}, "
-        f"within 5% {d.picked_near:.0%}."
+        f"\nfitted on all {len(samples)} points ({'weighted' if weighted else 'unweighted'} least "
+        f"squares of log time): CostModel({fields})  [one rank per core]"
+    )
+    fit_rows, fit_points, fit_sum = calibration_table(samples, model, alpha=args.alpha)
+    loo_rows, loo_points, loo_sum = cross_validate(
+        samples, model, free, weighted=weighted, alpha=args.alpha
+    )
+    print(f"fit + leave-one-point-out refits: {time.perf_counter() - t_fit:.0f} s\n")
+    if args.table == "loo":
+        print("Held-out table (each point predicted by the rates fitted on the others):\n")
+        print(format_table(loo_rows, loo_points, loo_sum))
+    else:
+        print("In-sample table (the rates fitted on every point):\n")
+        print(format_table(fit_rows, fit_points, fit_sum))
+    _, _, d = calibration_table(samples, CostModel(), alpha=args.alpha)
+    _, _, g = calibration_table(samples, CostModel.cpu_gloo(), alpha=args.alpha)
+    print("\n| summary | within +-15% | rms log err | picks best (strict) | best or within noise "
+          "| within 5% of best |\n|---|---|---|---|---|---|")  # fmt: skip
+    for name, x in (
+        ("held-out (leave one point out)", loo_sum),
+        ("in-sample (fit on all)", fit_sum),
+        ("CostModel.cpu_gloo() as committed", g),
+        ("default CostModel() (GPU rates)", d),
+    ):
+        print(
+            f"| {name} | {x.within:.0%} of {x.rows} | {x.log_rms:.3f} | {x.picked_best:.0%} "
+            f"| {x.picked_within_noise:.0%} | {x.picked_near:.0%} |"
+        )
+    print(
+        f"\n{fit_sum.points} points; the measured best beats the runner-up beyond the noise "
+        f"(sign test, {n_rounds} paired rounds, alpha {args.alpha}) at {fit_sum.clear:.0%} of "
+        f"them; rounds' IQR/median: median {fit_sum.spread:.1%}, max "
+        f"{max(r.spread for r in fit_rows):.1%}."
     )
 
 

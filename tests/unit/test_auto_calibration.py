@@ -7,6 +7,7 @@ or written by hand, so every expectation is exact arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -15,10 +16,18 @@ import torch
 from cpshard.attention.calibration import (
     Sample,
     calibration_table,
+    cross_validate,
     fit_rates,
     format_table,
+    paired_estimate,
+    paired_spread,
+    relative_spread,
+    sign_test,
+    slower_beyond_noise,
 )
 from cpshard.attention.cost import (
+    BACKWARD_FACTOR,
+    CPU_GLOO_RATES,
     CallShape,
     CostModel,
     choose_method,
@@ -81,7 +90,7 @@ def _synthetic(model: CostModel) -> list[Sample]:
 def test_fit_recovers_the_rates_that_generated_the_times() -> None:
     samples = _synthetic(TRUE)
     start = CostModel(compute_rate=1e12, link_bandwidth=1e11, latency=1e-5, overlap=1.0)
-    got = fit_rates(samples, start)
+    got = fit_rates(samples, start, ("compute_rate", "link_bandwidth", "latency", "overlap"))
     assert got.compute_rate == pytest.approx(TRUE.compute_rate, rel=1e-3)
     assert got.link_bandwidth == pytest.approx(TRUE.link_bandwidth, rel=1e-3)
     assert got.latency == pytest.approx(TRUE.latency, rel=1e-3)
@@ -196,3 +205,163 @@ def test_cpu_gloo_preset_is_a_cost_model() -> None:
     half = CostModel.cpu_gloo(share=0.5)
     assert half.compute_rate == m.compute_rate * 0.5
     assert half.link_bandwidth == m.link_bandwidth * 0.5
+    assert math.isfinite(m.pass_rate) and half.pass_rate == m.pass_rate * 0.5
+    assert all(getattr(m, name) == value for name, value in CPU_GLOO_RATES.items())
+
+
+# --- noise: paired rounds, spread, sign test, within-noise picks ---------------------------------
+
+
+def test_sign_test_is_the_binomial_tail() -> None:
+    assert sign_test(5, 5) == 1 / 32
+    assert sign_test(7, 8) == (8 + 1) / 256
+    assert sign_test(6, 7) == (7 + 1) / 128  # 0.0625: 6 of 7 is not beyond noise at 0.05
+    assert sign_test(0, 4) == 1.0
+    with pytest.raises(ValueError, match="0 <= wins <= n"):
+        sign_test(3, 2)
+
+
+def _hand_sample(rounds: dict[str, list[float]], label: str = "p") -> Sample:
+    """A packed C=2 point whose rounds are written by hand (measured: the medians)."""
+    facts = _packed_facts(2, 3, 8192)
+    measured = {m: float(np.median(t)) for m, t in rounds.items()}
+    return Sample(label, facts, CallShape(1, 8, 2, 16, 4), measured, 1.0, rounds)  # type: ignore[arg-type]
+
+
+def test_relative_spread_and_slower_beyond_noise() -> None:
+    s = _hand_sample({"ring": [1.0, 2.0, 3.0, 4.0, 5.0], "all_gather": [1.1, 2.1, 3.1, 4.1, 0.9]})
+    assert relative_spread(s)["ring"] == pytest.approx(2.0 / 3.0)  # (4 - 2) / 3
+    # all_gather slower in 4 of 5 paired rounds: p = 6/32 > 0.05, within noise
+    assert slower_beyond_noise(s, "all_gather", "ring") is False
+    assert slower_beyond_noise(s, "all_gather", "ring", alpha=0.2) is True
+    five = _hand_sample(
+        {"ring": [1.0, 2.0, 3.0, 4.0, 5.0], "all_gather": [1.1, 2.1, 3.1, 4.1, 5.1]}
+    )
+    assert slower_beyond_noise(five, "all_gather", "ring") is True  # 5 of 5: p = 1/32
+    assert slower_beyond_noise(five, "ring", "all_gather") is False
+    bare = dataclasses.replace(five, rounds=None)
+    assert slower_beyond_noise(bare, "all_gather", "ring") is None
+    assert relative_spread(bare) == {"ring": 0.0, "all_gather": 0.0}
+    with pytest.raises(ValueError, match="same number"):
+        fit_rates([dataclasses.replace(five, rounds={"ring": [1.0], "all_gather": []})], TRUE)
+
+
+def test_paired_estimate_takes_out_load_drift_between_rounds() -> None:
+    """Every round scaled by its own load factor: the estimate is the method's time in the
+    quietest round, exactly; the paired spread is 0 while the raw spread is not."""
+    base = {"all_gather": 1.0, "ring": 1.2, "selective": 0.9}
+    load = [1.0, 2.0, 1.5, 1.1, 3.0]
+    rounds = {m: [t * f for f in load] for m, t in base.items()}
+    got = paired_estimate(rounds)
+    assert got == pytest.approx(base, rel=1e-12)
+    s = _hand_sample(rounds)
+    assert all(v == pytest.approx(0.0, abs=1e-12) for v in paired_spread(s).values())
+    assert min(relative_spread(s).values()) > 0.3
+    # a burst on one method in one round moves its median ratio only where it changes the median
+    rounds["ring"][1] *= 3.0
+    assert paired_estimate(rounds)["ring"] == pytest.approx(1.2, rel=0.25)
+
+
+def test_table_strict_and_within_noise_picks() -> None:
+    """Point 1: the model picks X; another method is faster by the medians but not in enough
+    paired rounds (a within-noise miss), and the best is not clear of the runner-up. Point 2:
+    the model's pick is slower in every round (a clear miss). The strict rate counts both as
+    misses, the within-noise rate forgives only the first."""
+    facts = _packed_facts(2, 3, 8192)
+    shape = CallShape(1, 8, 2, 16, 4)
+    methods = ("all_gather", "ring", "selective")
+    chosen, _ = choose_method(facts, shape, TRUE, methods)  # type: ignore[arg-type]
+    other = next(m for m in methods if m != chosen)
+    third = next(m for m in methods if m not in (chosen, other))
+    base = [1.0, 1.1, 1.2, 1.3, 1.4]
+    near = {chosen: base, other: [0.95, 1.05, 1.15, 1.35, 1.45], third: [2.0 * t for t in base]}
+    clear = {chosen: [1.5 * t for t in base], other: base, third: [2.0 * t for t in base]}
+    samples = [_hand_sample(near, "near"), _hand_sample(clear, "clear")]
+    rows, points, summary = calibration_table(samples, TRUE)
+    assert [p.best for p in points] == [other, other]
+    assert points[0].noise_miss and not points[1].noise_miss
+    assert points[0].clear is False and points[1].clear is True
+    assert summary.picked_best == 0.0 and summary.picked_within_noise == 0.5
+    assert summary.clear == 0.5
+    text = format_table(rows, points, summary)
+    assert f"| {chosen} (within noise) | {other} |" in text
+    assert "at 0% of 2 points (strict)" in text and "cannot tell slower at 50%" in text
+    # without rounds: no verdict on noise, the within-noise rate is the strict one
+    bare = [dataclasses.replace(s, rounds=None) for s in samples]
+    _, points_b, summary_b = calibration_table(bare, TRUE)
+    assert summary_b.picked_within_noise == summary_b.picked_best == 0.0
+    assert all(p.clear is None for p in points_b) and np.isnan(summary_b.clear)
+    assert "n/a (no rounds)" in format_table(*calibration_table(bare, TRUE))
+
+
+# --- the fit: weights and leave-one-point-out ----------------------------------------------------
+
+
+def test_weighted_fit_discounts_noisy_points() -> None:
+    """Synthetic times from TRUE; one point's times doubled and its rounds spread wide. The
+    weighted fit stays at TRUE's rates (that point weighs ~1/400 of a steady one), the
+    unweighted fit is pulled away."""
+    samples = _synthetic(TRUE)[:9]
+    steady = [
+        dataclasses.replace(s, rounds={m: [t, t, t] for m, t in s.measured.items()})
+        for s in samples
+    ]
+    bad = steady[4]
+    doubled = {m: 2.0 * t for m, t in bad.measured.items()}
+    wide = {m: [0.5 * t, t, 3.0 * t] for m, t in doubled.items()}
+    steady[4] = dataclasses.replace(bad, measured=doubled, rounds=wide)
+    free = ("compute_rate", "link_bandwidth")
+    start = dataclasses.replace(TRUE, compute_rate=1e11, link_bandwidth=1e10)
+    w = fit_rates(steady, start, free, weighted=True)
+    u = fit_rates(steady, start, free)
+    assert w.compute_rate == pytest.approx(TRUE.compute_rate, rel=0.02)
+    assert abs(math.log(u.compute_rate / TRUE.compute_rate)) > 5 * abs(
+        math.log(w.compute_rate / TRUE.compute_rate)
+    )
+    with pytest.raises(ValueError, match="floor > 0"):
+        fit_rates(steady, start, free, weighted=True, floor=0.0)
+
+
+def test_cross_validate_predicts_each_point_from_the_others() -> None:
+    """Exact synthetic times, one point's times scaled by 1.3: every held-out fit that leaves
+    that point out recovers TRUE, so its held-out ratio is 1 / 1.3; the in-sample fit absorbs part
+    of the corruption into the rates and shows a smaller error there."""
+    samples = _synthetic(TRUE)[:6]
+    k = 2
+    samples[k] = dataclasses.replace(
+        samples[k], measured={m: 1.3 * t for m, t in samples[k].measured.items()}
+    )
+    free = ("compute_rate",)
+    start = dataclasses.replace(TRUE, compute_rate=1e11)
+    rows, points, summary = cross_validate(samples, start, free)
+    held = [r for r in rows if r.label == samples[k].label]
+    assert all(r.ratio == pytest.approx(1 / 1.3, rel=1e-4) for r in held)
+    others = [r for r in rows if r.label != samples[k].label]
+    assert all(abs(r.ratio - 1) > 0.01 for r in others)  # the corrupted point pulls every fit
+    assert summary.points == len(samples) == len(points) and summary.rows == len(rows)
+    in_rows, _, _ = calibration_table(samples, fit_rates(samples, start, free))
+    in_held = [r for r in in_rows if r.label == samples[k].label]
+    assert max(abs(math.log(r.ratio)) for r in in_held) < abs(math.log(1 / 1.3)) - 0.02
+    with pytest.raises(ValueError, match="at least 2"):
+        cross_validate(samples[:1], start, free)
+
+
+def test_pass_rate_adds_passes_over_the_queries() -> None:
+    """A finite pass_rate adds (1 + BACKWARD_FACTOR) * L * B * Hq * D / pass_rate per pass: 2 for
+    all_gather and selective, C for ring, 1 for ulysses; the default (inf) adds nothing."""
+    facts = _packed_facts(3, 3, 3 * 4096)
+    shape = CallShape(2, 8, 2, 16, 4)
+    base = CostModel(compute_rate=1e10, link_bandwidth=1e9, latency=1e-4, overlap=0.3)
+    rate = 5e7
+    with_passes = method_costs(facts, shape, dataclasses.replace(base, pass_rate=rate))
+    plain = method_costs(facts, shape, base)
+    one = facts.local_len * 2 * 8 * 16 / rate * (1 + BACKWARD_FACTOR)
+    passes = {"all_gather": 2, "selective": 2, "ring": 3, "ulysses": 1}
+    for m, k in passes.items():
+        assert with_passes[m] - plain[m] == pytest.approx(k * one, rel=1e-9), m
+    assert method_costs(facts, shape, dataclasses.replace(base, pass_rate=math.inf)) == plain
+    assert dataclasses.replace(base, pass_rate=rate).scaled(0.5).pass_rate == rate * 0.5
+    with pytest.raises(ValueError, match="pass_rate must be > 0"):
+        CostModel(pass_rate=0.0)
+    with pytest.raises(ValueError, match="finite start for pass_rate"):
+        fit_rates(_synthetic(TRUE)[:1], base, ("pass_rate",))

@@ -16,6 +16,10 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
   - ``ring``: ``C-1`` hops of ``L`` K/V slots forward; backward K/V and dK/dV travel together;
   - ``ulysses``: q, k, v to heads and the output back, forward; grad-out in and dq, dk, dv out,
     backward; each ``(C-1)/C`` of the local tensors.
+* **passes**: with ``CostModel.pass_rate`` finite, each pass over a rank's queries (reading q,
+  writing a partial output and merging it) costs ``L * B * Hq * D / pass_rate`` forward and
+  :data:`BACKWARD_FACTOR` times that backward, unhidden: all_gather and selective 2 passes (own
+  keys, remote keys), ring ``C``, ulysses 1.
 * **overlap**: ``all_gather`` and ``selective`` hide their exchange behind the own-keys compute
   (``max(comm, local) + remote``); ``ring`` hides each hop behind one block's compute, step by
   step (the remote pairs spread evenly over the ``C - 1`` remote blocks; the last block's compute
@@ -46,6 +50,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,14 +78,19 @@ BACKWARD_FACTOR = 2.5
 """Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
 
 CPU_GLOO_RATES: dict[str, float] = {
-    "compute_rate": 3.55e10,
-    "link_bandwidth": 5.69e8,
+    "compute_rate": 3.248e10,
+    "link_bandwidth": 7.486e8,
     "latency": 0.0,
-    "overlap": 0.04,
+    "overlap": 0.1388,
+    "pass_rate": 2.796e8,
 }
-"""The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py``
-(S = 32k points, load average 0.06 -> 3.9) on the 2-core x86_64 container; the fit gave latency
-2.6e-28 s (none measurable beside the per-step noise) and overlap 0.038."""
+"""The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py
+--load benchmarks/data/auto_calibration_2core_cpu.json --clock cpu`` (18 points, S 16k/32k x C
+2/3/4 x three batch mixes x GQA 8/8, 8/2, 8/1, 6 paired rounds each, the slowest rank's CPU time
+per step: what a step takes on a core of its own, whatever the neighbours' load) on the 2-core
+x86_64 container, weighted least squares of log time. The fit put latency at 3e-30 s (none
+measurable beside the per-step noise); leave-one-point-out, 93% of the (point, method) times
+were predicted within 15% (BENCHMARKS.md)."""
 
 TIE_RTOL = 1e-9
 """Modelled times this close (relative) are a tie, decided by the bytes moved."""
@@ -98,6 +108,12 @@ class CostModel:
         latency: Seconds per collective or ring step. Default 20 us.
         overlap: Share of a transfer that can hide behind compute, in ``[0, 1]``. Default 1 (GPU:
             NCCL on its own engines); gloo on CPU moves bytes on the computing cores.
+        pass_rate: Query elements (``tokens * Hq * D`` of the call) per second one pass over the
+            queries costs besides its pairs: reading q and writing a partial output and its LSE,
+            merging it, and the backward's share (see :func:`method_costs`: all_gather and
+            selective make 2 passes, ring ``C``, ulysses 1). Default ``inf`` (no cost: on GPUs the
+            fused kernels hide it); on CPU it is what makes a batch of short documents (few pairs
+            per token) slower per pair than one of long documents.
         q_heads: Query heads assumed where the call is not known yet (the dispatcher).
         kv_heads: Key/value heads assumed likewise.
         head_dim: Head dim assumed likewise.
@@ -108,13 +124,14 @@ class CostModel:
     compute_rate: float = 400e12
     latency: float = 20e-6
     overlap: float = 1.0
+    pass_rate: float = math.inf
     q_heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
     itemsize: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("link_bandwidth", "compute_rate"):
+        for name in ("link_bandwidth", "compute_rate", "pass_rate"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"CostModel.{name} must be > 0, got {value!r}")
@@ -131,7 +148,9 @@ class CostModel:
         """Rates fitted for CPU ranks (1 thread each, the CPU flash kernels) joined by gloo.
 
         Fitted by ``benchmarks/bench_auto_calibration.py`` on a 2-core x86_64 container
-        (BENCHMARKS.md: the grid, the load, the residuals); rerun it on your machine for yours.
+        (:data:`CPU_GLOO_RATES`; BENCHMARKS.md: the grid, the load, the residuals); rerun it on
+        your machine for yours. The rates are per core of its own; ``share`` slows them for ranks
+        that share cores.
 
         Args:
             share: Share of a core each rank gets (``cores / ranks`` where ranks outnumber the
@@ -142,17 +161,21 @@ class CostModel:
             link_bandwidth=CPU_GLOO_RATES["link_bandwidth"],
             latency=CPU_GLOO_RATES["latency"],
             overlap=CPU_GLOO_RATES["overlap"],
+            pass_rate=CPU_GLOO_RATES["pass_rate"],
         ).scaled(share)
 
     def scaled(self, share: float) -> CostModel:
-        """This model for ranks that get ``share`` of a core each: compute rate and link
-        bandwidth times ``share`` (gloo moves bytes with the cores that compute)."""
+        """This model for ranks that get ``share`` of a core each: compute rate, pass rate and
+        link bandwidth times ``share`` (gloo moves bytes with the cores that compute)."""
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share!r}")
         if share == 1.0:
             return self
         return dataclasses.replace(
-            self, compute_rate=self.compute_rate * share, link_bandwidth=self.link_bandwidth * share
+            self,
+            compute_rate=self.compute_rate * share,
+            link_bandwidth=self.link_bandwidth * share,
+            pass_rate=self.pass_rate * share,
         )
 
     def shape(self, batch: int, causal: bool = True, window: int | None = None) -> CallShape:
@@ -326,9 +349,14 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
         t_b = hide(moved * acc / bw + lat, bwd_local) + (bwd - bwd_local)
         return float((t_f + t_b).max())
 
+    # Passes over the queries: own keys then the remote ones (all_gather, selective: 2), one per
+    # ring step (C), one over the whole stream with 1/C of the heads (ulysses: 1); the backward
+    # makes as many, each BACKWARD_FACTOR times the forward's work.
+    one_pass = n * shape.batch * shape.q_heads * shape.head_dim / model.pass_rate
+    one_pass *= 1.0 + BACKWARD_FACTOR
     costs: dict[str, float] = {}
     if c == 1:
-        base = float((fwd + bwd).max())
+        base = float((fwd + bwd).max()) + one_pass
         return {name: base for name in METHODS}
     full = np.full(c, (c - 1) * n, dtype=np.float64)
     costs["all_gather"] = overlapped(full, full)
@@ -352,7 +380,8 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     costs["selective"] = overlapped(
         facts.recv_slots.astype(np.float64), facts.send_slots.astype(np.float64)
     )
-    return {name: costs[name] for name in METHODS}
+    passes = {"all_gather": 2.0, "selective": 2.0, "ring": float(c), "ulysses": 1.0}
+    return {name: costs[name] + passes[name] * one_pass for name in METHODS}
 
 
 def method_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, np.ndarray]:
