@@ -465,6 +465,32 @@ def test_an_entrys_value_hash_does_not_depend_on_the_entries_before_it() -> None
     assert torch.equal(long.values[1:], short.values[1:])
 
 
+def test_model_fingerprint_values_over_mixed_dtypes_equal_the_per_entry_samples() -> None:
+    """Samples are converted to float64 once per (device, dtype) group: each entry's value is
+    still the sum over its own strided sample of its float64 bits times ``2 * place + 1``, for
+    fp32, bf16, int64, bool and complex entries interleaved."""
+    from cpshard.guards.step import PARAM_SAMPLE, model_fingerprint
+
+    g = torch.Generator().manual_seed(3)
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.randn(3000, generator=g))
+    m.b = torch.nn.Parameter(torch.randn(5, 7, generator=g).to(torch.bfloat16))
+    m.register_buffer("c", torch.arange(40))
+    m.register_buffer("d", torch.rand(9, generator=g) > 0.5)
+    m.e = torch.nn.Parameter(torch.randn(2, 3, generator=g))
+    m.register_buffer("f", torch.randn(4, dtype=torch.complex64, generator=g))
+    fp = model_fingerprint(m, read_values=True)
+    for name, t in [("a", m.a), ("b", m.b), ("c", m.c), ("d", m.d), ("e", m.e), ("f", m.f)]:
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE]
+        if sample.is_complex():
+            sample = torch.view_as_real(sample).reshape(-1)
+        bits = sample.to(torch.float64).view(torch.int64)
+        want = int((bits * (2 * torch.arange(bits.numel()) + 1)).sum())
+        kind = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
+        assert int(fp.values[fp.names.index(f"{kind} {name}")]) == want, name
+
+
 def test_fingerprint_of_per_row_seq_lens_sees_every_length_and_the_nesting() -> None:
     """Per-row seq_lens (lists of int lists) hash as one tensor: a changed length, a document
     moved to the next row, swapped rows, an empty row, and a flat list with the same encoding

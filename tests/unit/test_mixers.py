@@ -89,6 +89,45 @@ def test_structure_finds_mixers_without_names(mixer: nn.Module, evidence: str) -
     assert evidence in site.evidence
 
 
+def test_int_attribute_reads_as_getattr_does() -> None:
+    """The detection's int attribute read (no ``nn.Module.__getattr__`` miss path) answers as
+    ``getattr(module, name, None)`` kept where an int, for instance and class attributes,
+    properties, parameters, submodules, absent names, and a wrapper whose own ``__getattr__``
+    forwards."""
+    from cpshard.mixers.detect import _int_attribute
+
+    class _Cls(nn.Module):
+        d_state = 16  # a class attribute
+
+        @property
+        def d_conv(self) -> int:
+            return 4
+
+    class _Forward(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    plain = _Cls()
+    plain.ssm_state_size = 8
+    plain.conv_weight = nn.Parameter(torch.ones(2))
+    plain.time_step_rank = nn.Linear(2, 2)
+    wrapped = _Forward(plain)
+    for module in (plain, wrapped, nn.Linear(2, 2)):
+        for name in ("d_state", "d_conv", "ssm_state_size", "conv_weight", "time_step_rank",
+                     "L_cache", "weight", "inner", "training"):  # fmt: skip
+            value = getattr(module, name, None)
+            want = value if isinstance(value, int) else None
+            assert _int_attribute(module, name) == want, (module, name)
+    assert find_token_mixers(_Model(None, wrapped))[0].evidence.startswith("a recurrent-state")
+
+
 def test_config_layer_type_without_a_module_raises() -> None:
     model = _Model(None, None)
     model.config = _Config(["full_attention", "linear_attention"])  # type: ignore[assignment]

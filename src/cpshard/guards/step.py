@@ -442,7 +442,8 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
     names = [name for name, _, _ in entries]
     keys = torch.tensor([_shard_key(t) for _, t, _ in entries], dtype=torch.long)
     values = torch.zeros(len(entries), dtype=torch.long)
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+    # per (device, dtype): the samples and their entries; converted to float64 once per group
+    by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
     for i, (_, t, _) in enumerate(entries if read_values else ()):
         local = t.to_local() if isinstance(t, DTensor) else t
         if local.device.type == "meta" or local.numel() == 0:
@@ -451,14 +452,20 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
         sample = flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE]
         if sample.is_complex():
             sample = torch.view_as_real(sample).reshape(-1)
-        samples, owners = by_device.setdefault(sample.device, ([], []))
-        samples.append(sample.to(torch.float64))
+        samples, owners = by_kind.setdefault((sample.device, sample.dtype), ([], []))
+        samples.append(sample)
         owners.append(i)
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[int], list[int]]] = {}
+    for (device, _), (samples, owners) in by_kind.items():
+        joined, idx, sizes = by_device.setdefault(device, ([], [], []))
+        joined.append(torch.cat(samples).to(torch.float64))
+        idx.extend(owners)
+        sizes.extend(t.numel() for t in samples)
     if by_device:
         parts, index, place = [], [], []
-        for samples, owners in by_device.values():  # one transfer per device
-            parts.append(torch.cat(samples).cpu())
-            counts = torch.tensor([t.numel() for t in samples])
+        for joined, owners, sizes in by_device.values():  # one transfer per device
+            parts.append(torch.cat(joined).cpu())
+            counts = torch.tensor(sizes)
             index.append(torch.repeat_interleave(torch.tensor(owners), counts))
             # each value's place inside its own entry's sample: an entry's hash must not depend
             # on the entries before it (an empty or short DTensor shard on some ranks only)
