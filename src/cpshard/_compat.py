@@ -62,6 +62,7 @@ __all__ = [
     "has_attn_implementation",
     "in_checkpoint_forward",
     "non_persistent_buffers",
+    "own_members",
     "queue_backward_callback",
     "root_mesh",
     "set_config_attn_implementation",
@@ -149,6 +150,33 @@ def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     checked against: torch 2.11, 2.13.
     """
     return list(module._forward_pre_hooks.values())
+
+
+def own_members(
+    module: torch.nn.Module,
+) -> tuple[list[tuple[str, torch.nn.Module]], list[str], list[str]]:
+    """``(children, parameter names, buffer names)`` of ``module`` itself, as
+    ``named_children()``, ``named_parameters(recurse=False)`` and
+    ``named_buffers(recurse=False)`` give them (``None`` entries skipped, an object registered
+    under two names listed under its first), read from ``module._modules``, ``_parameters`` and
+    ``_buffers`` without their generators (~5 us each per module). checked against: torch 2.11,
+    2.13.
+    """
+    children, seen = [], set()
+    for name, child in module._modules.items():
+        if child is not None and id(child) not in seen:
+            seen.add(id(child))
+            children.append((name, child))
+    names: list[list[str]] = []
+    for table in (module._parameters, module._buffers):
+        ids: set[int] = set()
+        kept = []
+        for name, t in table.items():
+            if t is not None and id(t) not in ids:
+                ids.add(id(t))
+                kept.append(name)
+        names.append(kept)
+    return children, names[0], names[1]
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> frozenset[str]:

@@ -247,8 +247,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpshard.mixers.detect",
         ("cpshard",),
-        "detection reads module structure and config facts only",
-        allow=("cpshard.mixers.detect",),
+        "detection reads module structure (its own members through cpshard._compat) and config "
+        "facts only",
+        allow=("cpshard.mixers.detect", "cpshard._compat"),
     ),
     Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
     *(

@@ -167,3 +167,24 @@ def test_transformers_entries() -> None:
     methods = list(_compat.trainer_token_count_methods(transformers.Trainer))
     assert methods[0] is transformers.Trainer.get_batch_samples
     assert all(callable(m) for m in methods)
+
+
+def test_own_members() -> None:
+    """As named_children / named_parameters / named_buffers (recurse=False): None entries
+    skipped, an object under two names listed once, under its first."""
+    m = torch.nn.Module()
+    m.a = torch.nn.Linear(2, 2)
+    m.b = m.a
+    m.register_module("c", None)
+    m.d = torch.nn.Conv1d(2, 2, 3)
+    m.w = torch.nn.Parameter(torch.ones(2))
+    m.v = m.w
+    m.register_parameter("none", None)
+    m.register_buffer("buf", torch.zeros(3))
+    m.register_buffer("buf2", m.buf, persistent=False)
+    m.register_buffer("nobuf", None)
+    children, params, buffers = _compat.own_members(m)
+    assert children == list(m.named_children())
+    assert params == [n for n, _ in m.named_parameters(recurse=False)] == ["w"]
+    assert buffers == [n for n, _ in m.named_buffers(recurse=False)] == ["buf"]
+    assert _compat.own_members(torch.nn.Linear(2, 2)) == ([], ["weight", "bias"], [])

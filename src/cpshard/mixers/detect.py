@@ -35,6 +35,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from cpshard import _compat
+
 __all__ = ["MixerSite", "decoder_layers", "find_token_mixers", "hooks_on", "layer_kinds"]
 
 # Parameters / buffers of recurrences: SSM (A_log, dt_bias), RWKV (time_decay, time_first,
@@ -156,14 +158,13 @@ def _is_mixer_kind(kind: str) -> bool:
 
 def _structural_evidence(module: nn.Module) -> str | None:
     """Evidence of token mixing from this module's own children, parameters and attributes."""
-    for child_name, child in module.named_children():
+    children, params, buffers = _compat.own_members(module)
+    for child_name, child in children:
         if isinstance(child, nn.Conv1d):
             return f"a 1-D convolution over the sequence ({child_name}: {type(child).__name__})"
         if isinstance(child, nn.ZeroPad1d | nn.ZeroPad2d | nn.ConstantPad1d | nn.ConstantPad2d):
             return f"a sequence shift ({child_name}: {type(child).__name__})"
-    own = [n for n, _ in module.named_parameters(recurse=False)]
-    own += [n for n, _ in module.named_buffers(recurse=False)]
-    for n in own:
+    for n in params + buffers:
         if _STATE_PARAM.match(n):
             return f"a recurrence / state-space parameter ({n})"
     for attr in _STATE_ATTRS:
