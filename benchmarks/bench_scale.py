@@ -19,14 +19,16 @@ layout's whole rank map (a permutation), timed in the same run: the ratio ``plan
 figure a loaded machine does not move much.
 
 Part ``prepare`` (``--ranks`` gloo ranks, 1 thread each): ``prepare_cp_forward`` of a tiny
-decoder at ``[--batch, --seq]`` (``input_ids`` + ``labels`` int64; ``dense padded``: real
+decoder (``--model llama32``: a 32-layer HF Llama module tree, the per-module checks at a real
+model's size) at ``[--batch, --seq]`` (``input_ids`` + ``labels`` int64; ``dense padded``: real
 lengths uniform in ``[S/4, S]`` with ``attention_mask``, round_robin; ``packed``: log-normal
 documents via ``seq_lens``, balanced), ``attention="auto"``, the batch check on; rank 0's
 median process CPU time per call, and per stage (benchmark-side timers around the dispatcher's
 steps): the fingerprint (content hash of the batch), the step header's exchange, the sharding
 (the sharder's ``shard``: layout, token meta, local tensors and their record), the auto cost
-facts and the chosen method's plan. Goal <= 5 ms; ``bare`` = one ``index_select`` per batch
-tensor with precomputed indices.
+facts and the chosen method's plan; and the model's checks: the weights fingerprint (inside the
+header exchange) and the token-mixer detection (in the prepare's validation). Goal <= 5 ms;
+``bare`` = one ``index_select`` per batch tensor with precomputed indices.
 
 Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
 padded batch, and the batch fingerprint of its three tensors, fastest of 15 each: the parts of
@@ -137,10 +139,34 @@ _STAGES = {
     "sharding": ("cpshard.dispatch", "_shard"),
     "cost facts + choice": ("cpshard.dispatch", "choose_for_batch"),
     "cp attention (facts + plan)": ("cpshard.dispatch", "_with_cp_attention"),
+    "model weights fingerprint (in the header exchange)": (
+        "cpshard.guards.step",
+        "model_fingerprint",
+    ),
+    "token-mixer detection": ("cpshard.mixers.policy", "find_token_mixers"),
 }
 
 
-def _prepare_rank(mesh: Any, b: int, s: int, repeat: int) -> list[dict[str, Any]]:
+def _model(name: str) -> torch.nn.Module:
+    """The prepared model: ``tiny`` (a 1-layer decoder) or ``llama32`` (an HF Llama with a
+    real 32-layer module tree, hidden size 64: the per-module checks cost what they cost on a
+    7B model's tree)."""
+    if name == "tiny":
+        from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
+
+        return TinyDecoder(TinyDecoderConfig(
+            vocab_size=32000, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+            intermediate_size=32,
+        ))  # fmt: skip
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
+        num_attention_heads=4, num_key_value_heads=2,
+    ))  # fmt: skip
+
+
+def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> list[dict[str, Any]]:
     """Rank-side: time prepare_cp_forward and its stages (timers installed in this forked
     rank process only, and removed after)."""
     import importlib
@@ -148,7 +174,6 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int) -> list[dict[str, Any]
     from bench_shard_batch import _batches
 
     import cpshard
-    from cpshard.models.decoder import TinyDecoder, TinyDecoderConfig
 
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
@@ -166,11 +191,7 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int) -> list[dict[str, Any]
                 spent[_k] = spent.get(_k, 0.0) + time.process_time() - t0
 
         setattr(mod, attr, timed)
-    cfg = TinyDecoderConfig(
-        vocab_size=32000, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-        intermediate_size=32,
-    )  # fmt: skip
-    model = TinyDecoder(cfg)
+    model = _model(model_name)
     rows = []
     try:
         for name, batch in _batches(b, s).items():
@@ -204,11 +225,12 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int) -> list[dict[str, Any]
     return rows
 
 
-def _prepare_part(b: int, s: int, ranks: int, repeat: int) -> None:
+def _prepare_part(b: int, s: int, ranks: int, repeat: int, model_name: str) -> None:
     from cpshard.launch import run_local_ranks
 
-    print(f"prepare_cp_forward at [{b}, {s}], cp={ranks}, attention='auto', check on; rank 0")
-    for r in run_local_ranks(ranks, _prepare_rank, b, s, repeat)[0]:
+    print(f"prepare_cp_forward at [{b}, {s}], cp={ranks}, attention='auto', check on, model "
+          f"{model_name}; rank 0")  # fmt: skip
+    for r in run_local_ranks(ranks, _prepare_rank, b, s, repeat, model_name)[0]:
         t, bare = r["total"], r["bare"]
         print(f"\n{r['batch']}: prepare {t:.2f} ms CPU (goal <= {PREPARE_GOAL_MS} ms: "
               f"{t / PREPARE_GOAL_MS:.2f}x the goal), bare index_select {bare:.2f} ms "
@@ -272,6 +294,12 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--prepare-repeat", type=int, default=20)
+    p.add_argument(
+        "--model",
+        choices=("tiny", "llama32"),
+        default="tiny",
+        help="prepared model: 1-layer decoder, or a 32-layer HF Llama module tree",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
@@ -280,7 +308,7 @@ def main() -> None:
     if a.part in ("plans", "all"):
         _plans_part(a.tokens, [int(x) for x in a.cp.split(",")], a.rows, a.repeat)
     if a.part in ("prepare", "all"):
-        _prepare_part(a.batch, a.seq, a.ranks, a.prepare_repeat)
+        _prepare_part(a.batch, a.seq, a.ranks, a.prepare_repeat, a.model)
     if a.part in ("host", "all"):
         _host_part(a.batch, a.seq, a.ranks, 15)
     print(f"load average after: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
