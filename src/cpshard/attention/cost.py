@@ -78,19 +78,21 @@ BACKWARD_FACTOR = 2.5
 """Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
 
 CPU_GLOO_RATES: dict[str, float] = {
-    "compute_rate": 3.248e10,
-    "link_bandwidth": 7.486e8,
-    "latency": 0.0,
-    "overlap": 0.1388,
-    "pass_rate": 2.796e8,
+    "compute_rate": 3.581e10,
+    "link_bandwidth": 7.966e8,
+    "latency": 5.767e-3,
+    "overlap": 0.04089,
+    "pass_rate": 1.006e10,
 }
 """The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py
---load benchmarks/data/auto_calibration_2core_cpu.json --clock cpu`` (18 points, S 16k/32k x C
-2/3/4 x three batch mixes x GQA 8/8, 8/2, 8/1, 6 paired rounds each, the slowest rank's CPU time
-per step: what a step takes on a core of its own, whatever the neighbours' load) on the 2-core
-x86_64 container, weighted least squares of log time. The fit put latency at 3e-30 s (none
-measurable beside the per-step noise); leave-one-point-out, 93% of the (point, method) times
-were predicted within 15% (BENCHMARKS.md)."""
+--load benchmarks/data/auto_calibration_full_cpu.json --clock cpu`` (the full grid: 27 points,
+S 16k/32k/64k x C 2/3/4 x three batch mixes x GQA 8/8, 8/2, 8/1, 4 paired rounds each, the
+slowest rank's CPU time per step: what a step takes on a core of its own, whatever the
+neighbours' load) on the 2-core x86_64 container, weighted least squares of log time.
+Leave-one-point-out, 88% of the 90 (point, method) times were predicted within 15% and the
+measured best method was picked at 93% of the points (BENCHMARKS.md). ``latency`` here is per
+collective or ring step of a gloo rank sharing its core (5.8 ms: gloo's TCP round trips and the
+ranks' scheduling on 2 cores), not a network's."""
 
 TIE_RTOL = 1e-9
 """Modelled times this close (relative) are a tie, decided by the bytes moved."""
