@@ -62,6 +62,7 @@ __all__ = [
     "has_attn_implementation",
     "in_checkpoint_forward",
     "non_persistent_buffers",
+    "own_buffers",
     "own_members",
     "queue_backward_callback",
     "root_mesh",
@@ -150,6 +151,19 @@ def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     checked against: torch 2.11, 2.13.
     """
     return list(module._forward_pre_hooks.values())
+
+
+def own_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s own buffers as ``named_buffers(recurse=False)`` lists them (``None`` skipped,
+    a tensor under two names once, under its first), read from ``module._buffers`` without the
+    generator. checked against: torch 2.11, 2.13.
+    """
+    out, ids = [], set()
+    for name, t in module._buffers.items():
+        if t is not None and id(t) not in ids:
+            ids.add(id(t))
+            out.append((name, t))
+    return out
 
 
 def own_members(

@@ -188,3 +188,17 @@ def test_own_members() -> None:
     assert params == [n for n, _ in m.named_parameters(recurse=False)] == ["w"]
     assert buffers == [n for n, _ in m.named_buffers(recurse=False)] == ["buf"]
     assert _compat.own_members(torch.nn.Linear(2, 2)) == ([], ["weight", "bias"], [])
+
+
+def test_own_buffers() -> None:
+    """As named_buffers(recurse=False): None skipped, a tensor under two names once (first)."""
+    m = torch.nn.Module()
+    m.register_buffer("a", torch.zeros(2), persistent=False)
+    m.register_buffer("b", m.a)
+    m.register_buffer("c", None)
+    m.register_buffer("d", torch.ones(1))
+    m.sub = torch.nn.Linear(2, 2)
+    m.sub.register_buffer("e", torch.ones(1))
+    got = _compat.own_buffers(m)
+    assert [(n, id(t)) for n, t in got] == [(n, id(t)) for n, t in m.named_buffers(recurse=False)]
+    assert [n for n, _ in got] == ["a", "d"]

@@ -398,9 +398,12 @@ def _entries(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     ]
     seen: set[int] = set()
     for prefix, module in model.named_modules():
+        own = _compat.own_buffers(module)
+        if not own:
+            continue
         transient = _compat.non_persistent_buffers(module)
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is None or name in transient or id(buf) in seen:
+        for name, buf in own:
+            if name in transient or id(buf) in seen:
                 continue
             seen.add(id(buf))
             out.append((f"buffer {prefix + '.' if prefix else ''}{name}", buf, False))
@@ -446,10 +449,11 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
     by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
     for i, (_, t, _) in enumerate(entries if read_values else ()):
         local = t.to_local() if isinstance(t, DTensor) else t
-        if local.device.type == "meta" or local.numel() == 0:
+        n = local.numel()
+        if n == 0 or local.is_meta:
             continue
-        flat = local.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE]
+        step = max(1, n // PARAM_SAMPLE)  # every step-th value, at most PARAM_SAMPLE of them
+        sample = local.detach().reshape(-1)[: step * PARAM_SAMPLE : step]
         if sample.is_complex():
             sample = torch.view_as_real(sample).reshape(-1)
         samples, owners = by_kind.setdefault((sample.device, sample.dtype), ([], []))
