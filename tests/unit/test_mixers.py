@@ -94,7 +94,7 @@ def test_int_attribute_reads_as_getattr_does() -> None:
     ``getattr(module, name, None)`` kept where an int, for instance and class attributes,
     properties, parameters, submodules, absent names, and a wrapper whose own ``__getattr__``
     forwards."""
-    from cpshard.mixers.detect import _int_attribute
+    from cpshard.mixers.detect import _int_attribute, _Tree
 
     class _Cls(nn.Module):
         d_state = 16  # a class attribute
@@ -124,8 +124,27 @@ def test_int_attribute_reads_as_getattr_does() -> None:
                      "L_cache", "weight", "inner", "training"):  # fmt: skip
             value = getattr(module, name, None)
             want = value if isinstance(value, int) else None
-            assert _int_attribute(module, name) == want, (module, name)
+            assert _int_attribute(module, name, _Tree()) == want, (module, name)
     assert find_token_mixers(_Model(None, wrapped))[0].evidence.startswith("a recurrent-state")
+
+
+def test_the_detections_walk_is_named_modules() -> None:
+    """The detection's one-read-per-module walk lists what ``named_modules()`` lists, in its
+    order: a submodule shared by two parents once (at its first name), ``None`` children
+    skipped."""
+    from cpshard.mixers.detect import _Tree
+
+    shared = nn.Linear(2, 2)
+    m = _Model(None, _Scan())
+    m.layers[0].extra = shared
+    m.layers[1].token_mixer.again = shared
+    m.layers[1].register_module("empty", None)
+    m.tail = nn.Sequential(shared, nn.ReLU(), m.embed)
+    got = [(n, id(x)) for n, x in _Tree().walk(m)]
+    assert got == [(n, id(x)) for n, x in m.named_modules()]
+    assert [(n, id(x)) for n, x in _Tree().walk(m.layers[1])] == [
+        (n, id(x)) for n, x in m.layers[1].named_modules()
+    ]
 
 
 def test_config_layer_type_without_a_module_raises() -> None:

@@ -125,8 +125,13 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
     Returns ``None`` when the model holds no ``ModuleList`` of two or more modules.
     """
+    return _largest_list(_Tree().walk(model))
+
+
+def _largest_list(walk: list[tuple[str, nn.Module]]) -> tuple[str, nn.ModuleList] | None:
+    """:func:`decoder_layers` from a walk of the model (``named_modules()`` order)."""
     best: tuple[str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
+    for name, module in walk:
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         if best is None or len(module) > len(best[1]):
@@ -156,9 +161,58 @@ def _is_mixer_kind(kind: str) -> bool:
     return _MIXER_KINDS.search(kind) is not None
 
 
-def _structural_evidence(module: nn.Module) -> str | None:
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
+class _Tree:
+    """The module facts one detection reads, each module's read once: its own members
+    (:func:`cpshard._compat.own_members`) and walks in ``named_modules()`` order. Made per
+    :func:`find_token_mixers` call (nothing outlives it)."""
+
+    def __init__(self) -> None:
+        self._members: dict[int, tuple[list[tuple[str, nn.Module]], list[str], list[str]]] = {}
+        self._asks: dict[tuple[type, str], bool] = {}
+
+    def members(
+        self, module: nn.Module
+    ) -> tuple[list[tuple[str, nn.Module]], list[str], list[str]]:
+        """``(children, parameter names, buffer names)`` of ``module`` itself."""
+        got = self._members.get(id(module))
+        if got is None:
+            got = _compat.own_members(module)
+            self._members[id(module)] = got
+        return got
+
+    def asks(self, cls: type, name: str) -> bool:
+        """Whether ``getattr`` can find ``name`` on an instance of ``cls`` beyond the instance's
+        ``__dict__``: a class attribute, or a ``__getattr__`` other than ``nn.Module``'s (which
+        finds only parameters, buffers and submodules: never an int)."""
+        key = (cls, name)
+        got = self._asks.get(key)
+        if got is None:
+            got = hasattr(cls, name) or getattr(cls, "__getattr__", None) is not _MODULE_GETATTR
+            self._asks[key] = got
+        return got
+
+    def walk(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``list(root.named_modules())``: pre-order, each module once (at its first name)."""
+        out: list[tuple[str, nn.Module]] = []
+        memo: set[int] = set()
+        stack: list[tuple[str, nn.Module]] = [("", root)]
+        while stack:
+            name, module = stack.pop()
+            if id(module) in memo:
+                continue
+            memo.add(id(module))
+            out.append((name, module))
+            for child_name, child in reversed(self.members(module)[0]):
+                stack.append((f"{name}.{child_name}" if name else child_name, child))
+        return out
+
+
+def _structural_evidence(module: nn.Module, tree: _Tree) -> str | None:
     """Evidence of token mixing from this module's own children, parameters and attributes."""
-    children, params, buffers = _compat.own_members(module)
+    children, params, buffers = tree.members(module)
     for child_name, child in children:
         if isinstance(child, nn.Conv1d):
             return f"a 1-D convolution over the sequence ({child_name}: {type(child).__name__})"
@@ -168,48 +222,45 @@ def _structural_evidence(module: nn.Module) -> str | None:
         if _STATE_PARAM.match(n):
             return f"a recurrence / state-space parameter ({n})"
     for attr in _STATE_ATTRS:
-        if _int_attribute(module, attr) is not None:
+        if _int_attribute(module, attr, tree) is not None:
             return f"a recurrent-state attribute ({attr})"
     for attr in _COMPRESS_ATTRS:
-        rate = _int_attribute(module, attr)
+        rate = _int_attribute(module, attr, tree)
         if isinstance(rate, int) and not isinstance(rate, bool) and rate > 1:
             return f"a token compressor pooling windows of {rate} consecutive tokens ({attr})"
     return None
 
 
-def _int_attribute(module: nn.Module, name: str) -> int | None:
+def _int_attribute(module: nn.Module, name: str, tree: _Tree) -> int | None:
     """``getattr(module, name, None)`` where that is an ``int`` (``bool`` included), else
     ``None``; without the miss path of ``nn.Module.__getattr__`` (a raised and caught
     ``AttributeError``, ~2 us; the detection asks ~9 absent names of every module on every
-    prepare). An instance attribute, else a class attribute (properties evaluated); where the
-    class keeps ``nn.Module``'s ``__getattr__``, which finds only parameters, buffers and
-    submodules (never an int), nothing else is asked; any other ``__getattr__`` (a wrapper
-    forwarding to what it wraps) is asked as ``getattr`` asks it."""
+    prepare): an instance attribute, else ``getattr`` only where the class can answer
+    (:meth:`_Tree.asks`: a class attribute or property, or a forwarding ``__getattr__``)."""
     own = module.__dict__
     if name in own:
         value = own[name]
-    else:
-        cls = type(module)
-        if not hasattr(cls, name) and cls.__getattr__ is nn.Module.__getattr__:
-            return None
+    elif tree.asks(type(module), name):
         value = getattr(module, name, None)
+    else:
+        return None
     return value if isinstance(value, int) else None
 
 
-def _deep_evidence(module: nn.Module) -> str | None:
-    for sub_name, sub in module.named_modules():
-        found = _structural_evidence(sub)
+def _deep_evidence(module: nn.Module, tree: _Tree) -> str | None:
+    for sub_name, sub in tree.walk(module):
+        found = _structural_evidence(sub, tree)
         if found is not None:
             where = f"{sub_name}: " if sub_name else ""
             return where + found
     return None
 
 
-def _provably_positionwise(module: nn.Module) -> bool:
+def _provably_positionwise(module: nn.Module, tree: _Tree) -> bool:
     """A tree of position-wise leaves, or a block whose role (MLP, MoE, norm) is position-wise."""
     if _POSITIONWISE_NAME.search(type(module).__name__):
         return True
-    leaves = [m for m in module.modules() if not any(True for _ in m.children())]
+    leaves = [m for _, m in tree.walk(module) if not tree.members(m)[0]]
     return bool(leaves) and all(
         isinstance(m, _POSITIONWISE_LEAVES) or _POSITIONWISE_NAME.search(type(m).__name__)
         for m in leaves
@@ -221,8 +272,10 @@ def _is_attention(module: nn.Module) -> bool:
     return bool(_ATTENTION_NAME.search(name)) and not _MIXER_NAME.search(name)
 
 
-def _walk_outside(model: nn.Module, inside: set[int]) -> Iterator[tuple[str, nn.Module]]:
-    for name, module in model.named_modules():
+def _walk_outside(
+    walk: list[tuple[str, nn.Module]], model: nn.Module, inside: set[int]
+) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in walk:
         if id(module) not in inside and module is not model:
             yield name, module
 
@@ -240,16 +293,19 @@ def find_token_mixers(model: nn.Module) -> tuple[MixerSite, ...]:
         ValueError: the config says a layer mixes tokens outside attention but no module of that
             layer can be identified as the mixer (cpshard cannot run it exactly).
     """
-    found = decoder_layers(model)
+    tree = _Tree()
+    walk = tree.walk(model)
+    found = _largest_list(walk)
     sites: list[MixerSite] = []
     inside: set[int] = set()
     if found is not None:
         prefix, layers = found
         kinds = layer_kinds(getattr(model, "config", None), len(layers))
         for i, layer in enumerate(layers):
-            inside.update(id(m) for m in layer.modules())
+            inside.update(id(m) for _, m in tree.walk(layer))
             kind = kinds[i] if kinds is not None else None
-            layer_sites = list(_layer_sites(f"{prefix}.{i}" if prefix else str(i), layer, kind))
+            name = f"{prefix}.{i}" if prefix else str(i)
+            layer_sites = list(_layer_sites(name, layer, kind, tree))
             if kind is not None and _is_mixer_kind(kind) and not layer_sites:
                 raise ValueError(
                     f"the config says layer {i} of {type(model).__name__} is a "
@@ -260,27 +316,29 @@ def find_token_mixers(model: nn.Module) -> tuple[MixerSite, ...]:
             sites.extend(layer_sites)
     # Outside the layer stack: structural evidence only (class names of wrappers say nothing).
     taken: list[str] = []
-    for name, module in _walk_outside(model, inside):
+    for name, module in _walk_outside(walk, model, inside):
         if any(name.startswith(t + ".") for t in taken):
             continue
-        evidence = _structural_evidence(module)
+        evidence = _structural_evidence(module, tree)
         if evidence is not None:
             taken.append(name)
             sites.append(MixerSite(name, module, evidence))
     return tuple(sites)
 
 
-def _layer_sites(prefix: str, layer: nn.Module, kind: str | None) -> Iterator[MixerSite]:
-    own = _structural_evidence(layer)
+def _layer_sites(
+    prefix: str, layer: nn.Module, kind: str | None, tree: _Tree
+) -> Iterator[MixerSite]:
+    own = _structural_evidence(layer, tree)
     if own is not None:  # the layer itself carries the state: it is the unit
         yield MixerSite(prefix, layer, own)
         return
-    for child_name, child in layer.named_children():
+    for child_name, child in tree.members(layer)[0]:
         name = f"{prefix}.{child_name}"
-        evidence = _deep_evidence(child)
+        evidence = _deep_evidence(child, tree)
         if evidence is not None:
             yield MixerSite(name, child, evidence, inside_attention=_is_attention(child))
-        elif _provably_positionwise(child):
+        elif _provably_positionwise(child, tree):
             continue
         elif _MIXER_NAME.search(type(child).__name__):
             yield MixerSite(name, child, f"its role ({type(child).__name__})")
