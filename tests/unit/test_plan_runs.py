@@ -241,3 +241,31 @@ def test_grouped_runs_answer_only_for_the_runs_they_were_made_of() -> None:
             assert b.every_group() is None
             for got, want in zip(_pairs(a, True, 3), _pairs(b, True, 3), strict=True):
                 np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_pair_runs_stays_exact_where_position_codes_would_overflow(window: int | None) -> None:
+    """Positions spanning ~2**58 (a hand-built meta): the (class, position) keys of pair_runs
+    would overflow int64, so it pairs by the ranks of the positions instead; the pairs equal
+    those of the same runs at small positions (same order, no two slots one run in either).
+    Found by review: the overflowed
+    keys dropped visible pairs silently."""
+    from cpshard.attention.pieces import pair_runs
+
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        size = int(rng.integers(2, 9))
+        small = 2 * np.sort(rng.choice(40, size=size, replace=False))[None]  # a run per slot
+        doc = rng.integers(0, 3, size=(1, size)) * 20
+        doc[0, rng.random(size) < 0.2] = -1  # some pads (-1 - position, below)
+        doc = np.where(doc < 0, -1 - small, doc)
+        huge = small * (1 << 52)  # same order, span ~2**57
+        for causal in (True, False):
+            want = pair_runs(run_table(small, doc, False), run_table(small, doc, False), causal,
+                             window if causal else None)  # fmt: skip
+            big_doc = np.where(doc < 0, -1 - huge, doc)
+            t = run_table(huge, big_doc, False)
+            got = pair_runs(t, t, causal, (window << 52) if causal and window else None)
+            assert sorted(zip(*map(list, got), strict=True)) == sorted(
+                zip(*map(list, want), strict=True)
+            )

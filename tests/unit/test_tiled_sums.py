@@ -214,3 +214,26 @@ def test_stable_order_is_the_stable_argsort() -> None:
             np.testing.assert_array_equal(_stable_order(x), np.argsort(x, kind="stable"))
     x = rng.integers(-5, 5, size=3000)
     np.testing.assert_array_equal(_stable_order(x), np.argsort(x, kind="stable"))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_stream_of_pads_only_has_no_tiling_and_moves_nothing(world: int, causal: bool) -> None:
+    """A row of CP pads only (``-1 - position`` ids, no real token): no tiling (the searches
+    answer), each rank's queries see only themselves, nothing is exchanged. Found by review: the
+    empty tiling raised IndexError in its prefix sums."""
+    from cpshard.attention.selective_plan import selective_plan
+
+    n = 2
+    pos = torch.arange(world * n)[None]
+    for r in range(world):
+        meta = TokenMeta(r, world, pos, -1 - pos)
+        a = meta_arrays(meta)
+        assert a.runs[0].tiling() is None
+        facts = plan_facts(meta, causal, None)
+        assert facts.pairs.tolist() == facts.local_pairs.tolist() == [n] * world
+        assert facts.recv_slots.tolist() == facts.send_slots.tolist() == [0] * world
+        assert needed_slots(a, r, causal, None).size == 0
+        assert all(s.size == 0 for s in wanted_of(a, r, causal, None))
+        plan = selective_plan(meta, causal, None, torch.device("cpu"))
+        assert plan.recv_slots.size == 0 and sum(plan.send_splits) == 0

@@ -30,7 +30,7 @@ import contextlib
 import gc
 import itertools
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -175,16 +175,24 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     inv = _class_ids(np.concatenate([q.cls, k.cls])) * groups
     qc, kc_all = inv[: q.cls.size] + q.grp, inv[q.cls.size :] + k.grp
     order = np.lexsort((k.pos, kc_all))
-    kcr, kp, kn = kc_all[order], k.pos[order], k.n[order]
-    kend = kp + kn
+    kcr = kc_all[order]
+    a, b = q.pos, q.pos + q.n
+    kp = k.pos[order]
+    kend = kp + k.n[order]
+    # a causal window's first visible position per query run (comparisons use only these
+    # values and a, b, kp, kend)
+    wa = a - window + 1 if window is not None and causal else None
     w = 0 if window is None else window
     lo = int(min(q.pos.min(), kp.min())) - w - 2
-    hi = int(max((q.pos + q.n).max(), kend.max())) + 2
+    hi = int(max(b.max(), kend.max())) + 2
     span = hi - lo + 1
+    if (int(inv.max()) + groups) * span >= 1 << 62:  # (class, position) keys would overflow
+        a, b, kp, kend, wa = _ranked(a, b, kp, kend, wa)  # same order, small values
+        lo, hi = -2, int(max(b.max(), kend.max())) + 2
+        span = hi - lo + 1
     key_start = kcr * span + (kp - lo)
     key_end = kcr * span + (kend - lo)
     ends_sorted = bool(np.all(np.diff(key_end) >= 0))
-    a, b = q.pos, q.pos + q.n
     pad = q.cls == PAD_CLASS
     base = qc * span
     # upper bound on a key run's first position: it starts before the query run ends
@@ -192,8 +200,8 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     hi_idx = np.searchsorted(key_start, base + upper, side="left")
     # lower bound on a key run's end: a key inside the window / overlapping the pad run
     lower = np.full(a.shape, -1, dtype=np.int64)
-    if window is not None and causal:
-        lower = a - window + 1 - lo
+    if wa is not None:
+        lower = wa - lo
     lower = np.where(pad, a - lo, lower)
     if ends_sorted:
         lo_idx = np.searchsorted(key_end, base + np.maximum(lower, 0), side="right")
@@ -209,6 +217,15 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
     keep &= np.where(pad[qi], kend[ki] > a[qi], kend[ki] - lo > lower[qi])
     qi, ki = qi[keep], ki[keep]
     return qi, order[ki]
+
+
+def _ranked(*values: _I64 | None) -> tuple[Any, ...]:
+    """Each array replaced by the ranks of its values among all the arrays' values (``None``
+    kept): every ``<``, ``<=`` and ``==`` between them holds as before, in values below the
+    number of distinct values."""
+    given = [v for v in values if v is not None]
+    u = np.unique(np.concatenate(given))
+    return tuple(None if v is None else np.searchsorted(u, v) for v in values)
 
 
 def _class_ids(cls: _I64) -> _I64:

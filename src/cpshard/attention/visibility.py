@@ -427,9 +427,9 @@ class RankRuns:
 
     def tiling(self) -> Tiling | None:
         """The :class:`Tiling` of the real runs, or ``None`` where it does not hold: two real
-        tokens share a ``(document, position)``, or a rank's runs are not in code order in the
-        stream. Every built-in layout's stream has one (each position once, each rank's slots
-        in position order)."""
+        tokens share a ``(document, position)``, a rank's runs are not in code order in the
+        stream, or there is no real token. Every built-in layout's stream with a real token has
+        one (each position once, each rank's slots in position order)."""
         if not self._tiling:
             ordered = self.by_code()
             assert self._order is not None
@@ -627,9 +627,8 @@ def _tiling(real: StreamRuns, ordered: StreamRuns, order: _I64) -> Tiling | None
     """:meth:`RankRuns.tiling` from the real runs (stream order) and the same runs sorted by code
     (``ordered = real.take(order)``)."""
     code, n, rank = real.code, real.n, real.rank
-    if not n.size:
-        e = np.zeros(0, dtype=bool)
-        return Tiling(order, ordered, e, n, n, e, e)
+    if not n.size:  # no real token: nothing to tile (the searches answer an all-pad stream)
+        return None
     same_rank = rank[1:] == rank[:-1]
     if not bool(((code[1:] >= code[:-1] + n[:-1]) | ~same_rank).all()):
         return None  # a rank's runs out of code order, or overlapping
