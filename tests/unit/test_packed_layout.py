@@ -211,3 +211,26 @@ def test_balanced_matches_token_by_token_reference(seed: int) -> None:
         tol = rng.choice([0.0, 1e-3, 0.05])
         plan = plan_balanced(spec, world, tol)
         assert tuple(plan.rank_map.tolist()) == _reference_balanced(spec, world, tol)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stream_sources_invert_the_input_map(world: int) -> None:
+    """The packed sharder's stream -> caller index map (one scatter) is the inverse of the
+    plan's caller -> stream map, -1 where no caller token fills a slot; dropped caller tokens
+    (row-end pads, stream position -1) fill nothing."""
+    from cpshard.sharding.packed import _stream_sources
+
+    rng = random.Random(world)
+    for _ in range(5):
+        rows = [[rng.randint(1, 9) for _ in range(rng.randint(1, 4))] for _ in range(3)]
+        seq = max(sum(r) for r in rows) + rng.randint(0, 3)  # row-end pads dropped
+        spec = PackSpec.from_seq_lens(rows, seq)
+        for plan in (plan_balanced(spec, world), plan_packed(spec, world)):
+            want = [-1] * plan.padded_len
+            for i, p in enumerate(plan.input_token_stream_positions.reshape(-1).tolist()):
+                if p >= 0:
+                    want[p] = i
+            assert (plan.input_token_stream_positions < 0).any() == any(
+                sum(r) < seq for r in rows
+            )
+            assert _stream_sources(plan).tolist() == want

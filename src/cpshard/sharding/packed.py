@@ -30,7 +30,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -101,10 +100,12 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
 def _stream_sources(plan: PackedPlan) -> torch.Tensor:
     """LongTensor ``[P]`` (CPU): the flat caller index (``b * S + s``) of each stream slot, ``-1``
     for a slot no caller token fills (a layout pad). One scatter of the input map per batch."""
-    pos = plan.input_token_stream_positions.reshape(-1).numpy()
-    caller = np.full(plan.padded_len + 1, -1, dtype=np.int64)
-    caller[np.where(pos >= 0, pos, plan.padded_len)] = np.arange(pos.size, dtype=np.int64)
-    return torch.from_numpy(caller[:-1])
+    pos = plan.input_token_stream_positions.reshape(-1).cpu()
+    p = plan.padded_len
+    caller = torch.full((p + 1,), -1, dtype=torch.long)
+    # dropped tokens (-1) all land on the extra slot p, cut off below; the others are distinct
+    caller.scatter_(0, torch.where(pos >= 0, pos, p), torch.arange(pos.numel()))
+    return caller[:p]
 
 
 def _shard_key(
