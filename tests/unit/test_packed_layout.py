@@ -230,7 +230,5 @@ def test_stream_sources_invert_the_input_map(world: int) -> None:
             for i, p in enumerate(plan.input_token_stream_positions.reshape(-1).tolist()):
                 if p >= 0:
                     want[p] = i
-            assert (plan.input_token_stream_positions < 0).any() == any(
-                sum(r) < seq for r in rows
-            )
+            assert (plan.input_token_stream_positions < 0).any() == any(sum(r) < seq for r in rows)
             assert _stream_sources(plan).tolist() == want
