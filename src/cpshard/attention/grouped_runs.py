@@ -33,6 +33,7 @@ from cpshard.attention.visibility import (
     Union,
     per_rank,
     query_intervals,
+    remote_slot_matrix,
     visible_pairs,
 )
 
@@ -127,25 +128,9 @@ class GroupedRuns:
         group (0 on the diagonal). Every run is tiled once per rank ``t`` (a few ranks per pass,
         at most ~2**21 runs at once) and found in ``t``'s block of its group; the slot ranges,
         moved to ``t * C * L + slot``, form one union measured at every ``(t * C + o) * L``."""
-        c, n, keys = self.world, local_len, self.real
-        u = self.seen(causal, window)
-        lo, hi = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
-        step = max(1, (1 << 21) // max(keys.n.size, 1))
-        for t0 in range(0, c, step):
-            ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
-            to = np.repeat(ts, keys.n.size)
-            rep = np.tile(np.arange(keys.n.size), ts.size)
-            remote = keys.rank[rep] != to
-            to, rep = to[remote], rep[remote]
-            s0, s1, run = u.covered_spans(keys.take(rep), self.shift(to, rep))
-            base = to[run] * (c * n)
-            lo.append(base + s0)
-            hi.append(base + s1)
-        measured = Union(np.concatenate(lo), np.concatenate(hi)).measure_below(
-            np.arange(c * c + 1, dtype=np.int64) * n
+        return remote_slot_matrix(
+            [(self.real, self.seen(causal, window), self.shift)], self.world, local_len
         )
-        out: _I64 = np.diff(measured).reshape(c, c)
-        return out
 
     def needed_spans(self, rank: int, causal: bool, window: int | None) -> tuple[_I64, _I64]:
         """``(lo, hi)``: the stream slots off ``rank`` some query of ``rank`` sees in any group,

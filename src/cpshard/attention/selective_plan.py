@@ -54,6 +54,7 @@ from cpshard.attention.visibility import (
     coded,
     per_rank,
     raw_runs,
+    remote_slot_matrix,
 )
 from cpshard.sharding.meta import TokenMeta
 
@@ -427,24 +428,11 @@ def _union_matrix(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray
     every = a.every_group()
     if every is not None:
         return every.matrix(causal, window, n)
-    lo, hi = [], []
-    for runs in a.runs:
-        keys, u = runs.real, runs.block_seen(causal, window)
-        step = max(1, (1 << 21) // max(keys.n.size, 1))
-        for t0 in range(0, c, step):
-            ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
-            to = np.repeat(ts, keys.n.size)
-            rep = np.tile(np.arange(keys.n.size), ts.size)
-            remote = keys.rank[rep] != to
-            to, rep = to[remote], rep[remote]
-            s0, s1, run = u.covered_spans(keys.take(rep), runs.shift(to))
-            base = to[run] * (c * n)
-            lo.append(base + s0)
-            hi.append(base + s1)
-    measured = Union(np.concatenate(lo), np.concatenate(hi)).measure_below(
-        np.arange(c * c + 1, dtype=np.int64) * n
-    )
-    return np.diff(measured).reshape(c, c)
+    parts = [
+        (runs.real, runs.block_seen(causal, window), lambda to, _, r=runs: r.shift(to))
+        for runs in a.runs
+    ]
+    return remote_slot_matrix(parts, c, n)
 
 
 @dataclass(frozen=True)

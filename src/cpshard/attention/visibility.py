@@ -42,6 +42,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,7 @@ __all__ = [
     "per_rank",
     "query_intervals",
     "raw_runs",
+    "remote_slot_matrix",
     "visible_pairs",
 ]
 
@@ -593,6 +595,41 @@ class Tiling:
         cuts = np.zeros(world + 1, dtype=np.int64)
         np.cumsum(per_rank(to, s.n[j], world), out=cuts[1:])
         return [slots[cuts[t] : cuts[t + 1]] for t in range(world)]
+
+
+def remote_slot_matrix(
+    parts: Iterable[tuple[StreamRuns, Union, Callable[[_I64, _I64], _I64]]],
+    world: int,
+    local_len: int,
+) -> _I64:
+    """``[C, C]`` int64: ``m[t, o]`` = slots of rank ``o`` some query of rank ``t`` sees, over
+    every part (0 on the diagonal).
+
+    A part is ``(keys, seen, shift)``: real key runs, the codes every rank's queries see with
+    each rank in its block, and ``shift(to, rep)``, the code shift of run ``rep`` into rank
+    ``to``'s block. Each part's remote key runs are tiled once per ``t`` (a few ranks per pass,
+    at most ~2**21 runs at once); their slot ranges, moved to ``t * C * L + slot``, form one
+    union measured at every ``(t * C + o) * L``.
+    """
+    c, n = world, local_len
+    lo, hi = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for keys, seen, shift in parts:
+        step = max(1, (1 << 21) // max(keys.n.size, 1))
+        for t0 in range(0, c, step):
+            ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
+            to = np.repeat(ts, keys.n.size)
+            rep = np.tile(np.arange(keys.n.size), ts.size)
+            remote = keys.rank[rep] != to
+            to, rep = to[remote], rep[remote]
+            s0, s1, run = seen.covered_spans(keys.take(rep), shift(to, rep))
+            base = to[run] * (c * n)
+            lo.append(base + s0)
+            hi.append(base + s1)
+    measured = Union(np.concatenate(lo), np.concatenate(hi)).measure_below(
+        np.arange(c * c + 1, dtype=np.int64) * n
+    )
+    out: _I64 = np.diff(measured).reshape(c, c)
+    return out
 
 
 def _stable_order(x: _I64) -> _I64:
