@@ -99,7 +99,8 @@ class _AllGatherAttention(torch.autograd.Function):
         local, remote, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
-        bad_q = BadQueries.backward(grad_out, q, out, lse)  # one for the remote and local keys
+        out_q = out.to(q.dtype)  # as the kernels read it: converted once, not once per key set
+        bad_q = BadQueries.backward(grad_out, q, out_q, lse)  # one for the remote and local keys
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         pending: Transfer | None = None
         if full is not None:
@@ -109,7 +110,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dfull = torch.zeros(full.shape, dtype=acc, device=full.device)
             dk_all, dv_all = stream_views(dfull)
             attend_backward_into(
-                grad_out, q, k_all, v_all, out, lse, remote, dq, dk_all, dv_all, scale=scale,
+                grad_out, q, k_all, v_all, out_q, lse, remote, dq, dk_all, dv_all, scale=scale,
                 backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
             chunks = dfull.view(-1, q.shape[2], *dfull.shape[1:])  # [C, L, 2, B, H, D]
@@ -119,7 +120,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         attend_backward_into(
-            grad_out, q, k, v, out, lse, local, dq, dk, dv, scale=scale, backend=backend,
+            grad_out, q, k, v, out_q, lse, local, dq, dk, dv, scale=scale, backend=backend,
             softcap=softcap, bad_q=bad_q,
         )  # fmt: skip
         if pending is not None:

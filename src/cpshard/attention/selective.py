@@ -88,7 +88,8 @@ class _SelectiveAttention(torch.autograd.Function):
         plan, group, scale, backend, softcap = ctx.args
         acc = accumulation_dtype(q.dtype)
         grad_out = grad_out.contiguous()
-        bad_q = BadQueries.backward(grad_out, q, out, lse)  # one for the remote and local keys
+        out_q = out.to(q.dtype)  # as the kernels read it: converted once, not once per key set
+        bad_q = BadQueries.backward(grad_out, q, out_q, lse)  # one for the remote and local keys
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         pending: Transfer | None = None
         if recv is not None:
@@ -98,7 +99,7 @@ class _SelectiveAttention(torch.autograd.Function):
             dk_r, dv_r = stream_views(drecv)
             k_r, v_r = stream_views(recv)
             attend_backward_into(
-                grad_out, q, k_r, v_r, out, lse, plan.remote, dq, dk_r, dv_r, scale=scale,
+                grad_out, q, k_r, v_r, out_q, lse, plan.remote, dq, dk_r, dv_r, scale=scale,
                 backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
             pending = all_to_all_split_start(drecv, plan.recv_splits, plan.send_splits, group)
@@ -106,7 +107,7 @@ class _SelectiveAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         attend_backward_into(
-            grad_out, q, k, v, out, lse, plan.local, dq, dk, dv, scale=scale, backend=backend,
+            grad_out, q, k, v, out_q, lse, plan.local, dq, dk, dv, scale=scale, backend=backend,
             softcap=softcap, bad_q=bad_q,
         )  # fmt: skip
         if pending is not None:
