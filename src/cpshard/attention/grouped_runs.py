@@ -35,6 +35,7 @@ from cpshard.attention.visibility import (
     query_intervals,
     remote_slot_matrix,
     visible_pairs,
+    wanted_slots,
 )
 
 __all__ = ["GroupedRuns"]
@@ -145,15 +146,6 @@ class GroupedRuns:
     def wanted(self, rank: int, causal: bool, window: int | None, local_len: int) -> list[_I64]:
         """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees in any
         group (none for ``rank`` itself): what ``rank`` sends to ``t``."""
-        c, n = self.world, local_len
-        own = np.flatnonzero(self.real.rank == rank)
-        peers = np.delete(np.arange(c, dtype=np.int64), rank)
-        rep = np.tile(own, peers.size)
-        to = np.repeat(peers, own.size)
-        s0, s1, run = self.seen(causal, window).covered_spans(
-            self.real.take(rep), self.shift(to, rep)
+        return wanted_slots(
+            [(self.real, self.seen(causal, window), self.shift)], rank, self.world, local_len
         )
-        base = (to[run] - rank) * n  # rank's block moved to t's lane
-        lanes = Union(base + s0, base + s1).members()
-        cuts = np.searchsorted(lanes, np.arange(c + 1) * n)
-        return [lanes[cuts[t] : cuts[t + 1]] - t * n for t in range(c)]

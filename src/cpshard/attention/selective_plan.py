@@ -27,6 +27,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ from cpshard.attention.visibility import (
     per_rank,
     raw_runs,
     remote_slot_matrix,
+    wanted_slots,
 )
 from cpshard.sharding.meta import TokenMeta
 
@@ -253,33 +255,11 @@ def wanted_of(a: MetaArrays, rank: int, causal: bool, window: int | None) -> lis
     tiling = _tiling_of(a, window)
     if tiling is not None:
         return tiling.wanted(rank, c, n, causal)
-    if len(a.runs) == 1 and a.runs[0].blocked:  # every peer at once, in its rank block
-        runs = a.runs[0]
-        own = runs.of(rank)
-        peers = np.delete(np.arange(c), rank)
-        reps = own.take(np.tile(np.arange(own.n.size), peers.size))
-        to = np.repeat(peers, own.n.size)
-        slots, run = runs.block_seen(causal, window).covered_slots(reps, runs.shift(to))
-        dest = to[run]
-        cuts = np.searchsorted(dest, np.arange(c + 1))
-        return [slots[cuts[t] : cuts[t + 1]] - rank * n for t in range(c)]
     every = a.every_group()
     if every is not None:  # every row group at once
         return every.wanted(rank, causal, window, n)
-    if all(runs.blocked for runs in a.runs):  # every rank at once per group, then union
-        lo, hi = [], []  # slot ranges of rank's block, moved to t * L + local slot
-        for runs in a.runs:
-            own = runs.of(rank)
-            peers = np.delete(np.arange(c), rank)
-            reps = own.take(np.tile(np.arange(own.n.size), peers.size))
-            to = np.repeat(peers, own.n.size)
-            s0, s1, run = runs.block_seen(causal, window).covered_spans(reps, runs.shift(to))
-            base = to[run] * n - rank * n
-            lo.append(base + s0)
-            hi.append(base + s1)
-        lanes = Union(np.concatenate(lo), np.concatenate(hi)).members()
-        cuts = np.searchsorted(lanes, np.arange(c + 1) * n)
-        return [lanes[cuts[t] : cuts[t + 1]] - t * n for t in range(c)]
+    if all(runs.blocked for runs in a.runs):  # every peer at once per group, then the union
+        return wanted_slots(_block_parts(a, causal, window), rank, c, n)
     out = []
     for t in range(c):
         need_t = np.zeros(n, dtype=bool)
@@ -428,11 +408,26 @@ def _union_matrix(a: MetaArrays, causal: bool, window: int | None) -> np.ndarray
     every = a.every_group()
     if every is not None:
         return every.matrix(causal, window, n)
-    parts = [
-        (runs.real, runs.block_seen(causal, window), lambda to, _, r=runs: r.shift(to))
-        for runs in a.runs
-    ]
-    return remote_slot_matrix(parts, c, n)
+    return remote_slot_matrix(_block_parts(a, causal, window), c, n)
+
+
+def _block_parts(
+    a: MetaArrays, causal: bool, window: int | None
+) -> list[tuple[StreamRuns, Union, Callable[[np.ndarray, np.ndarray], np.ndarray]]]:
+    """Every row group's real runs, the codes its queries see in rank blocks, and the shift of
+    a run into rank ``to``'s block: the parts of
+    :func:`~cpshard.attention.visibility.remote_slot_matrix` and
+    :func:`~cpshard.attention.visibility.wanted_slots` group by group."""
+
+    def part(
+        runs: RankRuns,
+    ) -> tuple[StreamRuns, Union, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+        def shift(to: np.ndarray, _rep: np.ndarray) -> np.ndarray:
+            return runs.shift(to)
+
+        return runs.real, runs.block_seen(causal, window), shift
+
+    return [part(runs) for runs in a.runs]
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ __all__ = [
     "raw_runs",
     "remote_slot_matrix",
     "visible_pairs",
+    "wanted_slots",
 ]
 
 _I64 = npt.NDArray[np.int64]
@@ -630,6 +631,35 @@ def remote_slot_matrix(
     )
     out: _I64 = np.diff(measured).reshape(c, c)
     return out
+
+
+def wanted_slots(
+    parts: Iterable[tuple[StreamRuns, Union, Callable[[_I64, _I64], _I64]]],
+    rank: int,
+    world: int,
+    local_len: int,
+) -> list[_I64]:
+    """Per rank ``t``: the sorted local slots of ``rank`` some query of ``t`` sees in any part
+    (none for ``rank`` itself): what ``rank`` sends to ``t``.
+
+    Parts as in :func:`remote_slot_matrix`. Each part's runs of ``rank`` are tiled once per peer
+    ``t`` and found in ``t``'s block; their slot ranges, moved to ``t * L + local slot``, form one
+    union cut at every ``t * L``.
+    """
+    c, n = world, local_len
+    peers = np.delete(np.arange(c, dtype=np.int64), rank)
+    lo, hi = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for keys, seen, shift in parts:
+        own = np.flatnonzero(keys.rank == rank)
+        rep = np.tile(own, peers.size)
+        to = np.repeat(peers, own.size)
+        s0, s1, run = seen.covered_spans(keys.take(rep), shift(to, rep))
+        base = (to[run] - rank) * n  # rank's block moved to t's lane
+        lo.append(base + s0)
+        hi.append(base + s1)
+    lanes = Union(np.concatenate(lo), np.concatenate(hi)).members()
+    cuts = np.searchsorted(lanes, np.arange(c + 1) * n)
+    return [lanes[cuts[t] : cuts[t + 1]] - t * n for t in range(c)]
 
 
 def _stable_order(x: _I64) -> _I64:
