@@ -206,15 +206,16 @@ class ClosedFormLayout(ABC):
             device: Device of the maps.
         """
         padded = self.padded_length(seq_len, world_size)
-        runs: tuple[tuple[int, int], ...] | None = tuple(
+        every = tuple(
             run for r in range(world_size) for run in self.local_runs(r, world_size, padded)
         )
-        if runs is not None and len(runs) <= MAX_RUNS * world_size:
+        runs = every if len(every) <= MAX_RUNS * world_size else None
+        if runs is not None:
             # the rank map from its runs: one arange and a gather of its slices
             ar = torch.arange(padded, dtype=torch.long, device=device)
             rank_map = torch.cat([ar[a : a + n] for a, n in runs]).reshape(world_size, -1)
         else:
-            rank_map, runs = self.rank_map(world_size, padded, device), None
+            rank_map = self.rank_map(world_size, padded, device)
         if padding_mask is None and padded == seq_len:
             docs = torch.zeros(1, padded, dtype=torch.long, device=device)
         else:

@@ -427,15 +427,7 @@ def pad_tokens(t: torch.Tensor, dim: int, n: int, value: float | int | bool | No
     """
     if n == 0:
         return t
-    if value is None:  # continue positions monotonically
-        last = t.narrow(dim, t.shape[dim] - 1, 1)
-        steps = torch.arange(1, n + 1, device=t.device, dtype=t.dtype)
-        shape = [1] * t.dim()
-        shape[dim] = n
-        return torch.cat([t, last + steps.reshape(shape)], dim=dim)
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+    return torch.cat([t, _pad_piece(t, dim, 0, n, value)], dim=dim)
 
 
 def take_runs(

@@ -186,11 +186,6 @@ def _square_sum(a: torch.Tensor) -> torch.Tensor:
     return a.mul_(a).sum()
 
 
-def _as_int64(value: int) -> int:
-    """A Python int wrapped to the int64 range (mod ``2**64``)."""
-    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
 def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
     """0-d int64 tensor: ``sum_k a_k * (a_k + K) + numel``, ``a_k = x_k ^ w_k``, mod ``2**64``.
 
@@ -226,7 +221,7 @@ def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) 
         if x.dtype != torch.long:
             x = x_buf[:m].copy_(x)
         # w_k = (2k + 1) G = (2j + 1) G + 2 * start * G for k = start + j
-        shift = _as_int64(2 * start * _GOLDEN)
+        shift = _wrap_int(2 * start * _GOLDEN)
         w = base[:m] if start == 0 else torch.add(base[:m], shift, out=w_buf[:m])
         a = torch.bitwise_xor(x, w, out=a_buf[:m])
         linear += a.sum()
@@ -237,12 +232,15 @@ def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) 
 content_hash = _content_hash  # public: the sharder's batch record hashes its local tensors too
 
 
-def _wrap(x: int | torch.Tensor) -> int | torch.Tensor:
+def _wrap_int(x: int) -> int:
     """A Python int wrapped to int64 (mod ``2**64``, signed) like the tensor arithmetic."""
-    if isinstance(x, torch.Tensor):
-        return x
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _wrap(x: int | torch.Tensor) -> int | torch.Tensor:
+    """:func:`_wrap_int` of a Python int; a tensor as it is."""
+    return x if isinstance(x, torch.Tensor) else _wrap_int(x)
 
 
 def _add(a: int | torch.Tensor, b: int | torch.Tensor) -> int | torch.Tensor:
