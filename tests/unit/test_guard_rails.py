@@ -217,33 +217,41 @@ def test_hf_mask_under_cp_raises_without_the_model_guard() -> None:
         model(input_ids=ids, attention_mask=torch.ones(3, 16, dtype=torch.long))
 
 
-def _reference_hash(values: list[int]) -> int:
-    """The content hash in plain Python integers: sum_k a_k (a_k + K) + numel mod 2**64,
-    a_k = x_k ^ w_k, w_k = (2k + 1) * G, K = 0xD6E8FEB86659FD93."""
-    m = (1 << 64) - 1
+def _reference_hash(values: list[int], block: int = 1 << 15) -> int:
+    """The content hash in plain Python integers: ``n + sum_i (2i + 1) K S_i`` mod 2**64 over
+    blocks of ``block`` elements; ``S_i`` sums the block's elements, each re-read from its two
+    32-bit lanes ``l`` (low half, high half) mapped to ``l (l + v_j)`` mod 2**32,
+    ``v_j = (2j + 1) * 0x9E3779B9`` for lane ``j`` of the block; K = 0xD6E8FEB86659FD93."""
+    m64, m32 = (1 << 64) - 1, (1 << 32) - 1
     total = len(values)
-    for k, v in enumerate(values):
-        a = (v & m) ^ (((2 * k + 1) * 0x9E3779B97F4A7C15) & m)
-        total += a * (a + 0xD6E8FEB86659FD93)
-    return total & m
+    for i in range(0, len(values), block):
+        s = 0
+        for e, v in enumerate(values[i : i + block]):
+            lanes = [(v & m64) & m32, (v & m64) >> 32]
+            y = [(lane * (lane + (2 * (2 * e + h) + 1) * 0x9E3779B9)) & m32 for h, lane in
+                 enumerate(lanes)]  # fmt: skip
+            s += y[0] | (y[1] << 32)
+        total += (2 * (i // block) + 1) * 0xD6E8FEB86659FD93 * s
+    return total & m64
 
 
-@pytest.mark.parametrize("chunk", [None, 4, 5, 64])
+@pytest.mark.parametrize("block", [None, 4, 5, 64])
 @pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
 def test_content_hash_is_a_nonlinear_sum_over_every_element(
-    shape: tuple[int, ...], chunk: int | None, monkeypatch: pytest.MonkeyPatch
+    shape: tuple[int, ...], block: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Checked against plain Python integers, whole and in chunks of any size (the last one
-    short): the chunk's keys are shifted to the element's global position."""
+    """Checked against plain Python integers, in one block or in blocks of any size (the last
+    one short): every block's lanes have the same keys, and its sum its own weight."""
     from cpshard.sharding import consistency
 
-    if chunk is not None:
-        monkeypatch.setattr(consistency, "_CHUNK", chunk)
+    if block is not None:
+        monkeypatch.setattr(consistency, "_BLOCK", block)
     x = torch.randint(-(2**62), 2**62, shape, generator=torch.Generator().manual_seed(1))
     x.view(-1)[0] = -(2**63)  # the extremes wrap like the int64 arithmetic
     x.view(-1)[-1] = 2**63 - 1
     m = (1 << 64) - 1
-    assert int(consistency._content_hash(x)) & m == _reference_hash(x.reshape(-1).tolist())
+    want = _reference_hash(x.reshape(-1).tolist(), block or consistency._BLOCK)
+    assert int(consistency._content_hash(x)) & m == want
 
 
 @pytest.mark.parametrize(
@@ -253,44 +261,38 @@ def test_content_hash_of_other_dtypes_widens_values_and_float_bits(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Integers and bools by value (widened to int64), floats by their bits (sign-extended from
-    the same-size integer), also when the chunk buffer does the widening."""
+    the same-size integer), also when the widening buffer holds several blocks."""
     from cpshard.sharding import consistency
 
-    monkeypatch.setattr(consistency, "_CHUNK", 6)
+    monkeypatch.setattr(consistency, "_BLOCK", 6)
+    monkeypatch.setattr(consistency, "_CHUNK_BLOCKS_CPU", 2)
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 11, generator=g) * 50).to(dtype)
     bits = {torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
     values = (x.view(bits[dtype]) if dtype in bits else x).to(torch.long).reshape(-1).tolist()
-    assert int(consistency._content_hash(x)) & ((1 << 64) - 1) == _reference_hash(values)
-    assert int(consistency._content_hash(x[:, ::2])) & ((1 << 64) - 1) == _reference_hash(
-        (x[:, ::2].contiguous().view(bits[dtype]) if dtype in bits else x[:, ::2])
-        .to(torch.long)
-        .reshape(-1)
-        .tolist()
-    )
+    m = (1 << 64) - 1
+    assert int(consistency._content_hash(x)) & m == _reference_hash(values, 6)
+    strided = x[:, ::2].contiguous().view(bits[dtype]) if dtype in bits else x[:, ::2]
+    want = _reference_hash(strided.to(torch.long).reshape(-1).tolist(), 6)
+    assert int(consistency._content_hash(x[:, ::2])) & m == want
 
 
-def test_content_hash_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("per", [2, 3, 100])
+def test_content_hash_of_several_blocks_a_pass_equals_one_a_pass(
+    per: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The value does not depend on how many blocks one pass takes (one on the CPU, 32 on an
+    accelerator): the tiled keys and the per-block sums of a wide pass give the same hash,
+    the last pass short or not."""
     from cpshard.sharding import consistency
 
+    monkeypatch.setattr(consistency, "_BLOCK", 7)
     x = torch.randn(5, 7, 3)
     ids = torch.randint(0, 1000, (9, 31))
-    whole = int(consistency._content_hash(x)), int(consistency._content_hash(ids))
-    for chunk in (4, 7, 100):
-        monkeypatch.setattr(consistency, "_CHUNK", chunk)
-        assert (int(consistency._content_hash(x)), int(consistency._content_hash(ids))) == whole
-
-
-def test_content_hash_square_sum_of_cpu_and_other_devices_agree() -> None:
-    """The CPU's fused dot product and the square-then-sum of other devices agree (mod 2**64),
-    and both equal Python's integers."""
-    from cpshard.sharding.consistency import _square_sum
-
-    g = torch.Generator().manual_seed(3)
-    a = torch.randint(-(2**63), 2**63 - 1, (70001,), generator=g)
-    want = sum(v * v for v in a.tolist()) & ((1 << 64) - 1)
-    assert int(_square_sum(a)) & ((1 << 64) - 1) == want
-    assert int(a.clone().mul_(a).sum()) & ((1 << 64) - 1) == want
+    one = [int(consistency._content_hash(t)) for t in (x, ids, ids[:, :14])]
+    monkeypatch.setattr(consistency, "_CHUNK_BLOCKS_CPU", per)
+    scratch: dict = {}
+    assert [int(consistency._content_hash(t, scratch)) for t in (x, ids, ids[:, :14])] == one
 
 
 def test_content_hash_catches_swaps_compensations_shifts_and_sign_bits(
@@ -301,7 +303,7 @@ def test_content_hash_catches_swaps_compensations_shifts_and_sign_bits(
     int64 and the sign of a float64 (its top bit): each changes the hash."""
     from cpshard.sharding import consistency
 
-    monkeypatch.setattr(consistency, "_CHUNK", 16)
+    monkeypatch.setattr(consistency, "_BLOCK", 16)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 32000, (4, 40), generator=g)
     h = int(consistency._content_hash(ids))

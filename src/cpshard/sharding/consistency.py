@@ -125,13 +125,16 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
-_ODD = -0x2917014799A6026D  # 0xD6E8FEB86659FD93 as a signed int64: the hash's odd K
-# Elements hashed at a time on the CPU: 256 KB int64 buffers stay in cache, and their one 1 MB
-# block stays under the 2 MB allocations of a [8, 32768] batch, which glibc serves by a fresh
-# mmap each (1 << 16 was slower in the prepare: its 2 MB block page-faulted on every call).
-_CHUNK = 1 << 15
-_CHUNK_ACCELERATOR = 1 << 20  # on a GPU: fewer, larger launches (8 MB temporaries)
+_ODD = -0x2917014799A6026D  # 0xD6E8FEB86659FD93 as a signed int64: the blocks' odd weight
+_GOLDEN32 = -0x61C88647  # 0x9E3779B9 as a signed int32: the lanes' odd key multiplier
+# Elements per hash block (the unit of the hash's definition: each block's sum has an odd
+# weight of its own). On the CPU one block is hashed at a time: its three 256 KB buffers (the
+# lane keys, the lane products, a widening copy) stay in cache, and their one 768 KB block stays
+# under the 2 MB tensors of a [8, 32768] batch, which glibc serves by a fresh mmap each (a 2 MB
+# scratch page-faulted on every call).
+_BLOCK = 1 << 15
+_CHUNK_BLOCKS_CPU = 1
+_CHUNK_BLOCKS_ACCELERATOR = 32  # on a GPU: 32 blocks a launch (8 MB temporaries)
 
 
 _PADDING_KEYS = ("attention_mask", "padding_mask")
@@ -163,70 +166,77 @@ def _int64_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _scratch(
-    store: dict[Any, torch.Tensor] | None, device: torch.device, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(keys, w, a, x)``: the chunk's base keys ``(2j + 1) * G`` (``j < chunk``, read only)
-    and three int64 work buffers of ``chunk`` elements, from ``store`` (one fingerprint's: the
-    tensors of one batch share them) or new."""
-    slot = (str(device), chunk)
+    store: dict[Any, torch.Tensor] | None, device: torch.device, block: int, blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keys, y, x)`` for hashing ``blocks`` blocks of ``block`` elements at a time: the lane
+    keys ``(2j + 1) * G32`` of each block, tiled (int32, read only), an int32 work buffer of as
+    many lanes and an int64 widening buffer of ``blocks * block`` elements; from ``store`` (one
+    fingerprint's: the tensors of one batch share them) or new."""
+    lanes = 2 * block * blocks
+    slot = (str(device), block, blocks)
     got = None if store is None else store.get(slot)
     if got is None:
-        got = torch.empty(4 * chunk, device=device, dtype=torch.long)
-        torch.arange(1, 2 * chunk, 2, out=got[:chunk]).mul_(_GOLDEN)
+        got = torch.empty(3 * lanes, device=device, dtype=torch.int32)
+        keys = got[:lanes].view(blocks, 2 * block)
+        torch.arange(1, 4 * block, 2, out=keys[0]).mul_(_GOLDEN32)
+        keys[1:] = keys[0]
         if store is not None:
             store[slot] = got
-    return got[:chunk], got[chunk : 2 * chunk], got[2 * chunk : 3 * chunk], got[3 * chunk :]
-
-
-def _square_sum(a: torch.Tensor) -> torch.Tensor:
-    """``sum_k a_k ** 2`` mod ``2**64`` (int64): one fused pass on the CPU, a product and a sum
-    elsewhere (``torch.dot`` of integers is CPU-only); ``a`` is scratch (overwritten)."""
-    if a.device.type == "cpu":
-        return torch.dot(a, a)
-    return a.mul_(a).sum()
+    return got[:lanes], got[lanes : 2 * lanes], got[2 * lanes :].view(torch.long)
 
 
 def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
-    """0-d int64 tensor: ``sum_k a_k * (a_k + K) + numel``, ``a_k = x_k ^ w_k``, mod ``2**64``.
+    """0-d int64 tensor: ``n + sum_i c_i S_i`` mod ``2**64`` over blocks ``i`` of
+    :data:`_BLOCK` elements, ``c_i = (2i + 1) K``.
 
-    Every element of every tensor is hashed: ``x_k`` are the values (integers and bools, widened
-    to int64) or the bits (floating point, so ``-0.0`` and each NaN payload count as different
-    values); ``w_k = (2k + 1) * G`` is a per-position key (``G`` the odd 64-bit golden ratio)
-    and ``K`` an odd constant. Each term is a quadratic function of the keyed value, i.e.
-    non-linear: the compensating changes that fool a weighted sum (``+3`` here, ``-1`` there)
-    and swaps of values change it. One value's change is missed only where
-    ``(a' - a)(a' + a + K) = 0`` mod ``2**64``; ``K`` odd makes ``a' + a + K`` odd when
-    ``a' - a`` is even, so a flip of the top bit alone (``a' - a = 2**63``) always counts.
+    Every element of every tensor is hashed: its value ``x`` (integers and bools, widened to
+    int64) or its bits (floating point, so ``-0.0`` and each NaN payload count as different
+    values), as two 32-bit lanes (``x mod 2**32`` and ``x >> 32``, the int64's halves). Lane
+    ``j`` of a block maps to ``l * (l + v_j)`` mod ``2**32``, ``v_j = (2j + 1) G`` (``G`` the
+    odd 32-bit golden ratio): a quadratic function of the keyed value, so the compensating
+    changes that fool a weighted sum (``+3`` here, ``-1`` there) and swaps of values change it.
+    ``S_i`` is the sum of the block's elements re-read from their two mapped lanes (an int64
+    per element, mod ``2**64``) and ``K`` an odd constant, so each block counts with a weight of
+    its own. One lane's change is missed only where ``(l' - l)(l' + l + v_j) = 0`` mod
+    ``2**32``; ``v_j`` odd makes ``l' + l + v_j`` odd when ``l' - l`` is even, so a flip of a
+    lane's top bit (the int64's top bit included) always counts; a changed lane always changes
+    its element's int64 and, through the odd ``c_i``, the hash.
 
-    Computed as ``sum a**2 + K * sum a``: per chunk of :data:`_CHUNK` elements (cache-sized
-    buffers, reused) the chunk's keys (one add), the xor, a fused square-sum (``torch.dot``) and
-    a sum; no temporary of the tensor's size. The value does not depend on the chunk size.
+    All three passes per block are SIMD on the CPU: the keys' add and the product in 32-bit
+    lanes, the sum in 64 (a 64-bit product and ``torch.dot`` of integers are scalar loops there).
+    No temporary of the tensor's size; the value does not depend on how many blocks a pass
+    takes (:data:`_CHUNK_BLOCKS_CPU` on the CPU, :data:`_CHUNK_BLOCKS_ACCELERATOR` elsewhere).
 
     Args:
         t: Any tensor (a meta or empty one hashes to 0).
-        keys: One fingerprint's store of the base keys and work buffers (:func:`_scratch`),
+        keys: One fingerprint's store of the lane keys and work buffers (:func:`_scratch`),
             which the tensors of one batch share; ``None``: this call's own.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
     flat = _int64_view(t)
-    n = flat.numel()
-    chunk = min(_CHUNK if flat.device.type == "cpu" else _CHUNK_ACCELERATOR, n)
-    base, w_buf, a_buf, x_buf = _scratch(keys, flat.device, chunk)
-    squares = torch.zeros((), dtype=torch.long, device=flat.device)
-    linear = torch.zeros((), dtype=torch.long, device=flat.device)
-    for start in range(0, n, chunk):
+    n, device = flat.numel(), flat.device
+    block = min(_BLOCK, n)
+    n_blocks = -(-n // block)
+    per = _CHUNK_BLOCKS_CPU if device.type == "cpu" else _CHUNK_BLOCKS_ACCELERATOR
+    per = min(per, n_blocks)
+    lane_keys, y_buf, x_buf = _scratch(keys, device, block, per)
+    sums = torch.empty(n_blocks, dtype=torch.long, device=device)
+    chunk = per * block
+    for first, start in zip(range(0, n_blocks, per), range(0, n, chunk), strict=True):
         m = min(chunk, n - start)
         x = flat[start : start + m]
         if x.dtype != torch.long:
             x = x_buf[:m].copy_(x)
-        # w_k = (2k + 1) G = (2j + 1) G + 2 * start * G for k = start + j
-        shift = _wrap_int(2 * start * _GOLDEN)
-        w = base[:m] if start == 0 else torch.add(base[:m], shift, out=w_buf[:m])
-        a = torch.bitwise_xor(x, w, out=a_buf[:m])
-        linear += a.sum()
-        squares += _square_sum(a)
-    return squares + linear * _ODD + n
+        lanes = x.view(torch.int32)
+        y = torch.add(lanes, lane_keys[: 2 * m], out=y_buf[: 2 * m]).mul_(lanes)
+        y64, full = y.view(torch.long), m // block
+        if full:
+            torch.sum(y64[: full * block].view(full, block), dim=1, out=sums[first : first + full])
+        if full * block < m:
+            torch.sum(y64[full * block :], dim=0, out=sums[first + full])
+    weights = torch.arange(1, 2 * n_blocks, 2, dtype=torch.long, device=device).mul_(_ODD)
+    return (sums * weights).sum() + n
 
 
 content_hash = _content_hash  # public: the sharder's batch record hashes its local tensors too
