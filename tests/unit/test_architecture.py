@@ -72,6 +72,7 @@ LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("cpshard.attention.pieces", (), "torch and numpy only; the plan and the run counts use it"),
     ("cpshard.attention.softcap", ("cpshard.attention.merge",), "the merge only"),
     ("cpshard.attention.visibility", ("cpshard.attention.pieces",), "the run table only"),
+    ("cpshard.attention.pad_runs", ("cpshard.attention.pieces",), "the run table only"),
     (
         "cpshard.attention.grouped_runs",
         ("cpshard.attention.visibility",),
@@ -96,6 +97,7 @@ HOST_ONLY = (
     "cpshard.attention.calibration",
     "cpshard.attention.cost",
     "cpshard.attention.grouped_runs",
+    "cpshard.attention.pad_runs",
     "cpshard.attention.plan",
     "cpshard.attention.selective_plan",
     "cpshard.attention.visibility",

@@ -44,6 +44,7 @@ __all__ = [
     "RunTable",
     "Task",
     "cut_pairs",
+    "join_runs",
     "pair_runs",
     "run_table",
     "tasks_by_key",
@@ -157,6 +158,35 @@ def run_table(pos: _I64, doc: _I64, merge_pads: bool, breaks: int = 0) -> RunTab
     starts = np.flatnonzero(brk)
     lens = np.diff(np.append(starts, flat_pos.size))
     return RunTable(starts, lens, flat_pos[starts], cls[starts], starts // n)
+
+
+def join_runs(table: RunTable, width: int, cut: int = 0) -> RunTable:
+    """``table`` with every two neighbouring runs joined where the second continues the first
+    (same row group and class, next slot, next position) and their border is not a multiple of
+    ``cut`` slots (``0``: no cuts): the runs :func:`~cpshard.attention.pieces.run_table` finds
+    for the same slots (with ``breaks=cut``), given runs that cut them finer.
+
+    Args:
+        table: Runs sorted by slot; slot ``g * width + i`` is slot ``i`` of row group ``g``.
+        width: Slots per row group.
+        cut: Keep the borders at multiples of ``cut`` slots of a row group.
+    """
+    if table.start.size < 2:
+        return table
+    end = table.start + table.n
+    go_on = table.grp[1:] == table.grp[:-1]
+    go_on &= table.start[1:] == end[:-1]
+    go_on &= table.pos[1:] == table.pos[:-1] + table.n[:-1]
+    go_on &= table.cls[1:] == table.cls[:-1]
+    if cut:
+        go_on &= (table.start[1:] - table.grp[1:] * width) % cut != 0
+    if not go_on.any():
+        return table
+    head = np.ones(table.start.size, dtype=bool)
+    head[1:] = ~go_on
+    first = np.flatnonzero(head)
+    n = np.add.reduceat(table.n, first)
+    return RunTable(table.start[first], n, table.pos[first], table.cls[first], table.grp[first])
 
 
 def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tuple[_I64, _I64]:

@@ -38,12 +38,14 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
+from cpshard.attention.pad_runs import pad_table, row_groups_by_pads
 from cpshard.attention.pieces import (
     PAD_CLASS,
     SMALL_PAIRS,
@@ -52,6 +54,7 @@ from cpshard.attention.pieces import (
     RunTable,
     Task,
     cut_pairs,
+    join_runs,
     pair_runs,
     run_table,
     tasks_by_key,
@@ -156,29 +159,40 @@ def _row_groups(pos: np.ndarray | None, doc: np.ndarray) -> list[list[int]]:
     return groups
 
 
-class HostRows(NamedTuple):
+@dataclass
+class HostRows:
     """Host copies of a token meta, one row per group of batch rows with equal structure.
 
     Attributes:
         pos: ``[G, C * L]`` int64 positions of each group's first row (may be a read-only
             broadcast view of the meta's positions).
-        doc: ``[G, C * L]`` int64 document ids.
+        doc_source: The ``[G, C * L]`` int64 document ids, or what makes them on first read of
+            :attr:`doc` (a meta whose placement gives its documents by their pads: the plans
+            that read only :attr:`table` never make them).
         rows: Batch rows of every group, or ``None`` (one group serving every row).
         weights: ``[G]`` meta rows each group stands for.
         merge: Every negative id is a pad of the convention ``-1 - position``.
         table: Where :attr:`merge` holds, the runs of the groups' stream with pad stretches
             merged, cut every :attr:`cut` slots (``run_table(pos, doc, True, breaks=cut)``,
-            found in the one pass over the tokens that also groups the rows); else ``None``.
+            found in the one pass over the tokens that also groups the rows, or from the pads);
+            else ``None``.
         cut: The cut of :attr:`table` (the meta's local length), ``0`` without a table.
     """
 
     pos: np.ndarray
-    doc: np.ndarray
+    doc_source: np.ndarray | Callable[[], np.ndarray]
     rows: list[list[int]] | None
     weights: np.ndarray
     merge: bool
     table: RunTable | None = None
     cut: int = 0
+
+    @property
+    def doc(self) -> np.ndarray:
+        """``[G, C * L]`` int64 document ids of each group's first row."""
+        if callable(self.doc_source):
+            self.doc_source = self.doc_source()
+        return self.doc_source
 
 
 def host_rows(meta: TokenMeta) -> HostRows:
@@ -193,6 +207,10 @@ def host_rows(meta: TokenMeta) -> HostRows:
     hit = meta.plan_cache.get("host_rows")
     if isinstance(hit, HostRows):
         return hit
+    by_pads = _host_by_pads(meta)
+    if by_pads is not None:
+        meta.plan_cache["host_rows"] = by_pads
+        return by_pads
     pos = meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
     doc = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
     if pos.shape[0] != doc.shape[0]:  # one row of positions for every row of documents, or so
@@ -210,9 +228,34 @@ def host_rows(meta: TokenMeta) -> HostRows:
     if host is None:
         host = _host_by_tokens(pos, doc, same, same_pos)
     elif same and n_rows > 1:  # one group standing for every row
-        host = host._replace(weights=np.array([n_rows], dtype=np.int64))
+        host.weights = np.array([n_rows], dtype=np.int64)
     meta.plan_cache["host_rows"] = host
     return host
+
+
+def _host_by_pads(meta: TokenMeta) -> HostRows | None:
+    """:class:`HostRows` of a meta whose placement gives its documents by their pads and its
+    stream by runs (the closed-form layouts): groups and table from the pads' changes
+    (:mod:`.pad_runs`), the document ids made only if read; ``None`` for any other meta."""
+    rows = meta.padded_rows
+    place = meta.placement
+    if rows is None or place is None or place.stream_runs is None or meta.local_len <= 0:
+        return None
+    pad = rows.padding_mask.detach().cpu().numpy()
+    groups, changes = row_groups_by_pads(pad)
+    firsts = [g[0] for g in groups]
+    table = pad_table(pad, firsts, changes, place.stream_runs, meta.local_len)
+    width = pad.shape[1]
+    stream = meta.positions[:1].detach().cpu().numpy().astype(np.int64, copy=False)
+    pos = np.broadcast_to(stream, (len(firsts), width))
+
+    def doc() -> np.ndarray:
+        ids = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+        return np.ascontiguousarray(ids[firsts])
+
+    weights = np.array([len(g) for g in groups], dtype=np.int64)
+    grouped = None if len(groups) == 1 else groups
+    return HostRows(pos, doc, grouped, weights, True, table, meta.local_len)
 
 
 def _host_by_tokens(pos: np.ndarray, doc: np.ndarray, same: bool, same_pos: bool) -> HostRows:
@@ -309,35 +352,6 @@ def _host_by_runs(pos: np.ndarray, doc: np.ndarray, local_len: int) -> HostRows 
     weights = np.array([len(g) for g in groups], dtype=np.int64)
     rows = None if len(groups) == 1 else groups
     return HostRows(p, d, rows, weights, True, table, local_len)
-
-
-def join_runs(table: RunTable, width: int, cut: int = 0) -> RunTable:
-    """``table`` with every two neighbouring runs joined where the second continues the first
-    (same row group and class, next slot, next position) and their border is not a multiple of
-    ``cut`` slots (``0``: no cuts): the runs :func:`~cpshard.attention.pieces.run_table` finds
-    for the same slots (with ``breaks=cut``), given runs that cut them finer.
-
-    Args:
-        table: Runs sorted by slot; slot ``g * width + i`` is slot ``i`` of row group ``g``.
-        width: Slots per row group.
-        cut: Keep the borders at multiples of ``cut`` slots of a row group.
-    """
-    if table.start.size < 2:
-        return table
-    end = table.start + table.n
-    go_on = table.grp[1:] == table.grp[:-1]
-    go_on &= table.start[1:] == end[:-1]
-    go_on &= table.pos[1:] == table.pos[:-1] + table.n[:-1]
-    go_on &= table.cls[1:] == table.cls[:-1]
-    if cut:
-        go_on &= (table.start[1:] - table.grp[1:] * width) % cut != 0
-    if not go_on.any():
-        return table
-    head = np.ones(table.start.size, dtype=bool)
-    head[1:] = ~go_on
-    first = np.flatnonzero(head)
-    n = np.add.reduceat(table.n, first)
-    return RunTable(table.start[first], n, table.pos[first], table.cls[first], table.grp[first])
 
 
 def take_spans(table: RunTable, width: int, lo: np.ndarray, hi: np.ndarray) -> RunTable:
@@ -630,7 +644,7 @@ class AttentionPlan:
     meta: TokenMeta
     _rows: list[list[int]] | None = field(init=False, repr=False, compare=False)
     _pos: np.ndarray = field(init=False, repr=False, compare=False)
-    _doc: np.ndarray = field(init=False, repr=False, compare=False)
+    _host: HostRows = field(init=False, repr=False, compare=False)
     _merge: bool = field(init=False, repr=False, compare=False)
     _cache: dict[tuple[Any, ...], Any] = field(
         init=False, repr=False, compare=False, default_factory=dict
@@ -640,7 +654,7 @@ class AttentionPlan:
         host = host_rows(self.meta)
         object.__setattr__(self, "_rows", host.rows)
         object.__setattr__(self, "_pos", host.pos)
-        object.__setattr__(self, "_doc", host.doc)
+        object.__setattr__(self, "_host", host)  # its document ids: made if read
         object.__setattr__(self, "_merge", host.merge)
 
     @property
@@ -671,11 +685,12 @@ class AttentionPlan:
 
         def build() -> tuple[Pieces, np.ndarray]:
             n, r = self.local_len, self.rank
-            pos, doc = self._pos, self._doc
+            pos = self._pos
             if n:  # the stream's table (shared with the cost facts), and rank r's part of it
                 k = stream_table(self.meta, self._merge)
                 q = block_table(k, pos.shape[1], n, r)
             else:
+                doc = self._host.doc
                 q = run_table(pos[:, :0], doc[:, :0], self._merge)
                 k = run_table(pos, doc, self._merge)
             pieces = _pieces(q, k, causal, window)
@@ -772,7 +787,7 @@ class AttentionPlan:
         """
 
         def build() -> PairPlan:
-            pos, doc = self._pos, self._doc
+            pos, doc = self._pos, self._host.doc
             stream = pos.shape[1]
             runs = run_table(pos, doc, self._merge)
             order = np.stack([_sort_order(row) for row in pos])

@@ -56,6 +56,7 @@ from cpshard.attention.visibility import (
     per_rank,
     raw_runs,
     remote_slot_matrix,
+    table_ids,
     wanted_slots,
 )
 from cpshard.sharding.meta import TokenMeta
@@ -80,7 +81,8 @@ class MetaArrays:
 
     Attributes:
         pos: ``[G, C * L]`` global positions, rank-major stream.
-        doc: ``[G, C * L]`` document ids.
+        host: The meta's :class:`~cpshard.attention.plan.HostRows` (its document ids are made
+            on first read of :attr:`doc`: the plans from the run table never read them).
         rows: Batch rows of every group, or ``None`` (one group serving every row).
         weights: ``[G]`` how many meta rows each group stands for.
         world: CP size ``C``.
@@ -94,7 +96,7 @@ class MetaArrays:
     """
 
     pos: np.ndarray
-    doc: np.ndarray
+    host: HostRows
     rows: list[list[int]] | None
     weights: np.ndarray
     world: int
@@ -111,6 +113,11 @@ class MetaArrays:
             return None
         return g if all(r.blocked for r in self.runs) else None
 
+    @property
+    def doc(self) -> np.ndarray:
+        """``[G, C * L]`` document ids (made on first read where the meta has none yet)."""
+        return self.host.doc
+
     def rank_slice(self, rank: int) -> slice:
         """Stream slots of ``rank``'s local tokens."""
         return slice(rank * self.local_len, (rank + 1) * self.local_len)
@@ -122,25 +129,25 @@ def meta_arrays(meta: TokenMeta) -> MetaArrays:
     if isinstance(hit, MetaArrays):
         return hit
     host = host_rows(meta)
-    p, d, rows, weights = host.pos, host.doc, host.rows, host.weights
+    p, rows, weights = host.pos, host.rows, host.weights
     n, c = meta.local_len, meta.world_size
     if host.table is not None:  # from the rows' runs, no pass over the tokens
         merge = _pad_runs_apart(host.table)
         lo_pos = int(host.table.pos.min())
         hi_pos = int((host.table.pos + host.table.n).max()) - 1
     else:
-        merge = host.merge and _pads_unique(p, d)
+        merge = host.merge and _pads_unique(p, host.doc)
         lo_pos = int(p.min()) if p.size else 0
         hi_pos = int(p.max()) if p.size else 0
     table = stream_table(meta, merge)
     if len(p) > 1:  # several row groups: code every group's runs at once
         return _grouped_arrays(meta, host, table, lo_pos, hi_pos)
-    raw = raw_runs(p, d, n, merge, table)
+    raw = raw_runs(table, p.shape[1], len(p), n)
     docs = np.unique(np.concatenate([r.doc[~r.pad] for r in raw]))
     frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
     _check_codes(frame)
     runs = tuple(RankRuns(coded(r, frame), c, frame) for r in raw)
-    arrays = MetaArrays(p, d, rows, weights, meta.world_size, n, frame, runs)
+    arrays = MetaArrays(p, host, rows, weights, meta.world_size, n, frame, runs)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 
@@ -164,13 +171,13 @@ def _grouped_arrays(
     (:func:`~cpshard.attention.visibility.raw_runs` and :func:`~cpshard.attention.visibility.
     coded` of each group, at once), then cut into the groups' :class:`RankRuns`, and their
     :class:`~cpshard.attention.grouped_runs.GroupedRuns`."""
-    p, d = host.pos, host.doc
+    p = host.pos
     n, c = meta.local_len, meta.world_size
     width = p.shape[1]
     start = table.start - table.grp * width
     pad = table.cls == PAD_CLASS
     rank = start // max(n, 1)
-    ids = d[table.grp, start]
+    ids = table_ids(table)
     docs = np.unique(ids[~pad])
     frame = Frame(docs, lo_pos, hi_pos - lo_pos + 2)
     _check_codes(frame)
@@ -183,7 +190,7 @@ def _grouped_arrays(
     )
     real = ~pad
     grouped = GroupedRuns(runs, every.take(real), table.grp[real])
-    arrays = MetaArrays(p, d, host.rows, host.weights, c, n, frame, runs, grouped)
+    arrays = MetaArrays(p, host, host.rows, host.weights, c, n, frame, runs, grouped)
     meta.plan_cache["meta_arrays"] = arrays
     return arrays
 

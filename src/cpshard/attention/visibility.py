@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from cpshard.attention.pieces import PAD_CLASS, RunTable, run_table
+from cpshard.attention.pieces import PAD_CLASS, RunTable
 
 __all__ = [
     "Depth",
@@ -64,6 +64,7 @@ __all__ = [
     "query_intervals",
     "raw_runs",
     "remote_slot_matrix",
+    "table_ids",
     "visible_pairs",
     "wanted_slots",
 ]
@@ -126,33 +127,36 @@ class StreamRuns:
         return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
 
 
-def raw_runs(
-    pos: _I64, doc: _I64, local_len: int, merge_pads: bool, table: RunTable | None = None
-) -> list[StreamRuns]:
+def table_ids(table: RunTable) -> _I64:
+    """The document id of every run's first slot: its class, or ``-1 - position`` for a pad run
+    (the id of its first pad), so a table stands for the ids it was cut from."""
+    pad = table.cls == PAD_CLASS
+    out: _I64 = np.where(pad, -1 - table.pos, table.cls)
+    return out
+
+
+def raw_runs(table: RunTable, width: int, groups: int, local_len: int) -> list[StreamRuns]:
     """The runs of every stream row, with their document *ids* and no codes yet (see
     :func:`coded`).
 
     Args:
-        pos: ``[G, C * L]`` positions, rank-major, one row per row group.
-        doc: ``[G, C * L]`` document ids.
+        table: The stream's runs of every row group, cut at the rank blocks
+            (``run_table(pos, doc, merge_pads, breaks=max(local_len, 1))``, or the same table
+            found otherwise); slot ``g * width + i`` is slot ``i`` of row group ``g``.
+        width: Slots per row group, ``C * L``.
+        groups: Row groups ``G``.
         local_len: Tokens per rank ``L``.
-        merge_pads: Every negative id is a pad of the convention ``-1 - position``: such slots
-            form pad runs. Otherwise every id, negative or not, is a document.
-        table: ``run_table(pos, doc, merge_pads, breaks=max(local_len, 1))`` if already made.
 
     Returns:
-        One :class:`StreamRuns` per row (slots relative to the row).
+        One :class:`StreamRuns` per row group (slots relative to the row).
     """
-    if table is None:  # one pass, every row
-        table = run_table(pos, doc, merge_pads, breaks=max(local_len, 1))
-    width = pos.shape[1]
     start = table.start - table.grp * width
     pad = table.cls == PAD_CLASS
     rank = start // max(local_len, 1)
-    ids = doc.reshape(-1)[table.start]
-    cuts = np.searchsorted(table.grp, np.arange(pos.shape[0] + 1))
+    ids = table_ids(table)
+    cuts = np.searchsorted(table.grp, np.arange(groups + 1))
     out = []
-    for g in range(pos.shape[0]):
+    for g in range(groups):
         sl = slice(int(cuts[g]), int(cuts[g + 1]))
         out.append(
             StreamRuns(

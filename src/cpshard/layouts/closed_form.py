@@ -37,7 +37,7 @@ import torch
 
 from cpshard.layouts.coordinates import CallerCoordinates
 from cpshard.layouts.index import padded_length
-from cpshard.layouts.placement import Placement, pad_document_ids
+from cpshard.layouts.placement import PaddedRows, Placement
 
 __all__ = [
     "MAX_RUNS",
@@ -216,19 +216,18 @@ class ClosedFormLayout(ABC):
             rank_map = torch.cat([ar[a : a + n] for a, n in runs]).reshape(world_size, -1)
         else:
             rank_map = self.rank_map(world_size, padded, device)
-        if padding_mask is None and padded == seq_len:
-            docs = torch.zeros(1, padded, dtype=torch.long, device=device)
+        # the documents by their pads (bools; the int64 ids are made only if read): a private
+        # copy, so a caller who reuses the mask's buffer cannot change this shard's documents
+        if padding_mask is None:
+            pad = torch.zeros(1, seq_len, dtype=torch.bool, device=device)
         else:
-            # one pass: -1 - position where pad, 0 (the row's one document) where real
-            pad = (
-                torch.zeros(rows, seq_len, dtype=torch.bool, device=device)
-                if padding_mask is None
-                else padding_mask.to(device=device, dtype=torch.bool).expand(rows, seq_len)
-            )
-            if padded > seq_len:
-                tail = torch.ones(rows, padded - seq_len, dtype=torch.bool, device=device)
-                pad = torch.cat([pad, tail], dim=1)
-            docs = pad_document_ids(torch.zeros((), dtype=torch.long, device=device), pad)
+            pad = padding_mask.to(device=device, dtype=torch.bool, copy=True)
+            pad = pad.expand(rows, seq_len)
+        if padded > seq_len:  # CP pads at the row end, each its own document
+            pad = pad.expand(rows, seq_len)
+            tail = torch.ones(pad.shape[0], padded - seq_len, dtype=torch.bool, device=device)
+            pad = torch.cat([pad, tail], dim=1)
+        docs = PaddedRows(pad)
         return Placement(rank_map, docs, CallerCoordinates(seq_len, padded), stream_runs=runs)
 
 

@@ -13,13 +13,13 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cpshard.layouts.coordinates import CallerCoordinates
 
-__all__ = ["Placement", "pad_document_ids"]
+__all__ = ["PaddedRows", "Placement", "pad_document_ids"]
 
 
 def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
@@ -40,17 +40,49 @@ def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> 
 
 
 @dataclass(frozen=True, eq=False)
+class PaddedRows:
+    """Document ids by their pads alone: each row's real tokens are one document (id ``0``) and
+    every pad its own (``-1 - position``, :func:`pad_document_ids`): the documents of the
+    closed-form layouts, described by ``[B or 1, P]`` bools instead of as many int64 ids.
+
+    Attributes:
+        padding_mask: BoolTensor ``[B or 1, P]``, ``True`` = pad, global order.
+    """
+
+    padding_mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.padding_mask.dim() != 2 or self.padding_mask.dtype != torch.bool:
+            raise ValueError(
+                "PaddedRows needs a bool padding_mask [B or 1, P] (True = pad); got "
+                f"{self.padding_mask.dtype} of shape {tuple(self.padding_mask.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[B or 1, P]``, the shape of the ids."""
+        return self.padding_mask.shape
+
+    def ids(self) -> torch.Tensor:
+        """LongTensor ``[B or 1, P]``: the document ids (one pass)."""
+        zero = torch.zeros((), dtype=torch.long, device=self.padding_mask.device)
+        return pad_document_ids(zero, self.padding_mask)
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class Placement:
     """Where every token of one batch lives over ``C`` CP ranks (frozen; one per shard).
 
     Equality and hashing are by identity: a placement is the key of the caches derived from it.
 
-    Attributes:
+    Args:
         rank_map: LongTensor ``[C, L]``: global (padded-stream) positions of rank ``r``'s local
             tokens in local order; a bijection onto ``arange(P)``, ``P = C * L``.
         document_ids: LongTensor ``[B or 1, P]`` in *global* order: the document of each
             position; pads are negative and unique (:func:`pad_document_ids`), so a pad sees
-            only itself.
+            only itself. Or :class:`PaddedRows` (one document per row, every pad its own): the
+            ids are then made on first read of :attr:`document_ids`, and readers that need only
+            the pads (the attention plan's runs) read :attr:`padded_rows` instead.
         coordinates: How the caller addresses the tokens (original length, row shape, input
             positions; :class:`~cpshard.layouts.coordinates.CallerCoordinates`), with
             ``coordinates.padded_seq_len == P``.
@@ -58,25 +90,45 @@ class Placement:
             ``((start, length), ...)`` in stream order (the closed-form layouts: 1 or 2 per
             rank), or ``None``; where given, copies in stream or local order slice the runs
             instead of indexing token by token (:meth:`local_runs`). Must describe
-            ``rank_map`` exactly (checked in ``__post_init__``, one pass over the small map).
+            ``rank_map`` exactly (checked here, one pass over the small map).
+
+    Raises:
+        ValueError: shapes that do not fit (``[C, L]``, ``[B or 1, P]``, ``P`` everywhere), or
+            ``stream_runs`` that do not describe ``rank_map``.
     """
 
     rank_map: torch.Tensor
-    document_ids: torch.Tensor
     coordinates: CallerCoordinates
-    stream_runs: tuple[tuple[int, int], ...] | None = None
+    stream_runs: tuple[tuple[int, int], ...] | None
+    padded_rows: PaddedRows | None
+    _ids: list[torch.Tensor] = field(repr=False)  # the ids once made (at most one)
 
-    def __post_init__(self) -> None:
-        if self.rank_map.dim() != 2 or self.document_ids.dim() != 2:
+    def __init__(
+        self,
+        rank_map: torch.Tensor,
+        document_ids: torch.Tensor | PaddedRows,
+        coordinates: CallerCoordinates,
+        stream_runs: tuple[tuple[int, int], ...] | None = None,
+    ) -> None:
+        rows = document_ids if isinstance(document_ids, PaddedRows) else None
+        object.__setattr__(self, "rank_map", rank_map)
+        object.__setattr__(self, "coordinates", coordinates)
+        object.__setattr__(self, "stream_runs", stream_runs)
+        object.__setattr__(self, "padded_rows", rows)
+        object.__setattr__(self, "_ids", [] if rows is not None else [document_ids])
+        self._check(document_ids.shape)
+
+    def _check(self, doc_shape: torch.Size) -> None:
+        if self.rank_map.dim() != 2 or len(doc_shape) != 2:
             raise ValueError(
                 f"a Placement needs rank_map [C, L] and document_ids [B or 1, P]; got shapes "
-                f"{tuple(self.rank_map.shape)} and {tuple(self.document_ids.shape)}"
+                f"{tuple(self.rank_map.shape)} and {tuple(doc_shape)}"
             )
         padded = self.rank_map.numel()
-        if self.document_ids.shape[-1] != padded or self.coordinates.padded_seq_len != padded:
+        if doc_shape[-1] != padded or self.coordinates.padded_seq_len != padded:
             raise ValueError(
                 f"a Placement's rank_map covers P={padded} positions, but document_ids has "
-                f"{self.document_ids.shape[-1]} and coordinates.padded_seq_len is "
+                f"{doc_shape[-1]} and coordinates.padded_seq_len is "
                 f"{self.coordinates.padded_seq_len}; they must all be P"
             )
         if self.stream_runs is not None and not self._runs_match():
@@ -84,6 +136,21 @@ class Placement:
                 f"a Placement's stream_runs {self.stream_runs[:8]} do not describe its rank_map "
                 "flattened; pass the runs of rank_map.reshape(-1) or None"
             )
+
+    @property
+    def document_ids(self) -> torch.Tensor:
+        """LongTensor ``[B or 1, P]`` in global order: the document of each position (made from
+        :attr:`padded_rows` on first read where the placement was given those)."""
+        if not self._ids:
+            assert self.padded_rows is not None
+            self._ids.append(self.padded_rows.ids())
+        return self._ids[0]
+
+    @property
+    def document_rows(self) -> int:
+        """``B or 1``: the rows of :attr:`document_ids` (without making them)."""
+        rows = self.padded_rows
+        return int(rows.shape[0] if rows is not None else self._ids[0].shape[0])
 
     def _runs_match(self) -> bool:
         runs = self.stream_runs
@@ -114,7 +181,7 @@ class Placement:
     def stream_positions(self) -> torch.Tensor:
         """LongTensor ``[B or 1, P]``: global position of each slot of the rank-major stream
         (``rank_map`` flattened, with ``document_ids``' batch dim; a view, no copy)."""
-        return self.rank_map.reshape(1, -1).expand(self.document_ids.shape[0], -1)
+        return self.rank_map.reshape(1, -1).expand(self.document_rows, -1)
 
     def local_runs(self, rank: int) -> tuple[tuple[int, int], ...] | None:
         """Rank ``rank``'s local tokens as contiguous runs of global positions (local order),

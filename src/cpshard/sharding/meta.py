@@ -23,72 +23,120 @@ from typing import Any
 
 import torch
 
-from cpshard.layouts.placement import Placement, pad_document_ids
+from cpshard.layouts.placement import PaddedRows, Placement, pad_document_ids
 
 __all__ = ["TokenMeta", "pad_document_ids"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, init=False)
 class TokenMeta:
     """Global positions and document ids of every token, in rank-major stream order.
 
     The *stream* is what an all-gather of the local shards yields: rank 0's local tokens, then
     rank 1's, and so on. Slot ``r * L + i`` describes local token ``i`` of rank ``r``.
+    Equality and hashing are by identity (:func:`cpshard.sharding.facts.same_shard` compares
+    two metas by content).
 
-    Attributes:
+    Args:
         rank: This rank's index in the CP group.
         world_size: CP size ``C``.
         positions: LongTensor ``[B or 1, C * L]``: global (padded-stream) position of each token;
             the causal order.
         document_ids: LongTensor ``[B or 1, C * L]``: document of each token; pads are negative
-            and unique (see :func:`pad_document_ids`).
+            and unique (see :func:`pad_document_ids`). ``None`` with a ``placement``: the
+            placement's, in stream order, made on first read of :attr:`document_ids` (the
+            attention plan of a placement given by its pads never reads them).
+        plan_cache: Per-batch cache of derived plans (the attention plan of
+            :func:`cpshard.attention.plan.attention_plan`), filled by attention; a shard has one
+            meta per placement and rank (:meth:`of`), so it is keyed by the placement.
         local_record: ``{key: (shape, content hash)}`` of this rank's local ``input_ids`` and
             ``position_ids`` as the sharder returned them (filled by
             :meth:`cpshard.CPSharder.shard`): the batch identity that survives ``.clone()`` and
-            ``.to()`` of the local tensors (see :func:`cpshard.sharding.facts.matches_record`);
-            not part of equality.
-        plan_cache: Per-batch cache of derived plans (the attention plan of
-            :func:`cpshard.attention.plan.attention_plan`), filled by attention; a shard has one
-            meta per placement and rank (:meth:`of`), so it is keyed by the placement; not part
-            of equality.
+            ``.to()`` of the local tensors (see :func:`cpshard.sharding.facts.matches_record`).
         placement: The placement this meta was derived from (:meth:`of`), or ``None`` for a
-            meta built by hand; not part of equality.
+            meta built by hand.
 
     Invariant: a meta derived from a placement has ``positions == placement.rank_map``
     flattened (a view of it) and ``document_ids == placement.stream_document_ids()``.
+
+    Raises:
+        ValueError: tensors that are not ``[B or 1, C * L]`` alike, a stream length that ``C``
+            does not divide, or neither ``document_ids`` nor a ``placement``.
     """
 
     rank: int
     world_size: int
     positions: torch.Tensor
-    document_ids: torch.Tensor
-    plan_cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    local_record: dict[str, tuple[tuple[int, ...], int]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    placement: Placement | None = field(default=None, compare=False, repr=False)
+    plan_cache: dict[str, Any] = field(repr=False)
+    local_record: dict[str, tuple[tuple[int, ...], int]] = field(repr=False)
+    placement: Placement | None = field(repr=False)
+    _ids: list[torch.Tensor] = field(repr=False)  # the document ids once made (at most one)
+    _given_ids: bool = field(repr=False)  # document_ids were given (not the placement's)
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        positions: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        plan_cache: dict[str, Any] | None = None,
+        local_record: dict[str, tuple[tuple[int, ...], int]] | None = None,
+        placement: Placement | None = None,
+    ) -> None:
+        if document_ids is None and placement is None:
+            raise ValueError(
+                "a TokenMeta needs its document_ids, or the placement it comes from "
+                "(TokenMeta.of(placement, rank))"
+            )
+        for name, value in (
+            ("rank", rank),
+            ("world_size", world_size),
+            ("positions", positions),
+            ("plan_cache", {} if plan_cache is None else plan_cache),
+            ("local_record", {} if local_record is None else local_record),
+            ("placement", placement),
+            ("_ids", [] if document_ids is None else [document_ids]),
+            ("_given_ids", document_ids is not None),
+        ):
+            object.__setattr__(self, name, value)
+        self._check()
 
     @classmethod
     def of(cls, placement: Placement, rank: int) -> TokenMeta:
-        """Rank ``rank``'s token meta of ``placement`` (positions: its rank map, flattened)."""
-        return cls(
-            rank,
-            placement.world_size,
-            placement.stream_positions(),
-            placement.stream_document_ids(),
-            placement=placement,
-        )
+        """Rank ``rank``'s token meta of ``placement`` (positions: its rank map, flattened; the
+        document ids in stream order are made on first read)."""
+        return cls(rank, placement.world_size, placement.stream_positions(), placement=placement)
 
-    def __post_init__(self) -> None:
-        if self.positions.dim() != 2 or self.document_ids.dim() != 2:
+    @property
+    def document_ids(self) -> torch.Tensor:
+        """LongTensor ``[B or 1, C * L]``: the document of each token (see the class)."""
+        if not self._ids:
+            assert self.placement is not None
+            self._ids.append(self.placement.stream_document_ids())
+        return self._ids[0]
+
+    @property
+    def padded_rows(self) -> PaddedRows | None:
+        """The placement's documents by their pads alone (one document per row, every pad its
+        own), where this meta's documents are those of such a placement; else ``None``."""
+        place = self.placement
+        return None if place is None or self._given_ids else place.padded_rows
+
+    def _check(self) -> None:
+        if self._given_ids:
+            doc = self._ids[0].shape
+        else:  # the placement's (its own checks ran), in stream order
+            assert self.placement is not None
+            doc = torch.Size((self.placement.document_rows, self.placement.padded_len))
+        if self.positions.dim() != 2 or len(doc) != 2:
             raise ValueError(
                 "TokenMeta tensors must be [B, C*L]; got positions "
-                f"{tuple(self.positions.shape)} and document_ids {tuple(self.document_ids.shape)}"
+                f"{tuple(self.positions.shape)} and document_ids {tuple(doc)}"
             )
-        if self.positions.shape[-1] != self.document_ids.shape[-1]:
+        if self.positions.shape[-1] != doc[-1]:
             raise ValueError(
                 "TokenMeta positions and document_ids must have the same length; got "
-                f"{self.positions.shape[-1]} and {self.document_ids.shape[-1]}"
+                f"{self.positions.shape[-1]} and {doc[-1]}"
             )
         if self.positions.shape[-1] % self.world_size != 0:
             raise ValueError(

@@ -1,0 +1,155 @@
+"""The attention host rows of a closed-form placement from its pads against the token pass.
+
+A closed-form placement gives its documents by their pads (:class:`~cpshard.layouts.placement.
+PaddedRows`) and its stream by runs; :func:`~cpshard.attention.plan.host_rows` then finds the row
+groups and the run table from the pads' changes (:mod:`cpshard.attention.pad_runs`) and makes the
+document ids only if read. Each is compared here with the token pass over the same meta's ids
+(a meta built from those ids, without the placement), on random pads (none, right, left, holes,
+whole rows, repeated rows, one mask row for every row), every closed-form layout, world 1 to 8,
+lengths that need CP pads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpshard.attention.pad_runs import pad_table, row_groups_by_pads
+from cpshard.attention.plan import HostRows, host_rows
+from cpshard.attention.selective_plan import selective_plan
+from cpshard.layouts.closed_form import ContiguousLayout, NoneLayout, RoundRobinLayout
+from cpshard.layouts.placement import PaddedRows, Placement
+from cpshard.sharding.meta import TokenMeta
+
+CPU = torch.device("cpu")
+PADS = ("none", "right", "left", "holes", "whole", "repeats", "broadcast")
+
+
+def _mask(rng: np.random.Generator, kind: str, rows: int, seq: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    if kind == "broadcast":  # one mask row for every row
+        return torch.from_numpy(rng.random((1, seq)) < 0.3)
+    out = np.zeros((rows, seq), dtype=bool)
+    for r in range(rows):
+        cut = int(rng.integers(0, seq + 1))
+        if kind == "right":
+            out[r, cut:] = True
+        elif kind == "left":
+            out[r, :cut] = True
+        elif kind == "whole":
+            out[r] = rng.random() < 0.5
+        else:  # holes, repeats
+            out[r] = rng.random(seq) < 0.2
+        if kind == "repeats" and r and rng.random() < 0.5:
+            out[r] = out[int(rng.integers(0, r))]
+    return torch.from_numpy(out)
+
+
+def _placement(rng: np.random.Generator, kind: str) -> Placement:
+    world = int(rng.choice([1, 2, 3, 4, 8]))
+    seq, rows = int(rng.integers(1, 40)), int(rng.integers(1, 5))
+    layouts = [RoundRobinLayout(), ContiguousLayout(int(rng.integers(1, 4)))]
+    layout = NoneLayout() if world == 1 and rng.random() < 0.5 else layouts[int(rng.integers(2))]
+    return layout.placement(world, rows, seq, _mask(rng, kind, rows, seq), CPU)
+
+
+def _token_host(place: Placement, rank: int) -> HostRows:
+    """The token pass over the same meta's ids (no placement: the route of any meta)."""
+    meta = TokenMeta(
+        rank, place.world_size, place.stream_positions(), place.stream_document_ids().clone()
+    )
+    return host_rows(meta)
+
+
+def _same(got: HostRows, want: HostRows) -> None:
+    assert got.rows == want.rows
+    assert got.merge is want.merge is True
+    assert got.cut == want.cut
+    np.testing.assert_array_equal(got.weights, want.weights)
+    assert got.table is not None and want.table is not None
+    for a, b in zip(got.table, want.table, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got.pos, want.pos)
+    np.testing.assert_array_equal(got.doc, want.doc)
+
+
+@pytest.mark.parametrize("kind", PADS)
+def test_host_rows_from_pads_equal_the_token_pass(kind: str) -> None:
+    rng = np.random.default_rng(PADS.index(kind))
+    for _ in range(60):
+        place = _placement(rng, kind)
+        assert place.padded_rows is not None
+        for rank in range(place.world_size):
+            meta = TokenMeta.of(place, rank)
+            got = host_rows(meta)
+            assert meta._ids == []  # the groups and the table without the ids
+            _same(got, _token_host(place, rank))
+
+
+def test_selective_plans_from_pads_equal_the_token_pass() -> None:
+    """The plan that reads only the table is the same as the one of the token pass, and
+    never makes the ids."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        place = _placement(rng, PADS[int(rng.integers(len(PADS)))])
+        for rank in range(place.world_size):
+            meta = TokenMeta.of(place, rank)
+            by_tokens = TokenMeta(
+                rank, place.world_size, place.stream_positions(), place.stream_document_ids()
+            )
+            for window in (None, 3):
+                got = selective_plan(meta, True, window, CPU)
+                want = selective_plan(by_tokens, True, window, CPU)
+                assert got.send_splits == want.send_splits
+                assert got.recv_splits == want.recv_splits
+                assert torch.equal(got.send_index, want.send_index)
+                np.testing.assert_array_equal(got.recv_slots, want.recv_slots)
+                assert got.local.needed == want.local.needed
+                assert got.remote.needed == want.remote.needed
+                assert got.remote.computed == want.remote.computed
+            assert meta._ids == []
+
+
+def test_pad_table_joins_runs_that_continue_across_stream_runs() -> None:
+    """Stream runs that continue each other in position and slot (inside one rank block) are one
+    run; at a rank block's border they stay two."""
+    pad = np.zeros((1, 8), dtype=bool)
+    pad[0, 5:] = True
+    groups, changes = row_groups_by_pads(pad)
+    assert groups == [[0]] and changes[0].tolist() == [5]
+    table = pad_table(pad, [0], changes, ((0, 2), (2, 2), (4, 4)), cut=4)
+    assert table.start.tolist() == [0, 4, 5]
+    assert table.n.tolist() == [4, 1, 3]
+    assert table.pos.tolist() == [0, 4, 5]
+    assert table.cls[1] == 0 and table.cls[2] != 0
+
+
+def test_document_ids_are_made_on_first_read_and_kept() -> None:
+    pad = torch.tensor([[False, False, True, True]])
+    place = RoundRobinLayout().placement(2, 1, 4, pad, CPU)
+    meta = TokenMeta.of(place, 0)
+    assert place._ids == [] and meta._ids == []
+    ids = meta.document_ids
+    assert meta.document_ids is ids and len(place._ids) == 1
+    assert torch.equal(place.document_ids, torch.tensor([[0, 0, -3, -4]]))
+    assert torch.equal(ids, place.stream_document_ids())
+
+
+def test_padded_rows_are_a_private_copy_of_the_callers_mask() -> None:
+    """A caller who reuses the mask's buffer after the shard does not change its documents."""
+    mask = torch.tensor([[False, False, True, True]])
+    place = RoundRobinLayout().placement(2, 1, 4, mask, CPU)
+    mask.fill_(False)
+    assert torch.equal(place.document_ids, torch.tensor([[0, 0, -3, -4]]))
+
+
+def test_padded_rows_and_placement_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="bool padding_mask"):
+        PaddedRows(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="must all be P"):
+        Placement(torch.arange(4).view(2, 2), PaddedRows(torch.zeros(1, 3, dtype=torch.bool)),
+                  RoundRobinLayout().placement(2, 1, 4, None, CPU).coordinates)  # fmt: skip
+    with pytest.raises(ValueError, match="needs its document_ids, or the placement"):
+        TokenMeta(0, 2, torch.arange(4).view(1, 4))
