@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -215,14 +216,18 @@ def test_balanced_matches_token_by_token_reference(seed: int) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_stream_sources_invert_the_input_map(world: int) -> None:
-    """The packed sharder's stream -> caller index map (one scatter) is the inverse of the
-    plan's caller -> stream map, -1 where no caller token fills a slot; dropped caller tokens
-    (row-end pads, stream position -1) fill nothing."""
+    """The packed sharder's stream -> caller index map is the inverse of the plan's caller ->
+    stream map, -1 where no caller token fills a slot; dropped caller tokens (row-end pads,
+    stream position -1) fill nothing: the plan's own (made from its runs) and the scatter of a
+    plan without it alike, rows without documents included."""
     from cpshard.sharding.packed import _stream_sources
 
     rng = random.Random(world)
-    for _ in range(5):
-        rows = [[rng.randint(1, 9) for _ in range(rng.randint(1, 4))] for _ in range(3)]
+    for i in range(12):
+        rows = [[rng.randint(1, 9) for _ in range(rng.randint(0 if i % 3 else 1, 4))]
+                for _ in range(rng.randint(1, 4))]  # fmt: skip
+        if not any(rows) or sum(map(sum, rows)) < world:
+            continue
         seq = max(sum(r) for r in rows) + rng.randint(0, 3)  # row-end pads dropped
         spec = PackSpec.from_seq_lens(rows, seq)
         for plan in (plan_balanced(spec, world), plan_packed(spec, world)):
@@ -231,4 +236,7 @@ def test_stream_sources_invert_the_input_map(world: int) -> None:
                 if p >= 0:
                     want[p] = i
             assert (plan.input_token_stream_positions < 0).any() == any(sum(r) < seq for r in rows)
+            assert plan.stream_input_sources is not None
             assert _stream_sources(plan).tolist() == want
+            scattered = dataclasses.replace(plan, stream_input_sources=None)
+            assert _stream_sources(scattered).tolist() == want

@@ -70,6 +70,10 @@ class PackedPlan:
             token, ``-1`` for dropped row-end pads. Injective on its non-negative entries.
         input_row_shape: ``(B, S)`` of the caller's batch.
         solver_seconds: Wall time spent building the plan (rank map, stream facts, checks).
+        stream_input_sources: LongTensor ``[P]``: the flat caller index (``b * S + s``) of each
+            stream position, ``-1`` where no caller token fills it (the inverse of
+            :attr:`input_token_stream_positions`, made from the same runs), or ``None`` (a plan
+            built without it: the sharder inverts the input map).
     """
 
     layout: str
@@ -81,6 +85,7 @@ class PackedPlan:
     input_token_stream_positions: torch.Tensor
     input_row_shape: tuple[int, int]
     solver_seconds: float = 0.0
+    stream_input_sources: torch.Tensor | None = None
 
     @property
     def local_len(self) -> int:
@@ -189,9 +194,10 @@ def _runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) 
 
 def _stream_facts(
     spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stream doc ids, positions and the input map when document ``d`` occupies
-    ``[start_d, start_d + seg_lens[d])`` of the stream (its ``lens[d]`` real tokens first)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stream doc ids, positions, the input map and its inverse (the caller index of each
+    stream position) when document ``d`` occupies ``[start_d, start_d + seg_lens[d])`` of the
+    stream (its ``lens[d]`` real tokens first)."""
     n_docs = lens.size
     starts = np.cumsum(seg_lens) - seg_lens
     total = int(seg_lens.sum())
@@ -217,10 +223,22 @@ def _stream_facts(
     counts = np.insert(lens, row_ends, row_pad)
     step = np.insert(np.ones(n_docs, dtype=np.int64), row_ends, 0)
     idx = _runs(first, counts, step)
+    # the inverse, in stream order: document d's real tokens come from its caller slots (row by
+    # row, the documents of a row one after the other), its padding and the end pad from none
+    row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(row_ends, prepend=0))
+    row_tokens = spec.row_len - row_pad
+    before_row = np.cumsum(row_tokens) - row_tokens
+    in_row = np.cumsum(lens) - lens - before_row[row_of_doc]
+    src_first = np.full(2 * n_docs + 1, -1, dtype=np.int64)  # padding and the end pad: -1
+    src_first[0:-1:2] = row_of_doc * spec.row_len + in_row
+    src_step = np.zeros(2 * n_docs + 1, dtype=np.int64)
+    src_step[0:-1:2] = 1
+    src = _runs(src_first, cnt, src_step)
     return (
         torch.from_numpy(doc_ids),
         torch.from_numpy(pos),
         torch.from_numpy(idx).view(spec.num_rows, spec.row_len),
+        torch.from_numpy(src),
     )
 
 
@@ -245,7 +263,7 @@ def plan_from_stream(
     check_rank_map(rank_map, padded)
     lens = _doc_lengths(spec)
     seg = lens if doc_padded_lens is None else doc_padded_lens.numpy().astype(np.int64)
-    doc_ids, pos, idx = _stream_facts(spec, lens, seg, padded)
+    doc_ids, pos, idx, src = _stream_facts(spec, lens, seg, padded)
     return PackedPlan(
         layout=layout,
         world_size=int(rank_map.shape[0]),
@@ -256,6 +274,7 @@ def plan_from_stream(
         input_token_stream_positions=idx,
         input_row_shape=(spec.num_rows, spec.row_len),
         solver_seconds=solver_seconds,
+        stream_input_sources=src,
     )
 
 

@@ -99,7 +99,10 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
 
 def _stream_sources(plan: PackedPlan) -> torch.Tensor:
     """LongTensor ``[P]`` (CPU): the flat caller index (``b * S + s``) of each stream slot, ``-1``
-    for a slot no caller token fills (a layout pad). One scatter of the input map per batch."""
+    for a slot no caller token fills (a layout pad): the plan's own (made from its runs), else
+    one scatter of the input map."""
+    if plan.stream_input_sources is not None:
+        return plan.stream_input_sources.cpu()
     pos = plan.input_token_stream_positions.reshape(-1).cpu()
     p = plan.padded_len
     caller = torch.full((p + 1,), -1, dtype=torch.long)
