@@ -62,7 +62,8 @@ def hf_checkpointing_enabled_after_prepare(cp_mesh: DeviceMesh) -> str:
 def copies_keep_batch_identity(cp_mesh: DeviceMesh, copy: str) -> list[str]:
     """Local tensors copied by .clone() / .to() lose the tag but not the batch identity: a
     forgotten ctx() (cp > 1) and a stale ctx raise; the copy under its own ctx() equals the
-    original."""
+    original, also after the local tokens were edited in place before the forward (the record
+    is the local tensor as its forward sees it)."""
     from cpshard.models import TinyDecoder, TinyDecoderConfig
 
     world = cp_mesh.size()
@@ -73,6 +74,7 @@ def copies_keep_batch_identity(cp_mesh: DeviceMesh, copy: str) -> list[str]:
     def dup(t: torch.Tensor) -> torch.Tensor:
         return t.clone() if copy == "clone" else t.to(torch.float64).to(t.dtype)
 
+    local2["input_ids"][..., 0] = (local2["input_ids"][..., 0] + 1) % 64  # edited in place
     ids2, pos2 = dup(local2["input_ids"]), dup(local2["position_ids"])
     with ctx2():
         want = model(local2["input_ids"], local2["position_ids"])

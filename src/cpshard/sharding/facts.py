@@ -201,18 +201,19 @@ def same_shard(tag: object, meta: object) -> bool:
     )
 
 
-def local_record(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], int]]:
-    """``{key: (shape, content hash)}`` of a sharded batch's local ``input_ids`` / ``position_ids``.
+def local_record(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """``{key: (shape, tensor)}`` of a sharded batch's local ``input_ids`` / ``position_ids``.
 
-    One content hash per key (every element; :func:`cpshard.sharding.consistency.content_hash`),
-    computed once per shard; the two hashes share one set of work buffers.
+    The tensors are hashed on first comparison (:func:`matches_record`: a forward given copies
+    of them, or one outside its ctx), not here: a prepare whose forwards get the local tensors
+    themselves (their tag names the shard) hashes nothing, and a local tensor edited in place
+    before its forward is recorded as the forward sees it.
     """
-    out: dict[str, tuple[tuple[int, ...], int]] = {}
-    scratch: dict[Any, torch.Tensor] = {}  # the hash's keys and buffers, shared by the keys
+    out: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
     for key in RECORDED_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            out[key] = (tuple(value.shape), int(content_hash(value, scratch)))
+            out[key] = (tuple(value.shape), value)
     return out
 
 
@@ -234,9 +235,14 @@ def call_record_tensors(
 
 
 def matches_record(
-    record: Mapping[str, tuple[tuple[int, ...], int]], tensors: Mapping[str, torch.Tensor]
+    record: dict[str, tuple[tuple[int, ...], torch.Tensor | int]],
+    tensors: Mapping[str, torch.Tensor],
 ) -> bool | None:
     """Whether call tensors are the shard's (same shape and content for every recorded key).
+
+    A recorded tensor is hashed on its first comparison, and its hash kept in ``record``
+    (:func:`local_record`); one content hash per element of each side
+    (:func:`cpshard.sharding.consistency.content_hash`).
 
     Returns:
         ``None`` when no key is both recorded and given (nothing to compare), else whether
@@ -246,8 +252,13 @@ def matches_record(
     if not common:
         return None
     for key in common:
-        shape, digest = record[key]
+        shape, held = record[key]
         t = tensors[key]
-        if tuple(t.shape) != shape or int(content_hash(t)) != digest:
+        if tuple(t.shape) != shape:
+            return False
+        if isinstance(held, torch.Tensor):
+            held = int(content_hash(held))
+            record[key] = (shape, held)
+        if int(content_hash(t)) != held:
             return False
     return True
