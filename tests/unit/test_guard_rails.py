@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import cpshard
 from cpshard.models import TinyDecoder, TinyDecoderConfig
@@ -522,3 +523,60 @@ def test_fingerprint_of_per_row_seq_lens_sees_every_length_and_the_nesting() -> 
     changed[5][321] += 1
     changed[5][322] -= 1
     assert "seq_lens" in _differs({**base, "seq_lens": many}, {**base, "seq_lens": changed})
+
+
+def test_model_entries_list_parameters_as_named_parameters_then_persistent_buffers() -> None:
+    """The weights fingerprint's one walk lists what ``named_parameters()`` lists (a tied
+    parameter once, at its first name; ``None`` skipped), then the persistent buffers (a shared
+    one once, non-persistent ones left out)."""
+    from cpshard.guards.step import _entries
+
+    class _Block(nn.Module):
+        def __init__(self, shared: nn.Linear) -> None:
+            super().__init__()
+            self.proj = nn.Linear(3, 3)
+            self.shared = shared
+            self.register_parameter("absent", None)
+            self.register_buffer("steps", torch.zeros(2))
+            self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(_Block(shared), _Block(shared), nn.Embedding(5, 3))
+    model[2].weight = model[0].proj.weight  # tied
+    model[1].register_buffer("steps_too", model[0].steps)  # one buffer under two names
+    got = [(name, id(t), is_param) for name, t, is_param in _entries(model)]
+    want = [(f"parameter {n}", id(p), True) for n, p in model.named_parameters()]
+    persistent = {"steps", "steps_too"}
+    seen: set[int] = set()
+    for n, b in model.named_buffers(remove_duplicate=False):
+        if n.rsplit(".", 1)[-1] in persistent and id(b) not in seen:
+            seen.add(id(b))
+            want.append((f"buffer {n}", id(b), False))
+    assert got == want
+
+
+def test_checkpointing_flag_reads_as_getattr_does() -> None:
+    """The guard's read of ``gradient_checkpointing`` (no ``nn.Module.__getattr__`` miss path)
+    answers as ``getattr(module, "gradient_checkpointing", False)``: an instance value, a class
+    value, a wrapper whose own ``__getattr__`` forwards, and absent."""
+    from cpshard.guards.model import _checkpointing_flag
+
+    class _Cls(nn.Module):
+        gradient_checkpointing = False
+
+    class _Forward(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    on = _Cls()
+    on.gradient_checkpointing = True
+    for module in (_Cls(), on, _Forward(on), _Forward(nn.Linear(2, 2)), nn.Linear(2, 2)):
+        want = getattr(module, "gradient_checkpointing", False)
+        assert _checkpointing_flag(module) is want, module

@@ -89,12 +89,12 @@ def test_structure_finds_mixers_without_names(mixer: nn.Module, evidence: str) -
     assert evidence in site.evidence
 
 
-def test_int_attribute_reads_as_getattr_does() -> None:
-    """The detection's int attribute read (no ``nn.Module.__getattr__`` miss path) answers as
+def test_int_attributes_read_as_getattr_does() -> None:
+    """The detection's int attribute reads (no ``nn.Module.__getattr__`` miss path) answer as
     ``getattr(module, name, None)`` kept where an int, for instance and class attributes,
     properties, parameters, submodules, absent names, and a wrapper whose own ``__getattr__``
     forwards."""
-    from cpshard.mixers.detect import _int_attribute, _Tree
+    from cpshard.mixers.detect import _ASKED, _int_attributes, _Tree
 
     class _Cls(nn.Module):
         d_state = 16  # a class attribute
@@ -116,15 +116,18 @@ def test_int_attribute_reads_as_getattr_does() -> None:
 
     plain = _Cls()
     plain.ssm_state_size = 8
-    plain.conv_weight = nn.Parameter(torch.ones(2))
+    plain.conv_kernel_size = nn.Parameter(torch.ones(2))
     plain.time_step_rank = nn.Linear(2, 2)
+    plain.compress_rate = True  # a bool is an int
     wrapped = _Forward(plain)
+    tree = _Tree()
     for module in (plain, wrapped, nn.Linear(2, 2)):
-        for name in ("d_state", "d_conv", "ssm_state_size", "conv_weight", "time_step_rank",
-                     "L_cache", "weight", "inner", "training"):  # fmt: skip
+        got = _int_attributes(module, tree)
+        for name in _ASKED:
             value = getattr(module, name, None)
             want = value if isinstance(value, int) else None
-            assert _int_attribute(module, name, _Tree()) == want, (module, name)
+            assert got.get(name) == want, (module, name)
+        assert set(got) <= set(_ASKED)
     assert find_token_mixers(_Model(None, wrapped))[0].evidence.startswith("a recurrent-state")
 
 

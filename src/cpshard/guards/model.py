@@ -293,6 +293,20 @@ def _omits_position_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     return "position_ids" in sig.parameters and bound.arguments.get("position_ids") is None
 
 
+def _checkpointing_flag(module: nn.Module) -> object:
+    """``getattr(module, "gradient_checkpointing", False)`` without the miss path of
+    ``nn.Module.__getattr__`` (a raised and caught ``AttributeError`` for each of the hundreds
+    of modules without the flag, on every prepare): the instance's own value, else ``getattr``
+    only where the class can answer (a class attribute, or a ``__getattr__`` of its own)."""
+    own = module.__dict__
+    if "gradient_checkpointing" in own:
+        return own["gradient_checkpointing"]
+    cls = type(module)
+    if hasattr(cls, "gradient_checkpointing") or cls.__getattr__ is not nn.Module.__getattr__:
+        return getattr(module, "gradient_checkpointing", False)
+    return False
+
+
 def check_gradient_checkpointing(model: nn.Module) -> None:
     """Raise unless HF gradient checkpointing (if enabled) recomputes under the CP context.
 
@@ -301,7 +315,7 @@ def check_gradient_checkpointing(model: nn.Module) -> None:
             ``context_fn=cpshard.attention.checkpoint_context_fn``.
     """
     for name, module in model.named_modules():
-        if getattr(module, "gradient_checkpointing", False) is not True or not module.training:
+        if _checkpointing_flag(module) is not True or not module.training:
             continue  # HF checkpoints only in training mode (eval / log-prob passes are fine)
         func = _compat.gradient_checkpointing_func(module)
         if func is None:

@@ -392,22 +392,28 @@ class ModelFingerprint:
 
 
 def _entries(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
-    """``(name, tensor, is a parameter)`` of every parameter, then every persistent buffer."""
-    out: list[tuple[str, torch.Tensor, bool]] = [
-        (f"parameter {n}", p, True) for n, p in model.named_parameters()
-    ]
-    seen: set[int] = set()
+    """``(name, tensor, is a parameter)`` of every parameter (as ``named_parameters()`` lists
+    them), then every persistent buffer; one walk of the module tree for both."""
+    params: list[tuple[str, torch.Tensor, bool]] = []
+    buffers: list[tuple[str, torch.Tensor, bool]] = []
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
     for prefix, module in model.named_modules():
+        dot = prefix + "." if prefix else ""
+        for name, p in _compat.own_parameters(module):
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                params.append((f"parameter {dot}{name}", p, True))
         own = _compat.own_buffers(module)
         if not own:
             continue
         transient = _compat.non_persistent_buffers(module)
         for name, buf in own:
-            if name in transient or id(buf) in seen:
+            if name in transient or id(buf) in seen_buffers:
                 continue
-            seen.add(id(buf))
-            out.append((f"buffer {prefix + '.' if prefix else ''}{name}", buf, False))
-    return out
+            seen_buffers.add(id(buf))
+            buffers.append((f"buffer {dot}{name}", buf, False))
+    return params + buffers
 
 
 def _shard_key(t: torch.Tensor) -> int:

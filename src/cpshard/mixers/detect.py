@@ -59,6 +59,8 @@ _STATE_ATTRS = (
 # Attributes of a module that pools each window of consecutive tokens into one entry (DeepSeek-V4's
 # KV compressors): its windows follow the global sequence, not a rank's shard.
 _COMPRESS_ATTRS = ("compress_rate",)
+_ASKED = _STATE_ATTRS + _COMPRESS_ATTRS  # the int attributes the detection reads
+_ASKED_SET = frozenset(_ASKED)
 # Class-name roles, only read inside decoder layers and only as supporting evidence.
 _MIXER_NAME = re.compile(
     r"mamba|ssm|mixer|delta|recurren|rwkv|lstm|shortconv|retention|lightning|linearattention|"
@@ -171,7 +173,7 @@ class _Tree:
 
     def __init__(self) -> None:
         self._members: dict[int, tuple[list[tuple[str, nn.Module]], list[str], list[str]]] = {}
-        self._asks: dict[tuple[type, str], bool] = {}
+        self._asks: dict[type, frozenset[str]] = {}
 
     def members(
         self, module: nn.Module
@@ -183,15 +185,16 @@ class _Tree:
             self._members[id(module)] = got
         return got
 
-    def asks(self, cls: type, name: str) -> bool:
-        """Whether ``getattr`` can find ``name`` on an instance of ``cls`` beyond the instance's
-        ``__dict__``: a class attribute, or a ``__getattr__`` other than ``nn.Module``'s (which
-        finds only parameters, buffers and submodules: never an int)."""
-        key = (cls, name)
-        got = self._asks.get(key)
+    def asked(self, cls: type) -> frozenset[str]:
+        """The names of :data:`_ASKED` that ``getattr`` can find on an instance of ``cls``
+        beyond the instance's ``__dict__``: class attributes, or all of them where ``cls`` has
+        a ``__getattr__`` other than ``nn.Module``'s (which finds only parameters, buffers and
+        submodules: never an int)."""
+        got = self._asks.get(cls)
         if got is None:
-            got = hasattr(cls, name) or getattr(cls, "__getattr__", None) is not _MODULE_GETATTR
-            self._asks[key] = got
+            forwards = getattr(cls, "__getattr__", None) is not _MODULE_GETATTR
+            got = frozenset(n for n in _ASKED if forwards or hasattr(cls, n))
+            self._asks[cls] = got
         return got
 
     def walk(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -221,30 +224,36 @@ def _structural_evidence(module: nn.Module, tree: _Tree) -> str | None:
     for n in params + buffers:
         if _STATE_PARAM.match(n):
             return f"a recurrence / state-space parameter ({n})"
+    ints = _int_attributes(module, tree)
+    if not ints:
+        return None
     for attr in _STATE_ATTRS:
-        if _int_attribute(module, attr, tree) is not None:
+        if attr in ints:
             return f"a recurrent-state attribute ({attr})"
     for attr in _COMPRESS_ATTRS:
-        rate = _int_attribute(module, attr, tree)
+        rate = ints.get(attr)
         if isinstance(rate, int) and not isinstance(rate, bool) and rate > 1:
             return f"a token compressor pooling windows of {rate} consecutive tokens ({attr})"
     return None
 
 
-def _int_attribute(module: nn.Module, name: str, tree: _Tree) -> int | None:
-    """``getattr(module, name, None)`` where that is an ``int`` (``bool`` included), else
-    ``None``; without the miss path of ``nn.Module.__getattr__`` (a raised and caught
-    ``AttributeError``, ~2 us; the detection asks ~9 absent names of every module on every
-    prepare): an instance attribute, else ``getattr`` only where the class can answer
-    (:meth:`_Tree.asks`: a class attribute or property, or a forwarding ``__getattr__``)."""
+def _int_attributes(module: nn.Module, tree: _Tree) -> dict[str, int]:
+    """``{name: getattr(module, name)}`` for the names of :data:`_ASKED` whose value is an
+    ``int`` (``bool`` included); without the miss path of ``nn.Module.__getattr__`` (a raised
+    and caught ``AttributeError``, ~2 us; the detection asks ~9 absent names of every module on
+    every prepare): an instance attribute, else ``getattr`` only where the class can answer
+    (:meth:`_Tree.asked`: a class attribute or property, or a forwarding ``__getattr__``). Most
+    modules have none of the names: one set intersection answers for them."""
     own = module.__dict__
-    if name in own:
-        value = own[name]
-    elif tree.asks(type(module), name):
-        value = getattr(module, name, None)
-    else:
-        return None
-    return value if isinstance(value, int) else None
+    names = _ASKED_SET.intersection(own.keys()) | tree.asked(type(module))
+    if not names:
+        return {}
+    out: dict[str, int] = {}
+    for name in names:
+        value = own[name] if name in own else getattr(module, name, None)
+        if isinstance(value, int):
+            out[name] = value
+    return out
 
 
 def _deep_evidence(module: nn.Module, tree: _Tree) -> str | None:
