@@ -309,3 +309,22 @@ def test_recomputed_gradient_is_the_one_of_the_forward_it_replaces(autocast: boo
         grads.append(torch.autograd.grad(out, (x, w), up.to(out.dtype)))
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_detections_subtree_walks_are_named_modules(share: bool) -> None:
+    """After the model's walk, the modules under any of its modules are those of that
+    module's own ``named_modules()``, in order (slices of the model's walk, or, with a
+    submodule shared by two parents, walks of their own)."""
+    from cpshard.mixers.detect import _Tree
+
+    inner = nn.Linear(2, 2)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), inner if share else nn.Tanh()))
+        for _ in range(3)
+    )
+    model = nn.Sequential(nn.Embedding(4, 2), layers, nn.Sequential(inner, nn.Linear(2, 2)))
+    tree = _Tree()
+    assert [n for n, _ in tree.walk(model)] == [n for n, _ in model.named_modules()]
+    for module in model.modules():
+        assert tree.modules(module) == [m for _, m in module.named_modules()]

@@ -174,6 +174,10 @@ class _Tree:
     def __init__(self) -> None:
         self._members: dict[int, tuple[list[tuple[str, nn.Module]], list[str], list[str]]] = {}
         self._asks: dict[type, frozenset[str]] = {}
+        # the first full walk, and each of its modules' subtree as a slice of it (where no
+        # module is reached twice: then a subtree's walk is that slice)
+        self._walked: list[tuple[str, nn.Module]] = []
+        self._spans: dict[int, tuple[int, int]] = {}
 
     def members(
         self, module: nn.Module
@@ -198,19 +202,42 @@ class _Tree:
         return got
 
     def walk(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
-        """``list(root.named_modules())``: pre-order, each module once (at its first name)."""
+        """``list(root.named_modules())``: pre-order, each module once (at its first name).
+
+        The first walk also records each module's subtree as a slice of its list, where no
+        module is reached twice (:meth:`modules` then slices instead of walking again)."""
         out: list[tuple[str, nn.Module]] = []
         memo: set[int] = set()
-        stack: list[tuple[str, nn.Module]] = [("", root)]
+        first = not self._walked
+        spans: dict[int, tuple[int, int]] = {}
+        shared = False
+        stack: list[tuple[str, nn.Module, bool]] = [("", root, False)]
         while stack:
-            name, module = stack.pop()
+            name, module, leaving = stack.pop()
+            if leaving:  # every module under it is listed: its subtree ends here
+                spans[id(module)] = (spans[id(module)][0], len(out))
+                continue
             if id(module) in memo:
+                shared = True
                 continue
             memo.add(id(module))
+            spans[id(module)] = (len(out), -1)
             out.append((name, module))
+            stack.append((name, module, True))
             for child_name, child in reversed(self.members(module)[0]):
-                stack.append((f"{name}.{child_name}" if name else child_name, child))
+                stack.append((f"{name}.{child_name}" if name else child_name, child, False))
+        if first:
+            self._walked = out
+            self._spans = {} if shared else spans
         return out
+
+    def modules(self, root: nn.Module) -> list[nn.Module]:
+        """The modules of :meth:`walk` of ``root`` (without their names): a slice of the first
+        walk where ``root`` is in it and no module is shared, else a walk of its own."""
+        span = self._spans.get(id(root))
+        if span is None:
+            return [m for _, m in self.walk(root)]
+        return [m for _, m in self._walked[span[0] : span[1]]]
 
 
 def _structural_evidence(module: nn.Module, tree: _Tree) -> str | None:
@@ -257,9 +284,10 @@ def _int_attributes(module: nn.Module, tree: _Tree) -> dict[str, int]:
 
 
 def _deep_evidence(module: nn.Module, tree: _Tree) -> str | None:
-    for sub_name, sub in tree.walk(module):
+    for sub in tree.modules(module):
         found = _structural_evidence(sub, tree)
-        if found is not None:
+        if found is not None:  # named as the walk of this module names it
+            sub_name = next(n for n, m in tree.walk(module) if m is sub)
             where = f"{sub_name}: " if sub_name else ""
             return where + found
     return None
@@ -269,7 +297,7 @@ def _provably_positionwise(module: nn.Module, tree: _Tree) -> bool:
     """A tree of position-wise leaves, or a block whose role (MLP, MoE, norm) is position-wise."""
     if _POSITIONWISE_NAME.search(type(module).__name__):
         return True
-    leaves = [m for _, m in tree.walk(module) if not tree.members(m)[0]]
+    leaves = [m for m in tree.modules(module) if not tree.members(m)[0]]
     return bool(leaves) and all(
         isinstance(m, _POSITIONWISE_LEAVES) or _POSITIONWISE_NAME.search(type(m).__name__)
         for m in leaves
@@ -311,7 +339,7 @@ def find_token_mixers(model: nn.Module) -> tuple[MixerSite, ...]:
         prefix, layers = found
         kinds = layer_kinds(getattr(model, "config", None), len(layers))
         for i, layer in enumerate(layers):
-            inside.update(id(m) for _, m in tree.walk(layer))
+            inside.update(id(m) for m in tree.modules(layer))
             kind = kinds[i] if kinds is not None else None
             name = f"{prefix}.{i}" if prefix else str(i)
             layer_sites = list(_layer_sites(name, layer, kind, tree))
