@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import cpshard
+from _wrappers import Forwarding
 from cpshard.models import TinyDecoder, TinyDecoderConfig
 from cpshard.sharding.consistency import FIELDS, batch_fingerprint, mismatch_message
 
@@ -564,19 +565,8 @@ def test_checkpointing_flag_reads_as_getattr_does() -> None:
     class _Cls(nn.Module):
         gradient_checkpointing = False
 
-    class _Forward(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def __getattr__(self, name: str) -> object:
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self.inner, name)
-
     on = _Cls()
     on.gradient_checkpointing = True
-    for module in (_Cls(), on, _Forward(on), _Forward(nn.Linear(2, 2)), nn.Linear(2, 2)):
+    for module in (_Cls(), on, Forwarding(on), Forwarding(nn.Linear(2, 2)), nn.Linear(2, 2)):
         want = getattr(module, "gradient_checkpointing", False)
         assert _checkpointing_flag(module) is want, module

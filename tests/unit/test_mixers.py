@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from _wrappers import Forwarding
 from cpshard.mixers import CPMixerWarning, check_token_mixers, find_token_mixers
 from cpshard.mixers.generic import gather_segments, local_rows
 from cpshard.mixers.segments import segment_plan
@@ -103,23 +104,12 @@ def test_int_attributes_read_as_getattr_does() -> None:
         def d_conv(self) -> int:
             return 4
 
-    class _Forward(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def __getattr__(self, name: str) -> object:
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self.inner, name)
-
     plain = _Cls()
     plain.ssm_state_size = 8
     plain.conv_kernel_size = nn.Parameter(torch.ones(2))
     plain.time_step_rank = nn.Linear(2, 2)
     plain.compress_rate = True  # a bool is an int
-    wrapped = _Forward(plain)
+    wrapped = Forwarding(plain)
     tree = _Tree()
     for module in (plain, wrapped, nn.Linear(2, 2)):
         got = _int_attributes(module, tree)
