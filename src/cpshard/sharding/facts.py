@@ -207,13 +207,15 @@ def local_record(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], t
     The tensors are hashed on first comparison (:func:`matches_record`: a forward given copies
     of them, or one outside its ctx), not here: a prepare whose forwards get the local tensors
     themselves (their tag names the shard) hashes nothing, and a local tensor edited in place
-    before its forward is recorded as the forward sees it.
+    before its forward is recorded as the forward sees it. The record holds a view of each (the
+    same storage, a tensor object of its own): not the tagged tensor, which refers to the meta
+    that holds the record.
     """
     out: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
     for key in RECORDED_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            out[key] = (tuple(value.shape), value)
+            out[key] = (tuple(value.shape), value.detach())
     return out
 
 
