@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from cpshard.attention.pad_runs import pad_table, row_groups_by_pads
+from cpshard.attention.pad_runs import blocked_runs, pad_table, rank_map_runs, row_groups_by_pads
 from cpshard.attention.plan import HostRows, host_rows
 from cpshard.attention.selective_plan import selective_plan
+from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.closed_form import ContiguousLayout, NoneLayout, RoundRobinLayout
-from cpshard.layouts.placement import PaddedRows, Placement
+from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.packed import plan_packed
+from cpshard.layouts.placement import DocumentRuns, PaddedRows, Placement, pad_document_ids
 from cpshard.sharding.meta import TokenMeta
 
 CPU = torch.device("cpu")
@@ -80,7 +83,7 @@ def test_host_rows_from_pads_equal_the_token_pass(kind: str) -> None:
     rng = np.random.default_rng(PADS.index(kind))
     for _ in range(60):
         place = _placement(rng, kind)
-        assert place.padded_rows is not None
+        assert isinstance(place.documents, PaddedRows)
         for rank in range(place.world_size):
             meta = TokenMeta.of(place, rank)
             got = host_rows(meta)
@@ -119,7 +122,7 @@ def test_pad_table_joins_runs_that_continue_across_stream_runs() -> None:
     pad[0, 5:] = True
     groups, changes = row_groups_by_pads(pad)
     assert groups == [[0]] and changes[0].tolist() == [5]
-    table = pad_table(pad, [0], changes, ((0, 2), (2, 2), (4, 4)), cut=4)
+    table = pad_table(pad, [0], changes, blocked_runs(((0, 2), (2, 2), (4, 4)), 4), cut=4)
     assert table.start.tolist() == [0, 4, 5]
     assert table.n.tolist() == [4, 1, 3]
     assert table.pos.tolist() == [0, 4, 5]
@@ -153,3 +156,62 @@ def test_padded_rows_and_placement_shapes_are_checked() -> None:
                   RoundRobinLayout().placement(2, 1, 4, None, CPU).coordinates)  # fmt: skip
     with pytest.raises(ValueError, match="needs its document_ids, or the placement"):
         TokenMeta(0, 2, torch.arange(4).view(1, 4))
+
+
+def _packed_placements(rng: np.random.Generator) -> list[Placement]:
+    """Placements of a random packed batch (1-4 rows, documents of 1-9 tokens, rows without
+    documents, row-end pads) under the balanced and packed plans, world 1-4."""
+    rows = [[int(x) for x in rng.integers(1, 10, size=int(rng.integers(0, 5)))]
+            for _ in range(int(rng.integers(1, 5)))]  # fmt: skip
+    if not any(rows):
+        rows[0] = [3]
+    world = int(rng.integers(1, min(4, sum(map(sum, rows))) + 1))
+    seq = max(sum(r) for r in rows) + int(rng.integers(0, 3))
+    spec = PackSpec.from_seq_lens(rows, seq)
+    return [plan.placement(CPU) for plan in (plan_balanced(spec, world), plan_packed(spec, world))]
+
+
+def test_packed_documents_as_runs_equal_the_token_pass() -> None:
+    """A packed plan's placement describes its documents as runs; the host rows (the stream's
+    runs from one pass over the rank map) and the selective plans equal the token pass over
+    the ids, which stay unmade; the ids, once made, equal the plan's."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        for place in _packed_placements(rng):
+            assert isinstance(place.documents, DocumentRuns)
+            for rank in range(place.world_size):
+                meta = TokenMeta.of(place, rank)
+                _same(host_rows(meta), _token_host(place, rank))
+                by_tokens = TokenMeta(
+                    rank, place.world_size, place.stream_positions(), place.stream_document_ids()
+                )
+                for window in (None, 2):
+                    got = selective_plan(meta, True, window, CPU)
+                    want = selective_plan(by_tokens, True, window, CPU)
+                    assert torch.equal(got.send_index, want.send_index)
+                    np.testing.assert_array_equal(got.recv_slots, want.recv_slots)
+                    assert got.remote.computed == want.remote.computed
+
+
+def test_document_runs_make_the_plans_ids() -> None:
+    rng = np.random.default_rng(12)
+    for _ in range(20):
+        rows = [[int(x) for x in rng.integers(1, 8, size=int(rng.integers(1, 4)))]
+                for _ in range(3)]  # fmt: skip
+        spec = PackSpec.from_seq_lens(rows, max(map(sum, rows)) + 2)
+        plan = plan_balanced(spec, 2)
+        want = pad_document_ids(plan.stream_document_ids[None], plan.stream_padding_mask[None])
+        assert torch.equal(plan.placement(CPU).document_ids, want)
+        assert torch.equal(plan.placement(CPU, plan.stream_padding_mask).document_ids, want)
+
+
+def test_rank_map_runs_cut_at_the_rank_blocks() -> None:
+    slot, pos = rank_map_runs(np.array([0, 1, 2, 3, 8, 9, 4, 5, 6, 7], dtype=np.int64), 5)
+    assert slot.tolist() == [0, 4, 5, 6] and pos.tolist() == [0, 8, 9, 4]
+
+
+def test_document_runs_are_checked() -> None:
+    with pytest.raises(ValueError, match="strictly increasing"):
+        DocumentRuns(torch.tensor([0, 3, 3]), torch.tensor([0, 1, -1]), 6, CPU)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        DocumentRuns(torch.tensor([1]), torch.tensor([0]), 6, CPU)

@@ -1,26 +1,37 @@
-"""The attention plan's run table of a placement given by its pads, without a per-token pass.
+"""The attention plan's run table of a placement that describes its documents, without a
+per-token pass.
 
 A closed-form placement (``contiguous``, ``round_robin``, ``none``) knows its stream as a few
 contiguous runs of positions (:attr:`~cpshard.layouts.placement.Placement.stream_runs`) and its
 documents by their pads alone (:class:`~cpshard.layouts.placement.PaddedRows`: each row's real
-tokens are one document, every pad its own). The runs the plan needs (maximal stretches of one
-document, or of pads, with consecutive positions, cut at the rank blocks) are then the stream
-runs cut where a row's pad state changes: found from those changes (one pass over the ``[B, P]``
-bools) instead of from the ``[B, P]`` int64 ids in stream order (two fresh 2 MB tensors and a
-pass over them at ``[8, 32768]``). :func:`pad_table` returns the same row groups and the same
-table as the token pass of :func:`cpshard.attention.plan.host_rows` (tests compare them).
+tokens are one document, every pad its own); a packed plan knows its documents as runs of
+positions (:class:`~cpshard.layouts.placement.DocumentRuns`), and its stream's runs are found in
+one pass over the rank map. The runs the plan needs (maximal stretches of one document, or of
+pads, with consecutive positions, cut at the rank blocks) are then the stream runs cut where a
+row's class changes (:func:`piece_table`), instead of a pass over the ``[B, P]`` int64 ids in
+stream order (two fresh 2 MB tensors at ``[8, 32768]``). The tables and row groups are those of
+the token pass of :func:`cpshard.attention.plan.host_rows` (tests compare them).
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
 from cpshard.attention.pieces import PAD_CLASS, RunTable, join_runs
 
-__all__ = ["pad_table", "row_groups_by_pads"]
+__all__ = [
+    "blocked_runs",
+    "pad_table",
+    "piece_table",
+    "rank_map_runs",
+    "row_groups_by_pads",
+    "runs_table",
+]
 
 _I64 = npt.NDArray[np.int64]
 
@@ -59,9 +70,10 @@ def row_groups_by_pads(pad: npt.NDArray[np.bool_]) -> tuple[list[list[int]], lis
     return groups, changes
 
 
-def _blocked_runs(runs: tuple[tuple[int, int], ...], cut: int) -> tuple[_I64, _I64]:
-    """``(slot, pos)``: the first slot and position of every stream run, each run cut at the
-    multiples of ``cut`` slots."""
+def blocked_runs(runs: tuple[tuple[int, int], ...], cut: int) -> tuple[_I64, _I64]:
+    """``(slot, pos)``: the first slot and position of every stream run given as
+    ``(start position, length)`` in stream order, each run cut at the multiples of ``cut``
+    slots (a closed-form layout's few runs)."""
     slot, pos = [], []
     seen = 0
     for start, length in runs:
@@ -76,35 +88,44 @@ def _blocked_runs(runs: tuple[tuple[int, int], ...], cut: int) -> tuple[_I64, _I
     return np.array(slot, dtype=np.int64), np.array(pos, dtype=np.int64)
 
 
-def pad_table(
-    pad: npt.NDArray[np.bool_],
-    firsts: list[int],
+def rank_map_runs(stream: _I64, cut: int) -> tuple[_I64, _I64]:
+    """``(slot, pos)`` of the runs of consecutive positions of a flattened rank map, cut at the
+    multiples of ``cut`` slots (one pass over its ``P`` positions)."""
+    brk = np.empty(stream.size, dtype=bool)
+    brk[0] = True
+    np.not_equal(stream[1:], stream[:-1] + 1, out=brk[1:])
+    brk[::cut] = True
+    slot = np.flatnonzero(brk)
+    return slot, stream[slot]
+
+
+def piece_table(
     changes: list[_I64],
-    runs: tuple[tuple[int, int], ...],
+    cls_at: Callable[[_I64, _I64], _I64],
+    runs: tuple[_I64, _I64],
+    width: int,
     cut: int,
 ) -> RunTable:
     """The run table of the row groups' streams (slots numbered ``g * W + i``), pads merged.
 
     Args:
-        pad: ``[R, W]`` bools in global position order, ``True`` = pad.
-        firsts: The first row of every group.
-        changes: Per group, the positions where its pad state changes
-            (:func:`row_groups_by_pads`).
-        runs: The stream as ``(start position, length)`` runs in stream order (they tile
-            ``0..W-1``).
+        changes: Per row group, the positions (``1..W-1``) where its class may change.
+        cls_at: ``(groups, positions) -> classes`` of pieces that start there (``0`` or a
+            document id for real tokens, :data:`~cpshard.attention.pieces.PAD_CLASS` for pads).
+        runs: ``(slot, pos)`` of the stream's runs of consecutive positions (they tile
+            ``0..W-1``, none crossing a multiple of ``cut`` slots).
+        width: ``W``, slots per row group.
         cut: Runs never cross a multiple of ``cut`` slots (the local length ``L``).
 
     Returns:
         The table ``run_table(pos, doc, True, breaks=cut)`` finds from the groups' positions and
-        document ids in stream order (class ``0`` for real tokens, :data:`~cpshard.attention.
-        pieces.PAD_CLASS` for pads).
+        document ids in stream order.
     """
-    width = pad.shape[1]
-    r_slot, r_pos = _blocked_runs(runs, cut)
+    r_slot, r_pos = runs
     by_pos = np.argsort(r_pos, kind="stable")
     s_pos, s_slot = r_pos[by_pos], r_slot[by_pos]
-    n_groups = len(firsts)
-    # every group's cut points in position order: its pad changes and the runs' starts
+    n_groups = len(changes)
+    # every group's cut points in position order: its class changes and the runs' starts
     stride = width + 1
     keys = np.unique(np.concatenate([
         *(g * stride + c for g, c in enumerate(changes)),
@@ -116,9 +137,47 @@ def pad_table(
     end[:-1][grp[1:] != grp[:-1]] = width  # a group's last piece ends at W
     j = np.searchsorted(s_pos, p0, side="right") - 1
     slot = s_slot[j] + p0 - s_pos[j]
-    is_pad = pad[np.asarray(firsts, dtype=np.int64)[grp], p0]
+    cls = cls_at(grp, p0)
     order = np.lexsort((slot, grp))
-    grp, slot, p0, n, is_pad = grp[order], slot[order], p0[order], (end - p0)[order], is_pad[order]
-    cls = np.where(is_pad, PAD_CLASS, 0).astype(np.int64)
-    table = RunTable(grp * width + slot, n, p0, cls, grp)
+    grp, slot, p0, n, cls = grp[order], slot[order], p0[order], (end - p0)[order], cls[order]
+    table = RunTable(grp * width + slot, n, p0, cls.astype(np.int64, copy=False), grp)
     return join_runs(table, width, cut)
+
+
+def pad_table(
+    pad: npt.NDArray[np.bool_],
+    firsts: list[int],
+    changes: list[_I64],
+    runs: tuple[_I64, _I64],
+    cut: int,
+) -> RunTable:
+    """:func:`piece_table` of rows given by their pads (class ``0`` for real tokens).
+
+    Args:
+        pad: ``[R, W]`` bools in global position order, ``True`` = pad.
+        firsts: The first row of every group.
+        changes: Per group, the positions where its pad state changes
+            (:func:`row_groups_by_pads`).
+        runs: ``(slot, pos)`` of the stream's runs (:func:`blocked_runs`, :func:`rank_map_runs`).
+        cut: The local length ``L``.
+    """
+    rows = np.asarray(firsts, dtype=np.int64)
+
+    def cls_at(grp: _I64, pos: _I64) -> _I64:
+        out: _I64 = np.where(pad[rows[grp], pos], PAD_CLASS, 0)
+        return out
+
+    return piece_table(changes, cls_at, runs, pad.shape[1], cut)
+
+
+def runs_table(starts: _I64, ids: _I64, runs: tuple[_I64, _I64], width: int, cut: int) -> RunTable:
+    """:func:`piece_table` of one row given by its document runs (run ``k`` from ``starts[k]``,
+    document ``ids[k]``, pads where negative: :class:`~cpshard.layouts.placement.DocumentRuns`).
+    """
+    cls_of_run = np.where(ids < 0, PAD_CLASS, ids)
+
+    def cls_at(grp: _I64, pos: _I64) -> _I64:
+        out: _I64 = cls_of_run[np.searchsorted(starts, pos, side="right") - 1]
+        return out
+
+    return piece_table([starts[1:]], cls_at, runs, width, cut)

@@ -45,7 +45,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard.attention.pad_runs import pad_table, row_groups_by_pads
+from cpshard.attention.pad_runs import (
+    blocked_runs,
+    pad_table,
+    rank_map_runs,
+    row_groups_by_pads,
+    runs_table,
+)
 from cpshard.attention.pieces import (
     PAD_CLASS,
     SMALL_PAIRS,
@@ -59,7 +65,7 @@ from cpshard.attention.pieces import (
     run_table,
     tasks_by_key,
 )
-from cpshard.sharding.meta import TokenMeta
+from cpshard.sharding.meta import PaddedRows, TokenMeta
 
 __all__ = [
     "SMALL_PAIRS",
@@ -234,18 +240,28 @@ def host_rows(meta: TokenMeta) -> HostRows:
 
 
 def _host_by_pads(meta: TokenMeta) -> HostRows | None:
-    """:class:`HostRows` of a meta whose placement gives its documents by their pads and its
-    stream by runs (the closed-form layouts): groups and table from the pads' changes
+    """:class:`HostRows` of a meta whose placement describes its documents (by their pads, or as
+    runs): groups and table from the pads' changes or the document runs and the stream's runs
     (:mod:`.pad_runs`), the document ids made only if read; ``None`` for any other meta."""
-    rows = meta.padded_rows
+    docs = meta.documents
     place = meta.placement
-    if rows is None or place is None or place.stream_runs is None or meta.local_len <= 0:
+    cut = meta.local_len
+    if docs is None or place is None or cut <= 0:
         return None
-    pad = rows.padding_mask.detach().cpu().numpy()
-    groups, changes = row_groups_by_pads(pad)
-    firsts = [g[0] for g in groups]
-    table = pad_table(pad, firsts, changes, place.stream_runs, meta.local_len)
-    width = pad.shape[1]
+    if place.stream_runs is not None:
+        runs = blocked_runs(place.stream_runs, cut)
+    else:
+        runs = rank_map_runs(place.rank_map.reshape(-1).cpu().numpy().astype(np.int64), cut)
+    width = place.padded_len
+    if isinstance(docs, PaddedRows):
+        pad = docs.padding_mask.detach().cpu().numpy()
+        groups, changes = row_groups_by_pads(pad)
+        firsts = [g[0] for g in groups]
+        table = pad_table(pad, firsts, changes, runs, cut)
+    else:
+        groups, firsts = [[0]], [0]
+        starts, ids = docs.starts.numpy(), docs.ids.numpy()
+        table = runs_table(starts, ids, runs, width, cut)
     stream = meta.positions[:1].detach().cpu().numpy().astype(np.int64, copy=False)
     pos = np.broadcast_to(stream, (len(firsts), width))
 
@@ -255,7 +271,7 @@ def _host_by_pads(meta: TokenMeta) -> HostRows | None:
 
     weights = np.array([len(g) for g in groups], dtype=np.int64)
     grouped = None if len(groups) == 1 else groups
-    return HostRows(pos, doc, grouped, weights, True, table, meta.local_len)
+    return HostRows(pos, doc, grouped, weights, True, table, cut)
 
 
 def _host_by_tokens(pos: np.ndarray, doc: np.ndarray, same: bool, same_pos: bool) -> HostRows:

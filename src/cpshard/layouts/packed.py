@@ -40,7 +40,7 @@ from cpshard.layouts.coordinates import (
 )
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.index import check_rank_map
-from cpshard.layouts.placement import Placement, pad_document_ids
+from cpshard.layouts.placement import DocumentRuns, Placement, pad_document_ids
 
 __all__ = [
     "PackedPlan",
@@ -74,6 +74,10 @@ class PackedPlan:
             stream position, ``-1`` where no caller token fills it (the inverse of
             :attr:`input_token_stream_positions`, made from the same runs), or ``None`` (a plan
             built without it: the sharder inverts the input map).
+        document_runs: ``(starts, ids)``, LongTensors ``[K]``: the stream's documents as runs
+            (run ``k`` from position ``starts[k]``, document ``ids[k]``, ``-1`` for pads), or
+            ``None``: :meth:`placement` then describes the documents by them
+            (:class:`~cpshard.layouts.placement.DocumentRuns`) instead of ``P`` int64 ids.
     """
 
     layout: str
@@ -86,6 +90,7 @@ class PackedPlan:
     input_row_shape: tuple[int, int]
     solver_seconds: float = 0.0
     stream_input_sources: torch.Tensor | None = None
+    document_runs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def local_len(self) -> int:
@@ -130,10 +135,16 @@ class PackedPlan:
             device: Device of the maps.
             stream_padding: BoolTensor ``[P]`` on ``device`` (global order), ``True`` = pad:
                 the plan's pads plus the caller's own pads inside documents; default the
-                plan's pads (:attr:`stream_padding_mask`).
+                plan's pads (:attr:`stream_padding_mask`; the documents are then described by
+                the plan's :attr:`document_runs` where it has them, their ids made if read).
         """
-        pad = self.stream_padding_mask.to(device) if stream_padding is None else stream_padding
-        docs = pad_document_ids(self.stream_document_ids.to(device)[None], pad[None])
+        docs: torch.Tensor | DocumentRuns
+        if stream_padding is None and self.document_runs is not None:
+            starts, ids = self.document_runs
+            docs = DocumentRuns(starts, ids, self.padded_len, device)
+        else:
+            pad = self.stream_padding_mask.to(device) if stream_padding is None else stream_padding
+            docs = pad_document_ids(self.stream_document_ids.to(device)[None], pad[None])
         coordinates = CallerCoordinates(
             None,
             self.padded_len,
@@ -194,10 +205,13 @@ def _runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) 
 
 def _stream_facts(
     spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stream doc ids, positions, the input map and its inverse (the caller index of each
-    stream position) when document ``d`` occupies ``[start_d, start_d + seg_lens[d])`` of the
-    stream (its ``lens[d]`` real tokens first)."""
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]
+]:
+    """Stream doc ids, positions, the input map, its inverse (the caller index of each stream
+    position) and the documents as runs (first position and id of each) when document ``d``
+    occupies ``[start_d, start_d + seg_lens[d])`` of the stream (its ``lens[d]`` real tokens
+    first)."""
     n_docs = lens.size
     starts = np.cumsum(seg_lens) - seg_lens
     total = int(seg_lens.sum())
@@ -234,11 +248,14 @@ def _stream_facts(
     src_step = np.zeros(2 * n_docs + 1, dtype=np.int64)
     src_step[0:-1:2] = 1
     src = _runs(src_first, cnt, src_step)
+    kept = cnt > 0  # the documents as runs: (first position, id) of every non-empty run
+    run_starts = (np.cumsum(cnt) - cnt)[kept]
     return (
         torch.from_numpy(doc_ids),
         torch.from_numpy(pos),
         torch.from_numpy(idx).view(spec.num_rows, spec.row_len),
         torch.from_numpy(src),
+        (torch.from_numpy(run_starts), torch.from_numpy(ids[kept])),
     )
 
 
@@ -263,7 +280,7 @@ def plan_from_stream(
     check_rank_map(rank_map, padded)
     lens = _doc_lengths(spec)
     seg = lens if doc_padded_lens is None else doc_padded_lens.numpy().astype(np.int64)
-    doc_ids, pos, idx, src = _stream_facts(spec, lens, seg, padded)
+    doc_ids, pos, idx, src, runs = _stream_facts(spec, lens, seg, padded)
     return PackedPlan(
         layout=layout,
         world_size=int(rank_map.shape[0]),
@@ -275,6 +292,7 @@ def plan_from_stream(
         input_row_shape=(spec.num_rows, spec.row_len),
         solver_seconds=solver_seconds,
         stream_input_sources=src,
+        document_runs=runs,
     )
 
 

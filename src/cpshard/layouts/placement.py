@@ -19,7 +19,7 @@ import torch
 
 from cpshard.layouts.coordinates import CallerCoordinates
 
-__all__ = ["PaddedRows", "Placement", "pad_document_ids"]
+__all__ = ["DocumentRuns", "PaddedRows", "Placement", "pad_document_ids"]
 
 
 def pad_document_ids(document_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
@@ -69,6 +69,51 @@ class PaddedRows:
         return pad_document_ids(zero, self.padding_mask)
 
 
+@dataclass(frozen=True, eq=False)
+class DocumentRuns:
+    """Document ids of one row as runs in global order: run ``k`` covers positions
+    ``[starts[k], starts[k + 1])`` (the last one up to ``length``) of document ``ids[k]``, or
+    pads where ``ids[k] < 0`` (each pad its own document, ``-1 - position``): the documents of a
+    packed plan, described by its ``K`` runs instead of ``P`` int64 ids.
+
+    Attributes:
+        starts: LongTensor ``[K]`` (CPU): ``0`` first, strictly increasing, below ``length``.
+        ids: LongTensor ``[K]`` (CPU): each run's document (``>= 0``) or ``-1`` for pads.
+        length: ``P``.
+        device: Device of the ids when made.
+    """
+
+    starts: torch.Tensor
+    ids: torch.Tensor
+    length: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        st = self.starts
+        ok = st.dim() == 1 and st.shape == self.ids.shape and st.numel() > 0 and int(st[0]) == 0
+        if not ok or bool((st[1:] <= st[:-1]).any()) or int(st[-1]) >= self.length:
+            raise ValueError(
+                "DocumentRuns needs starts [K] from 0, strictly increasing below length="
+                f"{self.length}, and ids [K]; got starts {st.tolist()[:8]} and ids of shape "
+                f"{tuple(self.ids.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[1, P]``, the shape of the ids."""
+        return torch.Size((1, self.length))
+
+    def ids_tensor(self) -> torch.Tensor:
+        """LongTensor ``[1, P]`` on :attr:`device`: the document ids (pads ``-1 - position``)."""
+        counts = torch.diff(self.starts, append=torch.tensor([self.length]))
+        per = torch.repeat_interleave(self.ids, counts, output_size=self.length).to(self.device)
+        return pad_document_ids(per[None], per[None] < 0)
+
+
+Documents = PaddedRows | DocumentRuns
+"""Documents described without their ``[B or 1, P]`` int64 ids."""
+
+
 @dataclass(frozen=True, eq=False, init=False)
 class Placement:
     """Where every token of one batch lives over ``C`` CP ranks (frozen; one per shard).
@@ -80,9 +125,10 @@ class Placement:
             tokens in local order; a bijection onto ``arange(P)``, ``P = C * L``.
         document_ids: LongTensor ``[B or 1, P]`` in *global* order: the document of each
             position; pads are negative and unique (:func:`pad_document_ids`), so a pad sees
-            only itself. Or :class:`PaddedRows` (one document per row, every pad its own): the
-            ids are then made on first read of :attr:`document_ids`, and readers that need only
-            the pads (the attention plan's runs) read :attr:`padded_rows` instead.
+            only itself. Or :class:`PaddedRows` (one document per row, every pad its own) or
+            :class:`DocumentRuns` (one row's documents as runs): the ids are then made on first
+            read of :attr:`document_ids`, and readers that need only the runs (the attention
+            plan's) read :attr:`documents` instead.
         coordinates: How the caller addresses the tokens (original length, row shape, input
             positions; :class:`~cpshard.layouts.coordinates.CallerCoordinates`), with
             ``coordinates.padded_seq_len == P``.
@@ -100,21 +146,21 @@ class Placement:
     rank_map: torch.Tensor
     coordinates: CallerCoordinates
     stream_runs: tuple[tuple[int, int], ...] | None
-    padded_rows: PaddedRows | None
+    documents: Documents | None
     _ids: list[torch.Tensor] = field(repr=False)  # the ids once made (at most one)
 
     def __init__(
         self,
         rank_map: torch.Tensor,
-        document_ids: torch.Tensor | PaddedRows,
+        document_ids: torch.Tensor | Documents,
         coordinates: CallerCoordinates,
         stream_runs: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
-        rows = document_ids if isinstance(document_ids, PaddedRows) else None
+        rows = document_ids if isinstance(document_ids, PaddedRows | DocumentRuns) else None
         object.__setattr__(self, "rank_map", rank_map)
         object.__setattr__(self, "coordinates", coordinates)
         object.__setattr__(self, "stream_runs", stream_runs)
-        object.__setattr__(self, "padded_rows", rows)
+        object.__setattr__(self, "documents", rows)
         object.__setattr__(self, "_ids", [] if rows is not None else [document_ids])
         self._check(document_ids.shape)
 
@@ -140,17 +186,18 @@ class Placement:
     @property
     def document_ids(self) -> torch.Tensor:
         """LongTensor ``[B or 1, P]`` in global order: the document of each position (made from
-        :attr:`padded_rows` on first read where the placement was given those)."""
+        :attr:`documents` on first read where the placement was given those)."""
         if not self._ids:
-            assert self.padded_rows is not None
-            self._ids.append(self.padded_rows.ids())
+            docs = self.documents
+            assert docs is not None
+            self._ids.append(docs.ids() if isinstance(docs, PaddedRows) else docs.ids_tensor())
         return self._ids[0]
 
     @property
     def document_rows(self) -> int:
         """``B or 1``: the rows of :attr:`document_ids` (without making them)."""
-        rows = self.padded_rows
-        return int(rows.shape[0] if rows is not None else self._ids[0].shape[0])
+        docs = self.documents
+        return int(docs.shape[0] if docs is not None else self._ids[0].shape[0])
 
     def _runs_match(self) -> bool:
         runs = self.stream_runs

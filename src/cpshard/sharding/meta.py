@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from cpshard.layouts.placement import PaddedRows, Placement, pad_document_ids
+from cpshard.layouts.placement import Documents, PaddedRows, Placement, pad_document_ids
 
-__all__ = ["TokenMeta", "pad_document_ids"]
+__all__ = ["PaddedRows", "TokenMeta", "pad_document_ids"]
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -117,11 +117,11 @@ class TokenMeta:
         return self._ids[0]
 
     @property
-    def padded_rows(self) -> PaddedRows | None:
-        """The placement's documents by their pads alone (one document per row, every pad its
-        own), where this meta's documents are those of such a placement; else ``None``."""
+    def documents(self) -> Documents | None:
+        """The placement's documents as described without their ids (its pads, or its
+        document runs), where this meta's documents are that placement's; else ``None``."""
         place = self.placement
-        return None if place is None or self._given_ids else place.padded_rows
+        return None if place is None or self._given_ids else place.documents
 
     def _check(self) -> None:
         if self._given_ids:

@@ -185,7 +185,9 @@ def shard_batch_packed(
     if "padding_mask" in out:  # caller pads inside documents see only themselves too
         caller_pad = out["padding_mask"].bool().reshape(-1).index_select(0, caller.clamp(min=0))
         stream_pad = stream_pad | (caller_pad & (caller >= 0))
-    placement = plan.placement(device, stream_pad)
+        placement = plan.placement(device, stream_pad)
+    else:  # the plan's pads: its documents as runs
+        placement = plan.placement(device)
     rank_map = placement.rank_map
     local = rank_map[rank]
     src = caller.index_select(0, local)  # caller index of every local slot, -1 = layout pad
