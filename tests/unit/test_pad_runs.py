@@ -171,17 +171,24 @@ def _packed_placements(rng: np.random.Generator) -> list[Placement]:
     return [plan.placement(CPU) for plan in (plan_balanced(spec, world), plan_packed(spec, world))]
 
 
-def test_packed_documents_as_runs_equal_the_token_pass() -> None:
+@pytest.mark.parametrize("runs_per_token", [0, 64])
+def test_packed_documents_as_runs_equal_the_token_pass(
+    runs_per_token: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A packed plan's placement describes its documents as runs; the host rows (the stream's
-    runs from one pass over the rank map) and the selective plans equal the token pass over
-    the ids, which stay unmade; the ids, once made, equal the plan's."""
+    runs from one pass over the rank map, or the token pass where the stream is cut finer than
+    one run per ``_RUNS_PER_TOKEN`` tokens: these small batches always are) and the selective
+    plans equal the token pass over the ids."""
+    from cpshard.attention import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_RUNS_PER_TOKEN", runs_per_token)
     rng = np.random.default_rng(11)
     for _ in range(40):
         for place in _packed_placements(rng):
             assert isinstance(place.documents, DocumentRuns)
             for rank in range(place.world_size):
                 meta = TokenMeta.of(place, rank)
-                _same(host_rows(meta), _token_host(place, rank))
+                got_host = host_rows(meta)
                 by_tokens = TokenMeta(
                     rank, place.world_size, place.stream_positions(), place.stream_document_ids()
                 )
@@ -191,6 +198,8 @@ def test_packed_documents_as_runs_equal_the_token_pass() -> None:
                     assert torch.equal(got.send_index, want.send_index)
                     np.testing.assert_array_equal(got.recv_slots, want.recv_slots)
                     assert got.remote.computed == want.remote.computed
+                assert (meta._ids == []) == (runs_per_token == 0)  # the runs' route: ids unmade
+                _same(got_host, _token_host(place, rank))  # (reads the ids)
 
 
 def test_document_runs_make_the_plans_ids() -> None:
@@ -202,6 +211,10 @@ def test_document_runs_make_the_plans_ids() -> None:
         plan = plan_balanced(spec, 2)
         want = pad_document_ids(plan.stream_document_ids[None], plan.stream_padding_mask[None])
         assert torch.equal(plan.placement(CPU).document_ids, want)
+        docs = plan.placement(CPU).documents
+        assert isinstance(docs, DocumentRuns)
+        from_runs = DocumentRuns(docs.starts, docs.ids, docs.length, CPU)  # no per-position ids
+        assert torch.equal(from_runs.ids_tensor(), want)
         assert torch.equal(plan.placement(CPU, plan.stream_padding_mask).document_ids, want)
 
 

@@ -239,6 +239,12 @@ def host_rows(meta: TokenMeta) -> HostRows:
     return host
 
 
+_RUNS_PER_TOKEN = 64
+"""A stream cut into more runs than one per this many tokens (TE's ``packed`` at high CP: every
+document in ``2C`` chunks) finds its table faster by the token pass (linear) than from its runs
+(sorts over the runs)."""
+
+
 def _host_by_pads(meta: TokenMeta) -> HostRows | None:
     """:class:`HostRows` of a meta whose placement describes its documents (by their pads, or as
     runs): groups and table from the pads' changes or the document runs and the stream's runs
@@ -248,11 +254,13 @@ def _host_by_pads(meta: TokenMeta) -> HostRows | None:
     cut = meta.local_len
     if docs is None or place is None or cut <= 0:
         return None
+    width = place.padded_len
     if place.stream_runs is not None:
         runs = blocked_runs(place.stream_runs, cut)
     else:
         runs = rank_map_runs(place.rank_map.reshape(-1).cpu().numpy().astype(np.int64), cut)
-    width = place.padded_len
+        if runs[0].size * _RUNS_PER_TOKEN > width:  # a fine-cut stream: the token pass is faster
+            return None
     if isinstance(docs, PaddedRows):
         pad = docs.padding_mask.detach().cpu().numpy()
         groups, changes = row_groups_by_pads(pad)

@@ -141,7 +141,7 @@ class PackedPlan:
         docs: torch.Tensor | DocumentRuns
         if stream_padding is None and self.document_runs is not None:
             starts, ids = self.document_runs
-            docs = DocumentRuns(starts, ids, self.padded_len, device)
+            docs = DocumentRuns(starts, ids, self.padded_len, device, self.stream_document_ids)
         else:
             pad = self.stream_padding_mask.to(device) if stream_padding is None else stream_padding
             docs = pad_document_ids(self.stream_document_ids.to(device)[None], pad[None])

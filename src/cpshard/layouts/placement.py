@@ -81,12 +81,16 @@ class DocumentRuns:
         ids: LongTensor ``[K]`` (CPU): each run's document (``>= 0``) or ``-1`` for pads.
         length: ``P``.
         device: Device of the ids when made.
+        per_position: LongTensor ``[P]``: the same runs, one id per position (``-1`` for pads),
+            where the caller has them already (a packed plan's ``stream_document_ids``), or
+            ``None``: made from the runs when the ids are.
     """
 
     starts: torch.Tensor
     ids: torch.Tensor
     length: int
     device: torch.device
+    per_position: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         st = self.starts
@@ -105,8 +109,11 @@ class DocumentRuns:
 
     def ids_tensor(self) -> torch.Tensor:
         """LongTensor ``[1, P]`` on :attr:`device`: the document ids (pads ``-1 - position``)."""
-        counts = torch.diff(self.starts, append=torch.tensor([self.length]))
-        per = torch.repeat_interleave(self.ids, counts, output_size=self.length).to(self.device)
+        per = self.per_position
+        if per is None:
+            counts = torch.diff(self.starts, append=torch.tensor([self.length]))
+            per = torch.repeat_interleave(self.ids, counts, output_size=self.length)
+        per = per.to(self.device)
         return pad_document_ids(per[None], per[None] < 0)
 
 
