@@ -42,6 +42,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -123,7 +124,12 @@ class StreamRuns:
 
     def take(self, sel: npt.NDArray[np.bool_] | _I64 | slice) -> StreamRuns:
         """The runs where ``sel`` holds (a bool mask, indices or a slice)."""
-        return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
+        if isinstance(sel, np.ndarray) and sel.dtype == np.bool_:
+            sel = sel.nonzero()[0]  # the mask read once, not once per column
+        return StreamRuns(
+            self.start[sel], self.n[sel], self.pos[sel], self.doc[sel], self.rank[sel],
+            self.pad[sel], self.code[sel],
+        )  # fmt: skip
 
 
 def raw_runs(
@@ -391,8 +397,6 @@ class RankRuns:
 
     Attributes:
         runs: Every run.
-        real: The runs that are not padding (the keys anyone but their own token can see).
-        pad_tokens: ``[C]`` pad tokens of each rank.
     """
 
     def __init__(
@@ -401,9 +405,6 @@ class RankRuns:
         self.runs = runs
         self.frame = frame
         self.world = world
-        self.real = runs.take(~runs.pad)
-        self.pad_tokens = per_rank(runs.rank[runs.pad], runs.n[runs.pad], world)
-        self._bounds = np.searchsorted(self.real.rank, np.arange(world + 1), side="left")
         self.stride = max(frame.docs.size, 1) * frame.span
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
@@ -413,6 +414,25 @@ class RankRuns:
         self._tiling: list[Tiling | None] = []
         self._block_keys: KeyCounts | None = None
         self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
+
+    @functools.cached_property
+    def real(self) -> StreamRuns:
+        """The runs that are not padding (the keys anyone but their own token can see).
+
+        Made on first use, as are :attr:`pad_tokens` and the rank bounds: the row groups asked
+        all at once (:class:`~cpshard.attention.grouped_runs.GroupedRuns`) read neither."""
+        return self.runs.take(~self.runs.pad)
+
+    @functools.cached_property
+    def pad_tokens(self) -> _I64:
+        """``[C]`` pad tokens of each rank."""
+        pad = self.runs.pad
+        return per_rank(self.runs.rank[pad], self.runs.n[pad], self.world)
+
+    @functools.cached_property
+    def _bounds(self) -> _I64:
+        out: _I64 = self.real.rank.searchsorted(np.arange(self.world + 1), side="left")
+        return out
 
     def of(self, rank: int) -> StreamRuns:
         """The real runs of ``rank``."""
