@@ -115,8 +115,13 @@ class GroupedRuns:
         every_at = self.shift(0)
         own_at = self.shift(q.rank + self.lanes)
         lo = np.concatenate([q.code + every_at, q.code + own_at])
-        keys = KeyCounts(lo, lo + np.tile(q.n, 2))
-        both = StreamRuns(*(np.tile(getattr(q, f), 2) for f in StreamRuns.__dataclass_fields__))
+        keys = KeyCounts(lo, lo + np.concatenate([q.n, q.n]))
+        both = StreamRuns(
+            *(
+                np.concatenate([col, col])
+                for col in (q.start, q.n, q.pos, q.doc, q.rank, q.pad, q.code)
+            )
+        )
         seen = visible_pairs(
             both, keys, self.frame, causal, window, np.concatenate([every_at, own_at])
         )
