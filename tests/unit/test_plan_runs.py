@@ -198,6 +198,10 @@ def test_every_row_group_at_once_equals_group_by_group(pads: str) -> None:
             assert len(a.runs) == 1
             continue
         checked += 1
+        assert a.grouped is not None  # every group's pad tokens at once, as group by group
+        np.testing.assert_array_equal(
+            a.grouped.pad_tokens, np.stack([r.pad_tokens for r in a.runs])
+        )
         apart = dataclasses.replace(a, grouped=None)
         for causal, window in MASKS:
             for got, want in zip(

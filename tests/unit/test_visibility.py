@@ -25,7 +25,7 @@ from cpshard.attention.selective_plan import (
     selective_plan,
     wanted_of,
 )
-from cpshard.attention.visibility import KeyCounts, RankRuns, Union
+from cpshard.attention.visibility import KeyCounts, RankRuns, StreamRuns, Union
 from cpshard.sharding.meta import TokenMeta
 
 CPU = torch.device("cpu")
@@ -183,3 +183,38 @@ def test_union_counts_and_slots() -> None:
     np.testing.assert_array_equal(
         u.count(np.array([0, 3, 18, 25]), np.array([40, 12, 40, 26])), [16, 4, 3, 0]
     )
+
+
+def test_union_equals_the_set_of_its_codes() -> None:
+    """Random multisets of intervals (nested, touching, overlapping, repeated): the disjoint
+    intervals, the measure below any code, the members and the covered slots of runs are those
+    of the set of codes the intervals hold."""
+    rng = np.random.default_rng(9)
+    for _ in range(60):
+        m = int(rng.integers(1, 30))
+        lo = rng.integers(0, 200, size=m)
+        hi = lo + rng.integers(1, 40, size=m)
+        u = Union(lo, hi)
+        codes = sorted(
+            {c for a, b in zip(lo.tolist(), hi.tolist(), strict=True) for c in range(a, b)}
+        )
+        spans: list[list[int]] = []  # maximal stretches of consecutive codes
+        for c in codes:
+            if spans and spans[-1][1] == c:
+                spans[-1][1] = c + 1
+            else:
+                spans.append([c, c + 1])
+        np.testing.assert_array_equal(u.lo, [a for a, _ in spans])
+        np.testing.assert_array_equal(u.hi, [b for _, b in spans])
+        xs = rng.integers(-5, 260, size=20)
+        np.testing.assert_array_equal(u.measure_below(xs), [sum(c < x for c in codes) for x in xs])
+        np.testing.assert_array_equal(u.members(), codes)
+        r = int(rng.integers(0, 12))
+        code, n = rng.integers(-20, 240, size=r), rng.integers(1, 30, size=r)
+        start, shift = np.cumsum(n) - n + 1000, rng.integers(-3, 4, size=r)
+        z = np.zeros(r, dtype=np.int64)
+        runs = StreamRuns(start, n, z, z, z, z.astype(bool), code)
+        want = [(int(start[i]) + t, i) for i in range(r) for t in range(int(n[i]))
+                if int(code[i] + shift[i]) + t in set(codes)]  # fmt: skip
+        slots, of = u.covered_slots(runs, shift)
+        assert list(zip(slots.tolist(), of.tolist(), strict=True)) == want

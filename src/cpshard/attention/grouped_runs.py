@@ -80,7 +80,7 @@ class GroupedRuns:
             grp = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
         self.real = real
         self.grp: _I64 = grp
-        self.pad_tokens: _I64 = np.stack([g.pad_tokens for g in groups])
+        self.pad_tokens = _pad_tokens(groups)
         self.lanes = len(groups) * self.world  # rank blocks of every group
         self.fits = 2 * self.lanes * self.stride < 1 << 62  # twice: see :meth:`pairs`
         self._lane = self.grp * self.world  # the block of each run's group and rank 0
@@ -115,8 +115,13 @@ class GroupedRuns:
         every_at = self.shift(0)
         own_at = self.shift(q.rank + self.lanes)
         lo = np.concatenate([q.code + every_at, q.code + own_at])
-        keys = KeyCounts(lo, lo + np.tile(q.n, 2))
-        both = StreamRuns(*(np.tile(getattr(q, f), 2) for f in StreamRuns.__dataclass_fields__))
+        keys = KeyCounts(lo, lo + np.concatenate([q.n, q.n]))
+        both = StreamRuns(
+            *(
+                np.concatenate([col, col])
+                for col in (q.start, q.n, q.pos, q.doc, q.rank, q.pad, q.code)
+            )
+        )
         seen = visible_pairs(
             both, keys, self.frame, causal, window, np.concatenate([every_at, own_at])
         )
@@ -149,3 +154,14 @@ class GroupedRuns:
         return wanted_slots(
             [(self.real, self.seen(causal, window), self.shift)], rank, self.world, local_len
         )
+
+
+def _pad_tokens(groups: tuple[RankRuns, ...]) -> _I64:
+    """``[G, C]`` pad tokens of each group and rank, every group's runs in one pass (not each
+    group's :attr:`~cpshard.attention.visibility.RankRuns.pad_tokens`)."""
+    c = groups[0].world
+    runs = [g.runs for g in groups]
+    pad = np.concatenate([r.pad for r in runs])
+    lane = np.concatenate([r.rank + g * c for g, r in enumerate(runs)])
+    n = np.concatenate([r.n for r in runs])
+    return per_rank(lane[pad], n[pad], len(groups) * c).reshape(len(groups), c)

@@ -222,25 +222,25 @@ def pair_runs(q: RunTable, k: RunTable, causal: bool, window: int | None) -> tup
         span = hi - lo + 1
     key_start = kcr * span + (kp - lo)
     key_end = kcr * span + (kend - lo)
-    ends_sorted = bool(np.all(np.diff(key_end) >= 0))
+    ends_sorted = bool((key_end[1:] >= key_end[:-1]).all())
     pad = q.cls == PAD_CLASS
     base = qc * span
     # upper bound on a key run's first position: it starts before the query run ends
     upper = np.where(pad | causal, b - lo, span)
-    hi_idx = np.searchsorted(key_start, base + upper, side="left")
+    hi_idx = key_start.searchsorted(base + upper, side="left")
     # lower bound on a key run's end: a key inside the window / overlapping the pad run
     lower = np.full(a.shape, -1, dtype=np.int64)
     if wa is not None:
         lower = wa - lo
     lower = np.where(pad, a - lo, lower)
     if ends_sorted:
-        lo_idx = np.searchsorted(key_end, base + np.maximum(lower, 0), side="right")
+        lo_idx = key_end.searchsorted(base + np.maximum(lower, 0), side="right")
     else:  # overlapping key runs of one class: take the class block, filter exactly below
-        lo_idx = np.searchsorted(key_start, base, side="left")
+        lo_idx = key_start.searchsorted(base, side="left")
     counts = np.maximum(hi_idx - lo_idx, 0)
     total = int(counts.sum())
-    qi = np.repeat(np.arange(q.n.size, dtype=np.int64), counts)
-    offs = np.cumsum(counts) - counts
+    qi = np.arange(q.n.size, dtype=np.int64).repeat(counts)
+    offs = counts.cumsum() - counts
     ki = lo_idx[qi] + (np.arange(total, dtype=np.int64) - offs[qi])
     keep = kcr[ki] == qc[qi]
     keep &= (kp[ki] < b[qi]) | ~(pad[qi] | causal)
@@ -265,13 +265,14 @@ def _class_ids(cls: _I64) -> _I64:
     sort)."""
     real = cls != PAD_CLASS
     if real.any():
-        lo, hi = int(cls[real].min()), int(cls[real].max())
+        ids = cls[real]
+        lo, hi = int(ids.min()), int(ids.max())
         if hi - lo <= 8 * cls.size + 4096:
             out: _I64 = np.where(real, cls - (lo - 1), 0)
             return out
     _, inv = np.unique(cls, return_inverse=True)
-    ids: _I64 = inv.reshape(-1).astype(np.int64)
-    return ids
+    ranked: _I64 = inv.reshape(-1).astype(np.int64)
+    return ranked
 
 
 def _emit(out: list[tuple[int, ...]], qi: int, qp: int, ki: int, kp: int, qa: int, qb: int,
@@ -312,10 +313,20 @@ def _diag(out: list[tuple[int, ...]], base: tuple[int, int, int, int], w: int, a
         _full(out, base, w, m, b, a, m)
 
 
-def _rect(qi: _I64, qp: _I64, ki: _I64, kp: _I64, qa: _I64, qb: _I64, ka: _I64, kb: _I64,
-          kind: int) -> Pieces:  # fmt: skip
-    return Pieces(qi + qa - qp, qa, qb - qa, ki + ka - kp, ka, kb - ka,
-                  np.full(qa.shape, kind, dtype=np.int64))  # fmt: skip
+def _rects(
+    qs: _I64, qp: _I64, ks: _I64, kp: _I64,
+    parts: list[tuple[npt.NDArray[np.bool_], _I64, _I64, _I64, _I64, int]],
+) -> Pieces:  # fmt: skip
+    """The pieces of several parts ``(sel, qa, qb, ka, kb, kind)`` of the run pairs (slot and
+    position starts ``qs, qp, ks, kp``): positions ``[qa, qb) x [ka, kb)`` of each pair where
+    ``sel`` holds, of kind ``kind``; part after part, each in pair order (every part's columns
+    gathered at once)."""
+    size = max(qs.size, 1)
+    at = np.concatenate([part[0] for part in parts]).nonzero()[0]
+    j = at % size  # the pair of each piece
+    qa, qb, ka, kb = (np.concatenate([part[i] for part in parts])[at] for i in range(1, 5))
+    kind = np.array([part[5] for part in parts], dtype=np.int64)[at // size]
+    return Pieces(qs[j] + qa - qp[j], qa, qb - qa, ks[j] + ka - kp[j], ka, kb - ka, kind)
 
 
 def _clip_window(p: Pieces, window: int) -> Pieces:
@@ -349,45 +360,48 @@ def cut_pairs(
     ks, kp, kn = k.start[ki], k.pos[ki], k.n[ki]
     a, b, c, d = qp, qp + qn, kp, kp + kn
     pad = q.cls[qi] == PAD_CLASS
-    parts: list[Pieces] = []
-    lo, hi = np.maximum(a, c), np.minimum(b, d)
-    sel = pad & (hi > lo)
-    if sel.any():  # a pad stretch against itself: the diagonal of the shared positions
-        s = sel
-        parts.append(_rect(qs[s], qp[s], ks[s], kp[s], lo[s], hi[s], lo[s], hi[s], IDENT))
     reg = ~pad
+    lo, hi = np.maximum(a, c), np.minimum(b, d)
+    # a pad stretch against itself: the diagonal of the shared positions
+    parts = [(pad & (hi > lo), lo, hi, lo, hi, IDENT)]
     if not causal:
-        s = reg
-        parts.append(_rect(qs[s], qp[s], ks[s], kp[s], a[s], b[s], c[s], d[s], FULL))
-        return Pieces.concat(parts)
-    m = np.minimum(d, a)
-    s = reg & (m > c)  # keys before every query
-    parts.append(_rect(qs[s], qp[s], ks[s], kp[s], a[s], b[s], c[s], m[s], FULL))
-    s = reg & (hi > lo)  # the shared positions: a causal square
-    parts.append(_rect(qs[s], qp[s], ks[s], kp[s], lo[s], hi[s], lo[s], hi[s], CAUSAL))
-    after = np.maximum(d, a)
-    s = reg & (b > after) & (d > lo)  # queries after every key of the overlap's columns
-    parts.append(_rect(qs[s], qp[s], ks[s], kp[s], after[s], b[s], lo[s], d[s], FULL))
-    pieces = Pieces.concat(parts)
+        parts.append((reg, a, b, c, d, FULL))
+        return _rects(qs, qp, ks, kp, parts)
+    m, after = np.minimum(d, a), np.maximum(d, a)
+    parts += [
+        (reg & (m > c), a, b, c, m, FULL),  # keys before every query
+        (reg & (hi > lo), lo, hi, lo, hi, CAUSAL),  # the shared positions: a causal square
+        # queries after every key of the overlap's columns
+        (reg & (b > after) & (d > lo), after, b, lo, d, FULL),
+    ]
+    pieces = _rects(qs, qp, ks, kp, parts)
     if window is None:
         return pieces
     ident = pieces.kind == IDENT
     return Pieces.concat([pieces.take(ident), _clip_window(pieces.take(~ident), window)])
 
 
-def _split_ident(p: Pieces) -> Pieces:
-    """Cut pad diagonals longer than :data:`PAD_TILE` into diagonals of at most that."""
+def _split_ident(p: Pieces, keys: _I64) -> tuple[Pieces, _I64]:
+    """Cut pad diagonals longer than :data:`PAD_TILE` into diagonals of at most that: the other
+    pieces in their order, then the cut ones (each diagonal's parts in order); and the key of
+    each piece (a cut diagonal's parts keep its key)."""
     long = (p.kind == IDENT) & (p.nq > PAD_TILE)
     if not long.any():
-        return p
-    lp = p.take(long)
-    parts = (lp.nq + PAD_TILE - 1) // PAD_TILE
-    idx = np.repeat(np.arange(lp.nq.size), parts)
-    off = (np.arange(idx.size) - np.repeat(np.cumsum(parts) - parts, parts)) * PAD_TILE
-    n = np.minimum(lp.nq[idx] - off, PAD_TILE)
-    cut = Pieces(lp.qi[idx] + off, lp.qp[idx] + off, n, lp.ki[idx] + off, lp.kp[idx] + off, n,
-                 lp.kind[idx])  # fmt: skip
-    return Pieces.concat([p.take(~long), cut])
+        return p, keys
+    keep, cut = (~long).nonzero()[0], long.nonzero()[0]
+    parts = (p.nq[cut] + PAD_TILE - 1) // PAD_TILE
+    idx = cut.repeat(parts)
+    off = (np.arange(idx.size) - (parts.cumsum() - parts).repeat(parts)) * PAD_TILE
+    j = np.concatenate([keep, idx])  # the piece each output piece comes from
+    shift = np.zeros(j.size, dtype=np.int64)
+    shift[keep.size :] = off
+    n = p.nq[j]
+    n[keep.size :] = np.minimum(n[keep.size :] - off, PAD_TILE)
+    nk = p.nk[j]
+    nk[keep.size :] = n[keep.size :]  # a pad diagonal is square
+    out = Pieces(p.qi[j] + shift, p.qp[j] + shift, n, p.ki[j] + shift, p.kp[j] + shift, nk,
+                 p.kind[j])  # fmt: skip
+    return out, keys[j]
 
 
 def _row_spans(p: Pieces, idx: _I64, window: int | None) -> tuple[_I64, _I64, _I64, _I64]:
@@ -552,9 +566,7 @@ def _gc_paused() -> Iterator[None]:
 def _tasks_by_key(
     pieces: Pieces, keys: _I64, n_keys: int, window: int | None, device: torch.device
 ) -> KeyedTasks:
-    p = _split_ident(pieces)
-    if p.qi.size != pieces.qi.size:  # pad diagonals were cut: their keys repeat
-        keys = _split_keys(pieces, keys)
+    p, keys = _split_ident(pieces, keys)
     out: KeyedTasks = [((), 0, 0)] * n_keys
     if not p.qi.size:
         return out
@@ -565,19 +577,19 @@ def _tasks_by_key(
     span_k = int(ck.max()) + 1
     span_q = int(cq.max()) + 1
     cell = np.where(fits, (keys * span_q + cq) * span_k + ck, -1)
-    fit_idx = np.flatnonzero(fits)
+    fit_idx = fits.nonzero()[0]
     # the pieces that fit a cell, sorted by (cell, index) once; a cell with several is a tile
-    by_cell = fit_idx[np.argsort(cell[fit_idx], kind="stable")]
+    by_cell = fit_idx[cell[fit_idx].argsort(kind="stable")]
     sorted_cells = cell[by_cell]
     new_cell = np.ones(by_cell.size, dtype=bool)
     new_cell[1:] = sorted_cells[1:] != sorted_cells[:-1]
-    cell_id = np.cumsum(new_cell) - 1
+    cell_id = new_cell.cumsum() - 1
     shared = np.bincount(cell_id)[cell_id] > 1 if by_cell.size else new_cell
     members, cells = by_cell[shared], sorted_cells[shared]  # by (cell, index)
     grouped = np.zeros(p.qi.size, dtype=bool)
     grouped[members] = True
     # direct calls: every piece that is not in a cell with others
-    direct = np.flatnonzero(~grouped)
+    direct = (~grouped).nonzero()[0]
     q0s, k0s = p.qi[direct], p.ki[direct]
     q1s, k1s = q0s + p.nq[direct], k0s + p.nk[direct]
     kinds, tkeys = p.kind[direct], keys[direct]
@@ -587,7 +599,7 @@ def _tasks_by_key(
     ).astype(np.float64)  # empty input: bincount gives int64
     # masks: the direct window borders (their own pattern), then the masked tiles (the cells
     # holding several pieces; the union of their patterns)
-    edge = np.flatnonzero(kinds == EDGE)
+    edge = (kinds == EDGE).nonzero()[0]
     n_tiles = 0
     m_idx, m_slot, m_r, m_c = [direct[edge]], [np.arange(edge.size)], [0 * edge], [0 * edge]
     m_h, m_w = [dq[edge]], [dk[edge]]
@@ -624,12 +636,13 @@ def _tasks_by_key(
         at = np.concatenate([edge, direct.size + np.arange(n_tiles)])
         of_task[at[of_view]] = np.arange(len(views))
         pool.extend(views)
-    ident = np.flatnonzero(kinds == IDENT)
-    if ident.size:
+    ident = (kinds == IDENT).nonzero()[0]
+    if ident.size:  # one identity per distinct size (IDENT pieces are square, <= PAD_TILE)
         eye = torch.eye(PAD_TILE, dtype=torch.bool, device=device)[None]
-        sizes, which = np.unique(q1s[ident] - q0s[ident], return_inverse=True)
-        of_task[ident] = len(pool) + which.reshape(-1)
-        pool.extend(eye[:, :n, :n] for n in sizes.tolist())  # IDENT pieces are square
+        size = q1s[ident] - q0s[ident]
+        present = np.bincount(size, minlength=PAD_TILE + 1) > 0
+        of_task[ident] = len(pool) + (present.cumsum() - 1)[size]
+        pool.extend(eye if n == PAD_TILE else eye[:, :n, :n] for n in present.nonzero()[0].tolist())
     of_task[of_task < 0] = len(pool)
     pool.append(None)
     # order by (pair, q0, k0); a task is "first" when no earlier task of its pair wrote its rows
@@ -638,22 +651,15 @@ def _tasks_by_key(
     reach = np.maximum.accumulate(q1s[order] + shift)
     firsts = np.ones(order.size, dtype=bool)
     firsts[1:] = reach[:-1] <= (q0s[order] + shift)[1:]
-    sorted_keys = tkeys[order]
-    cuts = np.searchsorted(sorted_keys, np.arange(n_keys + 1))
+    cuts = tkeys[order].searchsorted(np.arange(n_keys + 1)).tolist()
     columns = zip(
         q0s[order].tolist(), q1s[order].tolist(), k0s[order].tolist(), k1s[order].tolist(),
         (kinds[order] == CAUSAL).tolist(), map(pool.__getitem__, of_task[order].tolist()),
         firsts.tolist(), strict=True,
     )  # fmt: skip
     tasks: list[Task] = list(map(tuple.__new__, itertools.repeat(Task, order.size), columns))
-    for key in range(n_keys):
-        lo, hi = int(cuts[key]), int(cuts[key + 1])
-        out[key] = (tuple(tasks[lo:hi]), int(computed_k[key]), int(needed_k[key]))
-    return out
-
-
-def _split_keys(pieces: Pieces, keys: _I64) -> _I64:
-    """The keys of :func:`_split_ident`'s output, in its order."""
-    long = (pieces.kind == IDENT) & (pieces.nq > PAD_TILE)
-    parts = (pieces.nq[long] + PAD_TILE - 1) // PAD_TILE
-    return np.concatenate([keys[~long], np.repeat(keys[long], parts)])
+    computed, needed = computed_k.tolist(), needed_k.tolist()
+    return [
+        (tuple(tasks[cuts[key] : cuts[key + 1]]), int(computed[key]), int(needed[key]))
+        for key in range(n_keys)
+    ]

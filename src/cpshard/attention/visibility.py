@@ -42,6 +42,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -124,7 +125,12 @@ class StreamRuns:
 
     def take(self, sel: npt.NDArray[np.bool_] | _I64 | slice) -> StreamRuns:
         """The runs where ``sel`` holds (a bool mask, indices or a slice)."""
-        return StreamRuns(*(getattr(self, f)[sel] for f in self.__dataclass_fields__))
+        if isinstance(sel, np.ndarray) and sel.dtype == np.bool_:
+            sel = sel.nonzero()[0]  # the mask read once, not once per column
+        return StreamRuns(
+            self.start[sel], self.n[sel], self.pos[sel], self.doc[sel], self.rank[sel],
+            self.pad[sel], self.code[sel],
+        )  # fmt: skip
 
 
 def table_ids(table: RunTable) -> _I64:
@@ -193,7 +199,7 @@ def _is_sorted(x: _I64) -> bool:
 
 def _prefix(x: _U64) -> _U64:
     out = np.zeros(x.size + 1, dtype=np.uint64)
-    np.cumsum(x, out=out[1:])
+    x.cumsum(out=out[1:])
     return out
 
 
@@ -214,28 +220,29 @@ class KeyCounts:
 
     def below(self, x: _I64) -> _I64:
         """``[N]``: keys with a code ``< x`` (a key run contributes its part below ``x``)."""
-        xu = x.astype(np.uint64)
-        total = np.zeros(x.shape, dtype=np.uint64)
-        for sign, (s, p1, _) in zip((1, -1), self._ends, strict=True):
-            k = np.searchsorted(s, x, side="left")
-            part = k.astype(np.uint64) * xu - p1[k]
-            total = total + part if sign > 0 else total - part
+        (lo, lo1, _), (hi, hi1, _) = self._ends
+        k, j = lo.searchsorted(x, side="left"), hi.searchsorted(x, side="left")
+        # the sum of x - e over the k starts below x, minus the same over the j ends below x
+        total = (k - j).astype(np.uint64) * x.astype(np.uint64) - lo1[k] + hi1[j]
         out: _I64 = total.view(np.int64)
         return out
 
     def _twice_q(self, x: _I64) -> _U64:
+        """``2 Q(x)`` (modulo ``2**64``): the sum of ``(x - e)^2 - (x - e)``, that is
+        ``x (x - 1) - (2 x - 1) e + e^2``, over the starts ``e`` below ``x``, minus the same over
+        the ends below ``x``."""
+        (lo, lo1, lo2), (hi, hi1, hi2) = self._ends
+        k, j = lo.searchsorted(x, side="left"), hi.searchsorted(x, side="left")
         xu = x.astype(np.uint64)
-        total = np.zeros(x.shape, dtype=np.uint64)
-        for sign, (s, p1, p2) in zip((1, -1), self._ends, strict=True):
-            k = np.searchsorted(s, x, side="left").astype(np.uint64)
-            # sum over the k ends below x of (x - s)^2 - (x - s)
-            part = k * xu * xu - np.uint64(2) * xu * p1[k] + p2[k] - k * xu + p1[k]
-            total = total + part if sign > 0 else total - part
+        total: _U64 = (k - j).astype(np.uint64) * (xu * xu - xu)
+        total -= (xu + xu - np.uint64(1)) * (lo1[k] - hi1[j])
+        total += lo2[k] - hi2[j]
         return total
 
     def range_sum(self, u: _I64, v: _I64) -> _I64:
         """``[N]``: ``sum of below(x) for u <= x < v`` (``u <= v``)."""
-        twice: _I64 = (self._twice_q(v) - self._twice_q(u)).view(np.int64)
+        both = self._twice_q(np.concatenate([u, v]))  # one pass for both bounds
+        twice: _I64 = (both[u.size :] - both[: u.size]).view(np.int64)
         return twice // 2
 
 
@@ -297,25 +304,24 @@ class Union:
     """
 
     def __init__(self, lo: _I64, hi: _I64) -> None:
-        order = np.argsort(lo, kind="stable")
+        order = lo.argsort(kind="stable")
         lo, hi = lo[order], hi[order]
         if lo.size:
             hi = np.maximum.accumulate(hi)
-            start = np.ones(lo.size, dtype=bool)
-            start[1:] = lo[1:] > hi[:-1]  # a gap before it: a new disjoint interval
-            first = np.flatnonzero(start)
-            last = np.append(first[1:], lo.size) - 1
-            lo, hi = lo[first], hi[last]
+            start = np.empty(lo.size + 1, dtype=bool)  # and one past the last interval
+            start[0] = start[-1] = True
+            np.greater(lo[1:], hi[:-1], out=start[1:-1])  # a gap before it: a new interval
+            lo, hi = lo[start[:-1]], hi[start[1:]]  # a first start, the last end before the next
         self.lo: _I64 = lo
         self.hi: _I64 = hi
         self._before = np.zeros(lo.size + 1, dtype=np.int64)
-        np.cumsum(hi - lo, out=self._before[1:])
+        (hi - lo).cumsum(out=self._before[1:])
 
     def measure_below(self, x: _I64) -> _I64:
         """``[N]``: codes ``< x`` inside the union."""
         if not self.lo.size:
             return np.zeros(x.shape, dtype=np.int64)
-        k = np.searchsorted(self.lo, x, side="left")  # intervals starting below x
+        k = self.lo.searchsorted(x, side="left")  # intervals starting below x
         last = np.maximum(k - 1, 0)
         inside = np.minimum(x - self.lo[last], self.hi[last] - self.lo[last])
         out: _I64 = np.where(k > 0, self._before[last] + inside, 0)
@@ -343,12 +349,12 @@ class Union:
             return z, z, z
         c = runs.code + shift
         e = c + runs.n
-        i0 = np.searchsorted(self.hi, c, side="right")  # first interval ending after c
-        i1 = np.searchsorted(self.lo, e, side="left")  # intervals starting before e
+        i0 = self.hi.searchsorted(c, side="right")  # first interval ending after c
+        i1 = self.lo.searchsorted(e, side="left")  # intervals starting before e
         counts = np.maximum(i1 - i0, 0)
-        run = np.repeat(np.arange(c.size), counts)
-        offs = np.cumsum(counts) - counts
-        iv = i0[run] + (np.arange(int(counts.sum())) - offs[run])
+        run = np.arange(c.size).repeat(counts)
+        offs = counts.cumsum() - counts
+        iv = i0[run] + (np.arange(run.size) - offs[run])
         a = np.maximum(c[run], self.lo[iv]) - c[run] + runs.start[run]
         b = np.minimum(e[run], self.hi[iv]) - c[run] + runs.start[run]
         return a, b, run
@@ -395,8 +401,6 @@ class RankRuns:
 
     Attributes:
         runs: Every run.
-        real: The runs that are not padding (the keys anyone but their own token can see).
-        pad_tokens: ``[C]`` pad tokens of each rank.
     """
 
     def __init__(
@@ -405,9 +409,6 @@ class RankRuns:
         self.runs = runs
         self.frame = frame
         self.world = world
-        self.real = runs.take(~runs.pad)
-        self.pad_tokens = per_rank(runs.rank[runs.pad], runs.n[runs.pad], world)
-        self._bounds = np.searchsorted(self.real.rank, np.arange(world + 1), side="left")
         self.stride = max(frame.docs.size, 1) * frame.span
         self.blocked = self.stride * world < 1 << 62 if blocked is None else blocked
         self._keys: dict[int | None, KeyCounts] = {}
@@ -417,6 +418,25 @@ class RankRuns:
         self._tiling: list[Tiling | None] = []
         self._block_keys: KeyCounts | None = None
         self._seen: dict[tuple[int | None, bool, int | None], Union] = {}
+
+    @functools.cached_property
+    def real(self) -> StreamRuns:
+        """The runs that are not padding (the keys anyone but their own token can see).
+
+        Made on first use, as are :attr:`pad_tokens` and the rank bounds: the row groups asked
+        all at once (:class:`~cpshard.attention.grouped_runs.GroupedRuns`) read neither."""
+        return self.runs.take(~self.runs.pad)
+
+    @functools.cached_property
+    def pad_tokens(self) -> _I64:
+        """``[C]`` pad tokens of each rank."""
+        pad = self.runs.pad
+        return per_rank(self.runs.rank[pad], self.runs.n[pad], self.world)
+
+    @functools.cached_property
+    def _bounds(self) -> _I64:
+        out: _I64 = self.real.rank.searchsorted(np.arange(self.world + 1), side="left")
+        return out
 
     def of(self, rank: int) -> StreamRuns:
         """The real runs of ``rank``."""
@@ -622,8 +642,8 @@ def remote_slot_matrix(
         step = max(1, (1 << 21) // max(keys.n.size, 1))
         for t0 in range(0, c, step):
             ts = np.arange(t0, min(c, t0 + step), dtype=np.int64)
-            to = np.repeat(ts, keys.n.size)
-            rep = np.tile(np.arange(keys.n.size), ts.size)
+            to = ts.repeat(keys.n.size)
+            rep = _tiled(np.arange(keys.n.size), ts.size)
             remote = keys.rank[rep] != to
             to, rep = to[remote], rep[remote]
             s0, s1, run = seen.covered_spans(keys.take(rep), shift(to, rep))
@@ -633,7 +653,7 @@ def remote_slot_matrix(
     measured = Union(np.concatenate(lo), np.concatenate(hi)).measure_below(
         np.arange(c * c + 1, dtype=np.int64) * n
     )
-    out: _I64 = np.diff(measured).reshape(c, c)
+    out: _I64 = (measured[1:] - measured[:-1]).reshape(c, c)
     return out
 
 
@@ -651,19 +671,27 @@ def wanted_slots(
     union cut at every ``t * L``.
     """
     c, n = world, local_len
-    peers = np.delete(np.arange(c, dtype=np.int64), rank)
+    peers = np.arange(c, dtype=np.int64)
+    peers = peers[peers != rank]
     lo, hi = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
     for keys, seen, shift in parts:
-        own = np.flatnonzero(keys.rank == rank)
-        rep = np.tile(own, peers.size)
-        to = np.repeat(peers, own.size)
+        own = (keys.rank == rank).nonzero()[0]
+        rep = _tiled(own, peers.size)
+        to = peers.repeat(own.size)
         s0, s1, run = seen.covered_spans(keys.take(rep), shift(to, rep))
         base = (to[run] - rank) * n  # rank's block moved to t's lane
         lo.append(base + s0)
         hi.append(base + s1)
     lanes = Union(np.concatenate(lo), np.concatenate(hi)).members()
-    cuts = np.searchsorted(lanes, np.arange(c + 1) * n)
+    cuts = lanes.searchsorted(np.arange(c + 1) * n).tolist()
     return [lanes[cuts[t] : cuts[t + 1]] - t * n for t in range(c)]
+
+
+def _tiled(x: _I64, times: int) -> _I64:
+    """``np.tile(x, times)`` of a 1-D ``x`` (one repeat of a row: no per-call dispatch of
+    ``np.tile``, which costs more than the copy for the few runs of a batch)."""
+    out: _I64 = x[None].repeat(times, axis=0).reshape(-1)
+    return out
 
 
 def _stable_order(x: _I64) -> _I64:
@@ -767,12 +795,12 @@ def _aranges(a: _I64, b: _I64) -> _I64:
     total = int(n.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    keep = n > 0
+    keep = (n > 0).nonzero()[0]
     a, n = a[keep], n[keep]
     steps = np.ones(total, dtype=np.int64)
-    heads = np.cumsum(n) - n
+    heads = n.cumsum() - n
     steps[0] = a[0]
     # at each range's head jump from the previous range's last value to this range's start
     steps[heads[1:]] = a[1:] - (a[:-1] + n[:-1] - 1)
-    out: _I64 = np.cumsum(steps)
+    out: _I64 = steps.cumsum()
     return out
