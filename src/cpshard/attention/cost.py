@@ -345,8 +345,10 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
         out: np.ndarray = np.maximum(f * comm, work) + (1.0 - f) * comm
         return out
 
-    def overlapped(in_slots: np.ndarray, out_slots: np.ndarray) -> float:
-        moved = np.maximum(in_slots, out_slots) * slot
+    def overlapped(moved_slots: np.ndarray | float) -> float:
+        """The step with ``moved_slots`` K/V slots in or out per rank (the larger) forward, as
+        many dK/dV backward, each exchange hidden behind the own keys' compute."""
+        moved = moved_slots * slot
         t_f = hide(moved * shape.itemsize / bw + lat, fwd_local) + (fwd - fwd_local)
         t_b = hide(moved * acc / bw + lat, bwd_local) + (bwd - bwd_local)
         return float((t_f + t_b).max())
@@ -360,8 +362,7 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     if c == 1:
         base = float((fwd + bwd).max()) + one_pass
         return {name: base for name in METHODS}
-    full = np.full(c, (c - 1) * n, dtype=np.float64)
-    costs["all_gather"] = overlapped(full, full)
+    costs["all_gather"] = overlapped(float((c - 1) * n))  # every rank: every other block
     # Ring: C lock-stepped steps; step s computes one block while the next one travels, so
     # every step costs max(hop, its compute) except the last (nothing left to send); the
     # backward's hops carry K/V and the fp32 dK/dV, and the accumulators take one more hop home.
@@ -380,7 +381,7 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     total = float(facts.pairs.sum()) * flop / model.compute_rate * (1 + BACKWARD_FACTOR)
     costs["ulysses"] = uly_comm + total / c + 4 * lat
     costs["selective"] = overlapped(
-        facts.recv_slots.astype(np.float64), facts.send_slots.astype(np.float64)
+        np.maximum(facts.recv_slots.astype(np.float64), facts.send_slots.astype(np.float64))
     )
     passes = {"all_gather": 2.0, "selective": 2.0, "ring": float(c), "ulysses": 1.0}
     return {name: costs[name] + passes[name] * one_pass for name in METHODS}
@@ -425,7 +426,13 @@ def wire_bytes(facts: PlanFacts, shape: CallShape) -> dict[str, float]:
     Returns:
         ``{method name: bytes}`` for every method of the registry.
     """
-    per_rank = method_bytes(facts, shape)
+    return _wire_of(method_bytes(facts, shape), facts, shape)
+
+
+def _wire_of(
+    per_rank: dict[str, np.ndarray], facts: PlanFacts, shape: CallShape
+) -> dict[str, float]:
+    """:func:`wire_bytes` from :func:`method_bytes`'s answer ``per_rank``."""
     out = {name: float(v.sum()) for name, v in per_rank.items()}
     if facts.world > 1:  # selective: every slot a rank receives is sent once, its grad once back
         slot, acc = _slot_and_acc(shape)
@@ -451,7 +458,10 @@ def choose_method(
     costs = method_costs(facts, shape, model)
     least = min(costs[m] for m in candidates)
     tied = [m for m in candidates if costs[m] <= least * (1.0 + TIE_RTOL)]
-    busiest = {m: float(v.max()) for m, v in method_bytes(facts, shape).items()}
-    wire = wire_bytes(facts, shape)
+    if len(tied) == 1:  # no tie to break: the bytes would not change the answer
+        return tied[0], costs
+    per_rank = method_bytes(facts, shape)
+    busiest = {m: float(per_rank[m].max()) for m in tied}
+    wire = _wire_of(per_rank, facts, shape)
     best = min(tied, key=lambda m: (busiest[m], wire[m], list(METHODS).index(m)))
     return best, costs
