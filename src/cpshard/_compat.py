@@ -153,6 +153,20 @@ def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     return list(module._forward_pre_hooks.values())
 
 
+_MODULE_GETATTR = torch.nn.Module.__getattr__
+
+
+def class_answers(cls: type, name: str) -> bool:
+    """Whether ``getattr(instance, name)`` can find ``name`` on an instance of module class
+    ``cls`` beyond the instance's own ``__dict__``: a class attribute or property, or a
+    ``__getattr__`` other than ``nn.Module``'s (which finds only parameters, buffers and
+    submodules). Where it cannot, an attribute absent from the instance's ``__dict__`` is a
+    miss: readers skip ``nn.Module.__getattr__``'s raised and caught ``AttributeError`` (~2 us,
+    for hundreds of modules on every prepare). checked against: torch 2.11, 2.13.
+    """
+    return hasattr(cls, name) or getattr(cls, "__getattr__", None) is not _MODULE_GETATTR
+
+
 def own_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """``module``'s own parameters in registration order (``None`` entries skipped), read from
     ``module._parameters`` without the generator; the caller drops a parameter it has seen

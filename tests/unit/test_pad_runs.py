@@ -214,7 +214,7 @@ def test_document_runs_make_the_plans_ids() -> None:
         docs = plan.placement(CPU).documents
         assert isinstance(docs, DocumentRuns)
         from_runs = DocumentRuns(docs.starts, docs.ids, docs.length, CPU)  # no per-position ids
-        assert torch.equal(from_runs.ids_tensor(), want)
+        assert torch.equal(from_runs.make_ids(), want)
         assert torch.equal(plan.placement(CPU, plan.stream_padding_mask).document_ids, want)
 
 

@@ -173,14 +173,15 @@ class HostRows:
         pos: ``[G, C * L]`` int64 positions of each group's first row (may be a read-only
             broadcast view of the meta's positions).
         doc_source: The ``[G, C * L]`` int64 document ids, or what makes them on first read of
-            :attr:`doc` (a meta whose placement gives its documents by their pads: the plans
-            that read only :attr:`table` never make them).
+            :attr:`doc` (a meta whose placement describes its documents by their pads or as
+            runs: the plans that read only :attr:`table` never make them).
         rows: Batch rows of every group, or ``None`` (one group serving every row).
         weights: ``[G]`` meta rows each group stands for.
         merge: Every negative id is a pad of the convention ``-1 - position``.
         table: Where :attr:`merge` holds, the runs of the groups' stream with pad stretches
             merged, cut every :attr:`cut` slots (``run_table(pos, doc, True, breaks=cut)``,
-            found in the one pass over the tokens that also groups the rows, or from the pads);
+            found in the one pass over the tokens that also groups the rows, or from the
+            described documents);
             else ``None``.
         cut: The cut of :attr:`table` (the meta's local length), ``0`` without a table.
     """
@@ -213,10 +214,10 @@ def host_rows(meta: TokenMeta) -> HostRows:
     hit = meta.plan_cache.get("host_rows")
     if isinstance(hit, HostRows):
         return hit
-    by_pads = _host_by_pads(meta)
-    if by_pads is not None:
-        meta.plan_cache["host_rows"] = by_pads
-        return by_pads
+    described = _host_by_documents(meta)
+    if described is not None:
+        meta.plan_cache["host_rows"] = described
+        return described
     pos = meta.positions.detach().cpu().numpy().astype(np.int64, copy=False)
     doc = meta.document_ids.detach().cpu().numpy().astype(np.int64, copy=False)
     if pos.shape[0] != doc.shape[0]:  # one row of positions for every row of documents, or so
@@ -245,7 +246,7 @@ document in ``2C`` chunks) finds its table faster by the token pass (linear) tha
 (sorts over the runs)."""
 
 
-def _host_by_pads(meta: TokenMeta) -> HostRows | None:
+def _host_by_documents(meta: TokenMeta) -> HostRows | None:
     """:class:`HostRows` of a meta whose placement describes its documents (by their pads, or as
     runs): groups and table from the pads' changes or the document runs and the stream's runs
     (:mod:`.pad_runs`), the document ids made only if read; ``None`` for any other meta."""

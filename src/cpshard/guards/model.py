@@ -295,14 +295,12 @@ def _omits_position_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 
 def _checkpointing_flag(module: nn.Module) -> object:
     """``getattr(module, "gradient_checkpointing", False)`` without the miss path of
-    ``nn.Module.__getattr__`` (a raised and caught ``AttributeError`` for each of the hundreds
-    of modules without the flag, on every prepare): the instance's own value, else ``getattr``
-    only where the class can answer (a class attribute, or a ``__getattr__`` of its own)."""
+    ``nn.Module.__getattr__``: the instance's own value, else ``getattr`` only where the class
+    can answer (:func:`cpshard._compat.class_answers`)."""
     own = module.__dict__
     if "gradient_checkpointing" in own:
         return own["gradient_checkpointing"]
-    cls = type(module)
-    if hasattr(cls, "gradient_checkpointing") or cls.__getattr__ is not nn.Module.__getattr__:
+    if _compat.class_answers(type(module), "gradient_checkpointing"):
         return getattr(module, "gradient_checkpointing", False)
     return False
 

@@ -216,17 +216,18 @@ class ClosedFormLayout(ABC):
             rank_map = torch.cat([ar[a : a + n] for a, n in runs]).reshape(world_size, -1)
         else:
             rank_map = self.rank_map(world_size, padded, device)
-        # the documents by their pads (bools; the int64 ids are made only if read): a private
-        # copy, so a caller who reuses the mask's buffer cannot change this shard's documents
+        # the documents by their pads (bools; the int64 ids are made only if read), in a
+        # tensor of their own (a copy, or the cat with the CP pads), so a caller who reuses the
+        # mask's buffer cannot change this shard's documents
+        tail = padded - seq_len
         if padding_mask is None:
-            pad = torch.zeros(1, seq_len, dtype=torch.bool, device=device)
+            pad = torch.zeros(rows if tail else 1, seq_len, dtype=torch.bool, device=device)
         else:
-            pad = padding_mask.to(device=device, dtype=torch.bool, copy=True)
-            pad = pad.expand(rows, seq_len)
-        if padded > seq_len:  # CP pads at the row end, each its own document
-            pad = pad.expand(rows, seq_len)
-            tail = torch.ones(pad.shape[0], padded - seq_len, dtype=torch.bool, device=device)
-            pad = torch.cat([pad, tail], dim=1)
+            mask = padding_mask.to(device=device, dtype=torch.bool, copy=not tail)
+            pad = mask.expand(rows, seq_len)
+        if tail:  # CP pads at the row end, each its own document
+            ones = torch.ones(rows, tail, dtype=torch.bool, device=device)
+            pad = torch.cat([pad, ones], dim=1)
         docs = PaddedRows(pad)
         return Placement(rank_map, docs, CallerCoordinates(seq_len, padded), stream_runs=runs)
 

@@ -63,7 +63,7 @@ class PaddedRows:
         """``[B or 1, P]``, the shape of the ids."""
         return self.padding_mask.shape
 
-    def ids(self) -> torch.Tensor:
+    def make_ids(self) -> torch.Tensor:
         """LongTensor ``[B or 1, P]``: the document ids (one pass)."""
         zero = torch.zeros((), dtype=torch.long, device=self.padding_mask.device)
         return pad_document_ids(zero, self.padding_mask)
@@ -107,7 +107,7 @@ class DocumentRuns:
         """``[1, P]``, the shape of the ids."""
         return torch.Size((1, self.length))
 
-    def ids_tensor(self) -> torch.Tensor:
+    def make_ids(self) -> torch.Tensor:
         """LongTensor ``[1, P]`` on :attr:`device`: the document ids (pads ``-1 - position``)."""
         per = self.per_position
         if per is None:
@@ -197,7 +197,7 @@ class Placement:
         if not self._ids:
             docs = self.documents
             assert docs is not None
-            self._ids.append(docs.ids() if isinstance(docs, PaddedRows) else docs.ids_tensor())
+            self._ids.append(docs.make_ids())
         return self._ids[0]
 
     @property

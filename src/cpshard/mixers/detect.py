@@ -163,9 +163,6 @@ def _is_mixer_kind(kind: str) -> bool:
     return _MIXER_KINDS.search(kind) is not None
 
 
-_MODULE_GETATTR = nn.Module.__getattr__
-
-
 class _Tree:
     """The module facts one detection reads, each module's read once: its own members
     (:func:`cpshard._compat.own_members`) and walks in ``named_modules()`` order. Made per
@@ -191,13 +188,10 @@ class _Tree:
 
     def asked(self, cls: type) -> frozenset[str]:
         """The names of :data:`_ASKED` that ``getattr`` can find on an instance of ``cls``
-        beyond the instance's ``__dict__``: class attributes, or all of them where ``cls`` has
-        a ``__getattr__`` other than ``nn.Module``'s (which finds only parameters, buffers and
-        submodules: never an int)."""
+        beyond the instance's ``__dict__`` (:func:`cpshard._compat.class_answers`)."""
         got = self._asks.get(cls)
         if got is None:
-            forwards = getattr(cls, "__getattr__", None) is not _MODULE_GETATTR
-            got = frozenset(n for n in _ASKED if forwards or hasattr(cls, n))
+            got = frozenset(n for n in _ASKED if _compat.class_answers(cls, n))
             self._asks[cls] = got
         return got
 
@@ -208,7 +202,7 @@ class _Tree:
         module is reached twice (:meth:`modules` then slices instead of walking again)."""
         out: list[tuple[str, nn.Module]] = []
         memo: set[int] = set()
-        first = not self._walked
+        first = not self._walked  # only the first walk records the subtrees
         spans: dict[int, tuple[int, int]] = {}
         shared = False
         stack: list[tuple[str, nn.Module, bool]] = [("", root, False)]
@@ -221,9 +215,10 @@ class _Tree:
                 shared = True
                 continue
             memo.add(id(module))
-            spans[id(module)] = (len(out), -1)
+            if first:
+                spans[id(module)] = (len(out), -1)
+                stack.append((name, module, True))
             out.append((name, module))
-            stack.append((name, module, True))
             for child_name, child in reversed(self.members(module)[0]):
                 stack.append((f"{name}.{child_name}" if name else child_name, child, False))
         if first:
@@ -267,10 +262,10 @@ def _structural_evidence(module: nn.Module, tree: _Tree) -> str | None:
 def _int_attributes(module: nn.Module, tree: _Tree) -> dict[str, int]:
     """``{name: getattr(module, name)}`` for the names of :data:`_ASKED` whose value is an
     ``int`` (``bool`` included); without the miss path of ``nn.Module.__getattr__`` (a raised
-    and caught ``AttributeError``, ~2 us; the detection asks ~9 absent names of every module on
-    every prepare): an instance attribute, else ``getattr`` only where the class can answer
-    (:meth:`_Tree.asked`: a class attribute or property, or a forwarding ``__getattr__``). Most
-    modules have none of the names: one set intersection answers for them."""
+    and caught ``AttributeError``; the detection asks ~9 absent names of every module on every
+    prepare): an instance attribute, else ``getattr`` only where the class can answer
+    (:meth:`_Tree.asked`). Most modules have none of the names: one set intersection answers
+    for them."""
     own = module.__dict__
     names = _ASKED_SET.intersection(own.keys()) | tree.asked(type(module))
     if not names:
