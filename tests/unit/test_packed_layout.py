@@ -215,13 +215,12 @@ def test_balanced_matches_token_by_token_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_stream_sources_invert_the_input_map(world: int) -> None:
-    """The packed sharder's stream -> caller index map is the inverse of the plan's caller ->
-    stream map, -1 where no caller token fills a slot; dropped caller tokens (row-end pads,
-    stream position -1) fill nothing: the plan's own (made from its runs) and the scatter of a
-    plan without it alike, rows without documents included."""
-    from cpshard.sharding.packed import _stream_sources
-
+def test_stream_runs_invert_the_input_map(world: int) -> None:
+    """The plan's stream -> caller index map is the inverse of its caller -> stream map, -1
+    where no caller token fills a slot; dropped caller tokens (row-end pads, stream position -1)
+    fill nothing; rows without documents included. One rank's slots made from the runs
+    (:meth:`StreamRuns.at`) equal the whole arrays at those slots, for every rank and for
+    positions in any order."""
     rng = random.Random(world)
     for i in range(12):
         rows = [[rng.randint(1, 9) for _ in range(rng.randint(0 if i % 3 else 1, 4))]
@@ -236,7 +235,14 @@ def test_stream_sources_invert_the_input_map(world: int) -> None:
                 if p >= 0:
                     want[p] = i
             assert (plan.input_token_stream_positions < 0).any() == any(sum(r) < seq for r in rows)
-            assert plan.stream_input_sources is not None
-            assert _stream_sources(plan).tolist() == want
-            scattered = dataclasses.replace(plan, stream_input_sources=None)
-            assert _stream_sources(scattered).tolist() == want
+            assert plan.stream_input_sources.tolist() == want
+            assert plan.stream.length == plan.padded_len
+            for local in [*plan.rank_map, torch.randperm(plan.padded_len)]:
+                got = plan.stream.at(local.numpy())
+                if got is None:  # cut finer than one run per 8 slots
+                    assert local.numel() < 8 * (local.diff() != 1).sum() + 8
+                    continue
+                src, pos, pad = (torch.from_numpy(x) for x in got)
+                assert torch.equal(src, plan.stream_input_sources[local])
+                assert torch.equal(pos, plan.stream_position_ids[local])
+                assert torch.equal(pad, plan.stream_padding_mask[local])

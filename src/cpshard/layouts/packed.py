@@ -24,6 +24,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, replace
@@ -44,6 +45,7 @@ from cpshard.layouts.placement import DocumentRuns, Placement, pad_document_ids
 
 __all__ = [
     "PackedPlan",
+    "StreamRuns",
     "plan_closed_form",
     "plan_from_stream",
     "plan_packed",
@@ -52,9 +54,99 @@ __all__ = [
 _I64 = npt.NDArray[np.int64]
 
 
+@dataclass(frozen=True, eq=False)
+class StreamRuns:
+    """The padded stream of a packed plan as ``K`` runs: run ``k`` covers stream positions
+    ``[starts[k], starts[k] + counts[k])``, all of document ``ids[k]`` (``-1``: pads), their
+    positions inside the document ``pos_first[k], pos_first[k] + 1, ...`` and their caller
+    indices ``src_first[k] + src_step[k] * i`` (``-1``, step 0: no caller token fills them).
+
+    Everything a plan says per stream position is made from these runs: the whole ``[P]`` arrays
+    when read (:class:`PackedPlan`'s), or only one rank's slots (:meth:`at`).
+
+    Attributes:
+        starts: ``[K]`` int64, ``0`` first, strictly increasing (every run non-empty).
+        counts: ``[K]`` int64, ``> 0``, summing to ``P``.
+        ids: ``[K]`` int64 document ids, ``-1`` for pads.
+        pos_first: ``[K]`` int64, the position id of each run's first token.
+        src_first: ``[K]`` int64, the flat caller index (``b * S + s``) of each run's first
+            token, ``-1`` where no caller token fills the run.
+        src_step: ``[K]`` int64, ``1`` (caller tokens) or ``0`` (no caller token).
+    """
+
+    starts: _I64
+    counts: _I64
+    ids: _I64
+    pos_first: _I64
+    src_first: _I64
+    src_step: _I64
+
+    @property
+    def length(self) -> int:
+        """``P``."""
+        return int(self.starts[-1] + self.counts[-1]) if self.starts.size else 0
+
+    def document_ids(self) -> _I64:
+        """``[P]``: the document of each position, ``-1`` for pads."""
+        return np.repeat(self.ids, self.counts)
+
+    def positions(self) -> _I64:
+        """``[P]``: the position of each token inside its document."""
+        return _runs(self.pos_first, self.counts, 1)
+
+    def sources(self) -> _I64:
+        """``[P]``: the flat caller index of each position, ``-1`` where none fills it."""
+        return _runs(self.src_first, self.counts, self.src_step)
+
+    def at(self, stream: _I64) -> tuple[_I64, _I64, npt.NDArray[np.bool_]] | None:
+        """``(sources, positions, pads)`` of the stream positions ``stream`` (``[L]``, e.g. one
+        rank's row of the rank map), made from the runs of consecutive positions in ``stream``
+        cut at this stream's runs (no ``[P]`` array); ``None`` where ``stream`` is cut finer than
+        one run per 8 positions (the caller then indexes the whole arrays).
+
+        Args:
+            stream: ``[L]`` int64 stream positions, any order.
+
+        Returns:
+            ``[L]`` int64 caller indices (``-1``: none), ``[L]`` int64 positions, ``[L]`` bools
+            (``True``: a pad), or ``None``.
+        """
+        n = stream.size
+        if n == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, bool)
+        brk = np.empty(n, dtype=bool)
+        brk[0] = True
+        np.not_equal(stream[1:], stream[:-1] + 1, out=brk[1:])
+        first = np.flatnonzero(brk)
+        if 8 * first.size > n:
+            return None
+        a = stream[first]
+        b = a + np.diff(first, append=n)  # each local run is stream [a, b)
+        k0 = np.searchsorted(self.starts, a, side="right") - 1
+        k1 = np.searchsorted(self.starts, b - 1, side="right") - 1
+        pieces = k1 - k0 + 1  # stream runs each local run overlaps
+        total = int(pieces.sum())
+        offsets = np.cumsum(pieces) - pieces
+        k = np.arange(total, dtype=np.int64)
+        k += np.repeat(k0 - offsets, pieces)
+        run_start = self.starts[k]
+        lo = np.maximum(np.repeat(a, pieces), run_start)
+        hi = np.minimum(np.repeat(b, pieces), run_start + self.counts[k])
+        into = lo - run_start
+        count = hi - lo
+        src = _runs(self.src_first[k] + self.src_step[k] * into, count, self.src_step[k])
+        pos = _runs(self.pos_first[k] + into, count, 1)
+        pad = np.repeat(self.ids[k] < 0, count)
+        return src, pos, pad
+
+
 @dataclass(frozen=True)
 class PackedPlan:
     """Where every token of a packed batch lives under one layout.
+
+    The per-position facts of the stream (:attr:`stream_document_ids`,
+    :attr:`stream_position_ids`, :attr:`stream_input_sources`) are made from :attr:`stream`'s
+    runs on first read; a prepare reads only its rank's slots (:meth:`StreamRuns.at`).
 
     Attributes:
         layout: Diagnostic label (``"packed"``, ``"balanced"``, ...).
@@ -62,35 +154,45 @@ class PackedPlan:
         padded_len: ``P``, length of the padded stream, ``C * L``.
         rank_map: LongTensor ``[C, L]``: row ``r`` = stream positions of rank ``r``'s local
             tokens in local order; a bijection onto ``arange(P)``.
-        stream_document_ids: LongTensor ``[P]``: global document id per stream position,
-            ``-1`` for pads.
-        stream_position_ids: LongTensor ``[P]``: position inside the document (RoPE); pads
-            continue the preceding document.
         input_token_stream_positions: LongTensor ``[B, S]``: stream position of each input
             token, ``-1`` for dropped row-end pads. Injective on its non-negative entries.
         input_row_shape: ``(B, S)`` of the caller's batch.
+        stream: The stream as runs (:class:`StreamRuns`).
         solver_seconds: Wall time spent building the plan (rank map, stream facts, checks).
-        stream_input_sources: LongTensor ``[P]``: the flat caller index (``b * S + s``) of each
-            stream position, ``-1`` where no caller token fills it (the inverse of
-            :attr:`input_token_stream_positions`, made from the same runs), or ``None`` (a plan
-            built without it: the sharder inverts the input map).
-        document_runs: ``(starts, ids)``, LongTensors ``[K]``: the stream's documents as runs
-            (run ``k`` from position ``starts[k]``, document ``ids[k]``, ``-1`` for pads), or
-            ``None``: :meth:`placement` then describes the documents by them
-            (:class:`~cpshard.layouts.placement.DocumentRuns`) instead of ``P`` int64 ids.
     """
 
     layout: str
     world_size: int
     padded_len: int
     rank_map: torch.Tensor
-    stream_document_ids: torch.Tensor
-    stream_position_ids: torch.Tensor
     input_token_stream_positions: torch.Tensor
     input_row_shape: tuple[int, int]
+    stream: StreamRuns
     solver_seconds: float = 0.0
-    stream_input_sources: torch.Tensor | None = None
-    document_runs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @functools.cached_property
+    def stream_document_ids(self) -> torch.Tensor:
+        """LongTensor ``[P]``: global document id per stream position, ``-1`` for pads."""
+        return torch.from_numpy(self.stream.document_ids())
+
+    @functools.cached_property
+    def stream_position_ids(self) -> torch.Tensor:
+        """LongTensor ``[P]``: position inside the document (RoPE); pads continue the
+        preceding document."""
+        return torch.from_numpy(self.stream.positions())
+
+    @functools.cached_property
+    def stream_input_sources(self) -> torch.Tensor:
+        """LongTensor ``[P]``: the flat caller index (``b * S + s``) of each stream position,
+        ``-1`` where no caller token fills it (the inverse of
+        :attr:`input_token_stream_positions`)."""
+        return torch.from_numpy(self.stream.sources())
+
+    @property
+    def document_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(starts, ids)``, LongTensors ``[K]``: the stream's documents as runs (run ``k``
+        from position ``starts[k]``, document ``ids[k]``, ``-1`` for pads)."""
+        return torch.from_numpy(self.stream.starts), torch.from_numpy(self.stream.ids)
 
     @property
     def local_len(self) -> int:
@@ -136,12 +238,13 @@ class PackedPlan:
             stream_padding: BoolTensor ``[P]`` on ``device`` (global order), ``True`` = pad:
                 the plan's pads plus the caller's own pads inside documents; default the
                 plan's pads (:attr:`stream_padding_mask`; the documents are then described by
-                the plan's :attr:`document_runs` where it has them, their ids made if read).
+                the plan's :attr:`document_runs`, their ids made if read).
         """
         docs: torch.Tensor | DocumentRuns
-        if stream_padding is None and self.document_runs is not None:
+        if stream_padding is None:
             starts, ids = self.document_runs
-            docs = DocumentRuns(starts, ids, self.padded_len, device, self.stream_document_ids)
+            made = self.__dict__.get("stream_document_ids")  # the ids, where read already
+            docs = DocumentRuns(starts, ids, self.padded_len, device, made)
         else:
             pad = self.stream_padding_mask.to(device) if stream_padding is None else stream_padding
             docs = pad_document_ids(self.stream_document_ids.to(device)[None], pad[None])
@@ -205,18 +308,14 @@ def _runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) 
 
 def _stream_facts(
     spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]
-]:
-    """Stream doc ids, positions, the input map, its inverse (the caller index of each stream
-    position) and the documents as runs (first position and id of each) when document ``d``
-    occupies ``[start_d, start_d + seg_lens[d])`` of the stream (its ``lens[d]`` real tokens
-    first)."""
+) -> tuple[StreamRuns, torch.Tensor]:
+    """The stream as runs and the input map (``[B, S]``: the stream position of each caller
+    token, ``-1`` for row-end pads) when document ``d`` occupies ``[start_d, start_d +
+    seg_lens[d])`` of the stream (its ``lens[d]`` real tokens first)."""
     n_docs = lens.size
     starts = np.cumsum(seg_lens) - seg_lens
     total = int(seg_lens.sum())
-    tail = padded_len - total  # the end pad
-    # doc ids: runs of d (real) and -1 (document padding), then the end pad
+    # runs: per document its real tokens (id d) and its padding (-1), then the end pad
     ids = np.empty(2 * n_docs + 1, dtype=np.int64)
     ids[0:-1:2] = np.arange(n_docs)
     ids[1::2] = -1
@@ -224,11 +323,11 @@ def _stream_facts(
     cnt = np.empty(2 * n_docs + 1, dtype=np.int64)
     cnt[0:-1:2] = lens
     cnt[1:-1:2] = seg_lens - lens
-    cnt[-1] = tail
-    doc_ids = np.repeat(ids, cnt)
-    # positions restart at every document; the end pad continues the last document
-    last = int(seg_lens[-1]) if n_docs else 0
-    pos = _runs(np.append(np.zeros(n_docs, dtype=np.int64), last), np.append(seg_lens, tail), 1)
+    cnt[-1] = padded_len - total
+    # positions restart at every document; its padding and the end pad continue it
+    pos_first = np.zeros(2 * n_docs + 1, dtype=np.int64)
+    pos_first[1:-1:2] = lens
+    pos_first[-1] = int(seg_lens[-1]) if n_docs else 0
     # input map: per row, the documents' real tokens, then the row's pad (-1)
     rows = spec.doc_lens
     row_ends = np.cumsum(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
@@ -237,26 +336,22 @@ def _stream_facts(
     counts = np.insert(lens, row_ends, row_pad)
     step = np.insert(np.ones(n_docs, dtype=np.int64), row_ends, 0)
     idx = _runs(first, counts, step)
-    # the inverse, in stream order: document d's real tokens come from its caller slots (row by
-    # row, the documents of a row one after the other), its padding and the end pad from none
+    # the inverse: document d's real tokens come from its caller slots (row by row, the
+    # documents of a row one after the other), its padding and the end pad from none
     row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(row_ends, prepend=0))
     row_tokens = spec.row_len - row_pad
     before_row = np.cumsum(row_tokens) - row_tokens
     in_row = np.cumsum(lens) - lens - before_row[row_of_doc]
-    src_first = np.full(2 * n_docs + 1, -1, dtype=np.int64)  # padding and the end pad: -1
+    src_first = np.full(2 * n_docs + 1, -1, dtype=np.int64)
     src_first[0:-1:2] = row_of_doc * spec.row_len + in_row
     src_step = np.zeros(2 * n_docs + 1, dtype=np.int64)
     src_step[0:-1:2] = 1
-    src = _runs(src_first, cnt, src_step)
-    kept = cnt > 0  # the documents as runs: (first position, id) of every non-empty run
+    kept = cnt > 0
     run_starts = (np.cumsum(cnt) - cnt)[kept]
-    return (
-        torch.from_numpy(doc_ids),
-        torch.from_numpy(pos),
-        torch.from_numpy(idx).view(spec.num_rows, spec.row_len),
-        torch.from_numpy(src),
-        (torch.from_numpy(run_starts), torch.from_numpy(ids[kept])),
+    stream = StreamRuns(
+        run_starts, cnt[kept], ids[kept], pos_first[kept], src_first[kept], src_step[kept]
     )
+    return stream, torch.from_numpy(idx).view(spec.num_rows, spec.row_len)
 
 
 def plan_from_stream(
@@ -280,19 +375,16 @@ def plan_from_stream(
     check_rank_map(rank_map, padded)
     lens = _doc_lengths(spec)
     seg = lens if doc_padded_lens is None else doc_padded_lens.numpy().astype(np.int64)
-    doc_ids, pos, idx, src, runs = _stream_facts(spec, lens, seg, padded)
+    stream, idx = _stream_facts(spec, lens, seg, padded)
     return PackedPlan(
         layout=layout,
         world_size=int(rank_map.shape[0]),
         padded_len=padded,
         rank_map=rank_map,
-        stream_document_ids=doc_ids,
-        stream_position_ids=pos,
         input_token_stream_positions=idx,
         input_row_shape=(spec.num_rows, spec.row_len),
+        stream=stream,
         solver_seconds=solver_seconds,
-        stream_input_sources=src,
-        document_runs=runs,
     )
 
 

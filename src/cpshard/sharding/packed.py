@@ -97,18 +97,43 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
     return PackSpec.from_cu_seqlens(torch.as_tensor(batch["cu_seqlens"]), seq_len)
 
 
-def _stream_sources(plan: PackedPlan) -> torch.Tensor:
-    """LongTensor ``[P]`` (CPU): the flat caller index (``b * S + s``) of each stream slot, ``-1``
-    for a slot no caller token fills (a layout pad): the plan's own (made from its runs), else
-    one scatter of the input map."""
-    if plan.stream_input_sources is not None:
-        return plan.stream_input_sources.cpu()
-    pos = plan.input_token_stream_positions.reshape(-1).cpu()
-    p = plan.padded_len
-    caller = torch.full((p + 1,), -1, dtype=torch.long)
-    # dropped tokens (-1) all land on the extra slot p, cut off below; the others are distinct
-    caller.scatter_(0, torch.where(pos >= 0, pos, p), torch.arange(pos.numel()))
-    return caller[:p]
+def _local_stream(
+    plan: PackedPlan, local: torch.Tensor, caller_padding: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's slots of the stream: the caller index of each (``-1``: a layout pad), its
+    position in its document, whether it is a pad, and the whole stream's pads where the caller
+    marks pads of its own.
+
+    Args:
+        plan: The plan.
+        local: LongTensor ``[L]``: this rank's stream positions (its row of the rank map).
+        caller_padding: The caller's ``padding_mask`` ``[B, S]`` (pads inside documents), or
+            ``None``.
+
+    Returns:
+        ``(src, positions, pad, stream_pad)``: LongTensors ``[L]``, ``[L]``, a BoolTensor
+        ``[L]`` (CPU), and the BoolTensor ``[P]`` of every stream pad (``None`` without
+        ``caller_padding``: the plan's own pads, its documents as runs).
+    """
+    if caller_padding is None:
+        got = plan.stream.at(local.cpu().numpy())
+        if got is not None:  # from the runs: no [P] array
+            src, pos, pad = (torch.from_numpy(x) for x in got)
+            return src, pos, pad, None
+    caller = plan.stream_input_sources
+    stream_pad = plan.stream_padding_mask
+    if caller_padding is not None:  # caller pads inside documents see only themselves too
+        inside = caller_padding.bool().reshape(-1).cpu().index_select(0, caller.clamp(min=0))
+        stream_pad = stream_pad | (inside & (caller >= 0))
+    local = local.cpu()
+    src = caller.index_select(0, local)
+    pos = plan.stream_position_ids.index_select(0, local)
+    return (
+        src,
+        pos,
+        stream_pad.index_select(0, local),
+        stream_pad if caller_padding is not None else None,
+    )
 
 
 def _shard_key(
@@ -127,7 +152,7 @@ def _shard_key(
         dim: Its sequence dim.
         fill: Value of the local slots no caller token fills.
         src: LongTensor ``[L]``: the flat caller index of each local slot, ``-1`` = layout pad
-            (:func:`_stream_sources` at this rank's slots).
+            (:func:`_local_stream`).
         rows: ``B`` of the batch.
     """
     moved = t.movedim(dim, 1)
@@ -180,20 +205,15 @@ def shard_batch_packed(
     spec = pack_spec_of_batch(batch, (x.shape[0], x.shape[1]))
     plan = plan_balanced(spec, world) if layout == "balanced" else plan_packed(spec, world)
     device = x.device
-    caller = _stream_sources(plan).to(device)
-    stream_pad = plan.stream_padding_mask.to(device)
-    if "padding_mask" in out:  # caller pads inside documents see only themselves too
-        caller_pad = out["padding_mask"].bool().reshape(-1).index_select(0, caller.clamp(min=0))
-        stream_pad = stream_pad | (caller_pad & (caller >= 0))
-        placement = plan.placement(device, stream_pad)
-    else:  # the plan's pads: its documents as runs
-        placement = plan.placement(device)
-    rank_map = placement.rank_map
-    local = rank_map[rank]
-    src = caller.index_select(0, local)  # caller index of every local slot, -1 = layout pad
+    caller_padding = out.get("padding_mask")
+    rank_map = plan.rank_map
+    src, local_pos, local_pad, stream_pad = _local_stream(plan, rank_map[rank], caller_padding)
+    src, local_pos, local_pad = src.to(device), local_pos.to(device), local_pad.to(device)
+    # the documents as runs, or the caller's pads inside them as well
+    placement = plan.placement(device, None if stream_pad is None else stream_pad.to(device))
     rows = plan.input_row_shape[0]
     if not given_positions:  # per document, straight from the plan: no caller round trip
-        out["position_ids"] = plan.stream_position_ids.to(device).index_select(0, local)[None]
+        out["position_ids"] = local_pos[None]
         dims.pop("position_ids", None)
     elif out["position_ids"].dim() != 2:
         raise ValueError(
@@ -206,15 +226,14 @@ def shard_batch_packed(
             continue  # set below from the stream, layout pads included
         if key == "position_ids":  # layout pads continue their document's positions
             got = _shard_key(t, dim, 0, src, rows)
-            local_stream = plan.stream_position_ids.to(device).index_select(0, local)
-            out[key] = torch.where(src[None] < 0, local_stream.to(got.dtype)[None], got)
+            out[key] = torch.where(src[None] < 0, local_pos.to(got.dtype)[None], got)
         else:
             fill = pad_value(key, padding_token_id, extra)
             assert fill is not None
             out[key] = _shard_key(t, dim, fill, src, rows)
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
     # losses and token counts can leave them out without knowing the layout.
-    out["padding_mask"] = stream_pad.index_select(0, local).unsqueeze(0)
+    out["padding_mask"] = local_pad.unsqueeze(0)
     facts = ShardFacts.of(placement, rank)
     return CPContext(None, facts), out
 
