@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from cpshard.attention.pad_runs import blocked_runs, pad_table, rank_map_runs, row_groups_by_pads
+from cpshard.attention.pad_runs import (
+    _PASS_CHUNK,
+    blocked_runs,
+    pad_table,
+    rank_map_runs,
+    row_groups_by_pads,
+)
 from cpshard.attention.plan import HostRows, host_rows
 from cpshard.attention.selective_plan import selective_plan
 from cpshard.layouts.balanced import plan_balanced
@@ -221,6 +227,25 @@ def test_document_runs_make_the_plans_ids() -> None:
 def test_rank_map_runs_cut_at_the_rank_blocks() -> None:
     slot, pos = rank_map_runs(np.array([0, 1, 2, 3, 8, 9, 4, 5, 6, 7], dtype=np.int64), 5)
     assert slot.tolist() == [0, 4, 5, 6] and pos.tolist() == [0, 8, 9, 4]
+
+
+def test_rank_map_runs_across_pass_chunks() -> None:
+    """The chunked pass finds the same runs as a plain one, breaks at chunk seams included."""
+    rng = np.random.default_rng(5)
+    n = 2 * _PASS_CHUNK + 77
+    for cut in (n, _PASS_CHUNK, 1000):
+        pieces = np.split(np.arange(n, dtype=np.int64), np.sort(rng.choice(n, 40, replace=False)))
+        rng.shuffle(pieces)
+        stream = np.concatenate(pieces)
+        for seam in (_PASS_CHUNK, 2 * _PASS_CHUNK):  # a break exactly at a chunk seam
+            stream[seam:] = np.roll(stream[seam:], 1) if seam == _PASS_CHUNK else stream[seam:]
+        brk = np.ones(n, dtype=bool)
+        brk[1:] = stream[1:] != stream[:-1] + 1
+        brk[::cut] = True
+        slot, pos = rank_map_runs(stream, cut)
+        assert slot.tolist() == np.flatnonzero(brk).tolist()
+        assert pos.tolist() == stream[brk].tolist()
+    assert [x.tolist() for x in rank_map_runs(np.array([7], dtype=np.int64), 1)] == [[0], [7]]
 
 
 def test_document_runs_are_checked() -> None:

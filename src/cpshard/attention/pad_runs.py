@@ -33,6 +33,9 @@ __all__ = [
     "runs_table",
 ]
 
+_PASS_CHUNK = 1 << 15
+"""Positions per chunk of :func:`rank_map_runs`' pass (a 256 KiB int64 temporary)."""
+
 _I64 = npt.NDArray[np.int64]
 
 
@@ -90,10 +93,18 @@ def blocked_runs(runs: tuple[tuple[int, int], ...], cut: int) -> tuple[_I64, _I6
 
 def rank_map_runs(stream: _I64, cut: int) -> tuple[_I64, _I64]:
     """``(slot, pos)`` of the runs of consecutive positions of a flattened rank map, cut at the
-    multiples of ``cut`` slots (one pass over its ``P`` positions)."""
-    brk = np.empty(stream.size, dtype=bool)
-    brk[0] = True
-    np.not_equal(stream[1:], stream[:-1] + 1, out=brk[1:])
+    multiples of ``cut`` slots (one pass over its ``P`` positions, in chunks of
+    :data:`_PASS_CHUNK`: no ``[P]`` int64 temporary)."""
+    n = stream.size
+    brk = np.empty(n, dtype=bool)
+    if n:
+        brk[0] = True
+    nxt = np.empty(min(_PASS_CHUNK, max(n - 1, 0)), dtype=np.int64)
+    for lo in range(1, n, _PASS_CHUNK):
+        hi = min(lo + _PASS_CHUNK, n)
+        step = nxt[: hi - lo]
+        np.add(stream[lo - 1 : hi - 1], 1, out=step)
+        np.not_equal(stream[lo:hi], step, out=brk[lo:hi])
     brk[::cut] = True
     slot = np.flatnonzero(brk)
     return slot, stream[slot]

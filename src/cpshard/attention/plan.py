@@ -259,7 +259,8 @@ def _host_by_documents(meta: TokenMeta) -> HostRows | None:
     if place.stream_runs is not None:
         runs = blocked_runs(place.stream_runs, cut)
     else:
-        runs = rank_map_runs(place.rank_map.reshape(-1).cpu().numpy().astype(np.int64), cut)
+        flat = place.rank_map.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        runs = rank_map_runs(flat, cut)
         if runs[0].size * _RUNS_PER_TOKEN > width:  # a fine-cut stream: the token pass is faster
             return None
     if isinstance(docs, PaddedRows):
