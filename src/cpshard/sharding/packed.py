@@ -140,29 +140,29 @@ def _shard_key(
     t: torch.Tensor,
     dim: int,
     fill: float | int | bool,
-    src: torch.Tensor,
+    idx: torch.Tensor,
+    pad: torch.Tensor,
     rows: int,
 ) -> torch.Tensor:
     """Caller tensor with sequence dim ``dim`` -> local ``[1, L, ...]`` (seq on dim 1): one
     ``index_select`` of this rank's tokens straight from the caller's rows (no stream), the layout
-    pads set to ``fill``.
+    pads set to ``fill`` in place.
 
     Args:
         t: The caller's tensor, ``[B or 1, S, ...]`` with its sequence on ``dim``.
         dim: Its sequence dim.
         fill: Value of the local slots no caller token fills.
-        src: LongTensor ``[L]``: the flat caller index of each local slot, ``-1`` = layout pad
-            (:func:`_local_stream`).
+        idx: LongTensor ``[L]``: the flat caller index of each local slot, ``0`` at layout pads
+            (:func:`_local_stream`'s sources clamped).
+        pad: BoolTensor ``[L]``: the layout pads (no caller token).
         rows: ``B`` of the batch.
     """
     moved = t.movedim(dim, 1)
     seq = moved.shape[1]
-    idx = src.clamp(min=0)
     if moved.shape[0] != rows:  # a batch-size-1 tensor broadcast over the rows
         idx = idx % seq
     picked = moved.reshape(-1, *moved.shape[2:]).index_select(0, idx)
-    pad = (src < 0).reshape(-1, *([1] * (picked.dim() - 1)))
-    picked = picked.masked_fill(pad, fill)
+    picked.masked_fill_(pad.reshape(-1, *([1] * (picked.dim() - 1))), fill)  # a fresh tensor
     return picked.unsqueeze(0).movedim(1, dim).contiguous()
 
 
@@ -212,6 +212,7 @@ def shard_batch_packed(
     # the documents as runs, or the caller's pads inside them as well
     placement = plan.placement(device, None if stream_pad is None else stream_pad.to(device))
     rows = plan.input_row_shape[0]
+    idx, layout_pad = src.clamp(min=0), src < 0  # what every key reads, and its layout pads
     if not given_positions:  # per document, straight from the plan: no caller round trip
         out["position_ids"] = local_pos[None]
         dims.pop("position_ids", None)
@@ -225,12 +226,12 @@ def shard_batch_packed(
         if key == "padding_mask":
             continue  # set below from the stream, layout pads included
         if key == "position_ids":  # layout pads continue their document's positions
-            got = _shard_key(t, dim, 0, src, rows)
-            out[key] = torch.where(src[None] < 0, local_pos.to(got.dtype)[None], got)
+            got = _shard_key(t, dim, 0, idx, layout_pad, rows)
+            out[key] = torch.where(layout_pad[None], local_pos.to(got.dtype)[None], got)
         else:
             fill = pad_value(key, padding_token_id, extra)
             assert fill is not None
-            out[key] = _shard_key(t, dim, fill, src, rows)
+            out[key] = _shard_key(t, dim, fill, idx, layout_pad, rows)
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
     # losses and token counts can leave them out without knowing the layout.
     out["padding_mask"] = local_pad.unsqueeze(0)
