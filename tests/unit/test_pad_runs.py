@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from cpshard.attention.pad_runs import (
-    _PASS_CHUNK,
     blocked_runs,
     pad_table,
     rank_map_runs,
@@ -27,8 +26,15 @@ from cpshard.attention.selective_plan import selective_plan
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.closed_form import ContiguousLayout, NoneLayout, RoundRobinLayout
 from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.index import _PASS_CHUNK, run_starts
 from cpshard.layouts.packed import plan_packed
-from cpshard.layouts.placement import DocumentRuns, PaddedRows, Placement, pad_document_ids
+from cpshard.layouts.placement import (
+    _IN_ORDER_MIN_RUN,
+    DocumentRuns,
+    PaddedRows,
+    Placement,
+    pad_document_ids,
+)
 from cpshard.sharding.meta import TokenMeta
 
 CPU = torch.device("cpu")
@@ -222,6 +228,38 @@ def test_document_runs_make_the_plans_ids() -> None:
         from_runs = DocumentRuns(docs.starts, docs.ids, docs.length, CPU)  # no per-position ids
         assert torch.equal(from_runs.make_ids(), want)
         assert torch.equal(plan.placement(CPU, plan.stream_padding_mask).document_ids, want)
+
+
+def test_document_runs_in_any_order() -> None:
+    """The ids in the rank-major stream made from the runs (no global ids) equal the global ids
+    indexed by the rank map, pads' ``-1 - position`` included, for TE's packed and balanced plans
+    at several CP sizes; an order cut finer than the threshold says so (``None``)."""
+    rng = np.random.default_rng(21)
+    for _ in range(30):
+        rows = [[int(x) for x in rng.integers(1, 30, size=int(rng.integers(1, 6)))]
+                for _ in range(int(rng.integers(1, 4)))]  # fmt: skip
+        spec = PackSpec.from_seq_lens(rows, max(map(sum, rows)) + int(rng.integers(0, 4)))
+        world = int(rng.integers(1, 5))
+        for plan in (plan_balanced(spec, world), plan_packed(spec, world)):
+            place = plan.placement(CPU)
+            docs = place.documents
+            assert isinstance(docs, DocumentRuns)
+            want = place.document_ids[0]  # made here; the placement below is a fresh one
+            for order in (place.rank_map.reshape(-1), torch.arange(plan.padded_len)):
+                got = docs.in_order(order)
+                if got is None:  # finer than one run per _IN_ORDER_MIN_RUN positions
+                    assert run_starts(order.numpy()).size * _IN_ORDER_MIN_RUN > order.numel()
+                    continue
+                assert torch.equal(got, want[order])
+            fresh = plan.placement(CPU)
+            flat = place.rank_map.reshape(-1)
+            assert torch.equal(fresh.stream_document_ids()[0], want[flat])
+            fine = run_starts(flat.numpy()).size * _IN_ORDER_MIN_RUN > flat.numel()
+            assert (fresh._ids == []) != fine  # the runs' route leaves the global ids unmade
+    docs = DocumentRuns(torch.tensor([0, 3]), torch.tensor([0, -1]), 16, CPU)
+    assert docs.in_order(torch.arange(15, -1, -1)) is None  # runs of one position each
+    got = docs.in_order(torch.tensor([*range(3, 16), 0, 1, 2]))  # pads first, then document 0
+    assert got is not None and got.tolist() == [-1 - p for p in range(3, 16)] + [0, 0, 0]
 
 
 def test_rank_map_runs_cut_at_the_rank_blocks() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cpshard.attention.pieces import PAD_CLASS, RunTable, join_runs
+from cpshard.layouts.index import run_starts
 
 __all__ = [
     "blocked_runs",
@@ -32,9 +33,6 @@ __all__ = [
     "row_groups_by_pads",
     "runs_table",
 ]
-
-_PASS_CHUNK = 1 << 15
-"""Positions per chunk of :func:`rank_map_runs`' pass (a 256 KiB int64 temporary)."""
 
 _I64 = npt.NDArray[np.int64]
 
@@ -93,20 +91,9 @@ def blocked_runs(runs: tuple[tuple[int, int], ...], cut: int) -> tuple[_I64, _I6
 
 def rank_map_runs(stream: _I64, cut: int) -> tuple[_I64, _I64]:
     """``(slot, pos)`` of the runs of consecutive positions of a flattened rank map, cut at the
-    multiples of ``cut`` slots (one pass over its ``P`` positions, in chunks of
-    :data:`_PASS_CHUNK`: no ``[P]`` int64 temporary)."""
-    n = stream.size
-    brk = np.empty(n, dtype=bool)
-    if n:
-        brk[0] = True
-    nxt = np.empty(min(_PASS_CHUNK, max(n - 1, 0)), dtype=np.int64)
-    for lo in range(1, n, _PASS_CHUNK):
-        hi = min(lo + _PASS_CHUNK, n)
-        step = nxt[: hi - lo]
-        np.add(stream[lo - 1 : hi - 1], 1, out=step)
-        np.not_equal(stream[lo:hi], step, out=brk[lo:hi])
-    brk[::cut] = True
-    slot = np.flatnonzero(brk)
+    multiples of ``cut`` slots (one pass over its ``P`` positions,
+    :func:`~cpshard.layouts.index.run_starts`)."""
+    slot = run_starts(stream, cut)
     return slot, stream[slot]
 
 

@@ -802,5 +802,5 @@ def _aranges(a: _I64, b: _I64) -> _I64:
     steps[0] = a[0]
     # at each range's head jump from the previous range's last value to this range's start
     steps[heads[1:]] = a[1:] - (a[:-1] + n[:-1] - 1)
-    out: _I64 = steps.cumsum()
+    out: _I64 = np.cumsum(steps, out=steps)  # in place: no second array of the total's size
     return out

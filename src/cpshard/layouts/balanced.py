@@ -23,13 +23,12 @@ import numpy as np
 import torch
 
 from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.index import padded_length
+from cpshard.layouts.index import arange_runs, padded_length
 from cpshard.layouts.packed import (
     _I64,
     PackedPlan,
     _check_world,
     _doc_lengths,
-    _runs,
     plan_from_stream,
 )
 
@@ -143,7 +142,7 @@ def _pool_to_rank_map(
     ends = np.concatenate([s + (m1 + 1) // 2, s + n - m0 // 2, b[~is_doc]])
     owner = np.concatenate([rank[is_doc], rank[is_doc], rank[~is_doc]])
     keyed = np.argsort(owner * (padded + 1) + starts)
-    flat = _runs(starts[keyed], ends[keyed] - starts[keyed], 1, out=out)
+    flat = arange_runs(starts[keyed], ends[keyed] - starts[keyed], 1, out=out)
     return flat.reshape(world_size, padded // world_size)
 
 

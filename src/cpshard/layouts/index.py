@@ -7,9 +7,23 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-__all__ = ["check_rank_map", "consecutive_runs", "inverse_permutation", "padded_length"]
+__all__ = [
+    "arange_runs",
+    "check_rank_map",
+    "consecutive_runs",
+    "inverse_permutation",
+    "padded_length",
+    "run_starts",
+    "runs_over",
+]
+
+_I64 = npt.NDArray[np.int64]
+
+_PASS_CHUNK = 1 << 15
+"""Values per chunk of :func:`run_starts`' pass (a 256 KiB int64 temporary)."""
 
 
 def padded_length(seq_len: int, divisor: int) -> int:
@@ -111,3 +125,93 @@ def consecutive_runs(idx: torch.Tensor, *, split_every: int | None = None) -> li
     ends = [*cut, n]
     firsts = idx[starts].tolist()
     return [(v, e - s) for v, s, e in zip(firsts, starts, ends, strict=True)]
+
+
+def arange_runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) -> _I64:
+    """``concat(first[i] + step[i] * arange(counts[i]))`` as one int64 array, built in place
+    (a repeat and a cumsum over the output; no temporaries of its size), into ``out`` if given
+    (only with a scalar ``step``).
+
+    Example:
+        >>> arange_runs(np.array([5, 0]), np.array([2, 3]), 1).tolist()
+        [5, 6, 0, 1, 2]
+    """
+    keep = counts > 0
+    first, counts = first[keep], counts[keep]
+    if isinstance(step, int):
+        if out is None:
+            out = np.empty(int(counts.sum()), dtype=np.int64)
+        out.fill(step)
+        step_kept: _I64 | int = step
+    else:
+        step_kept = step[keep]
+        out = np.repeat(step_kept, counts)
+    if not counts.size:
+        return out
+    offsets = np.cumsum(counts) - counts
+    jump = first.copy()
+    jump[1:] -= first[:-1] + (counts[:-1] - 1) * (
+        step_kept if isinstance(step_kept, int) else step_kept[:-1]
+    )
+    out[offsets] = jump
+    np.cumsum(out, out=out)
+    return out
+
+
+def run_starts(values: _I64, cut: int | None = None) -> _I64:
+    """The slots where a run of consecutive values starts (``values[i] != values[i - 1] + 1``),
+    and every multiple of ``cut`` slots: one pass in chunks of :data:`_PASS_CHUNK` (no
+    temporary of ``values``' size but one bool per value).
+
+    Example:
+        >>> run_starts(np.array([0, 1, 2, 3, 8, 9, 4, 5]), cut=3).tolist()
+        [0, 3, 4, 6]
+    """
+    n = values.size
+    brk = np.empty(n, dtype=bool)
+    if n:
+        brk[0] = True
+    nxt = np.empty(min(_PASS_CHUNK, max(n - 1, 0)), dtype=np.int64)
+    for lo in range(1, n, _PASS_CHUNK):
+        hi = min(lo + _PASS_CHUNK, n)
+        step = nxt[: hi - lo]
+        np.add(values[lo - 1 : hi - 1], 1, out=step)
+        np.not_equal(values[lo:hi], step, out=brk[lo:hi])
+    if cut is not None:
+        brk[::cut] = True
+    return np.flatnonzero(brk)
+
+
+def runs_over(values: _I64, starts: _I64, min_run: int) -> tuple[_I64, _I64, _I64] | None:
+    """``values`` (any order) as pieces of consecutive values, each inside one run of a tiling
+    whose runs start at ``starts``: the runs of consecutive values (:func:`run_starts`) cut at
+    the tiling's starts, in ``values``' order.
+
+    Args:
+        values: ``[N]`` int64 values in ``[starts[0], end of the tiling)``.
+        starts: ``[K]`` int64, strictly increasing: run ``k`` of the tiling is
+            ``[starts[k], starts[k + 1])``.
+        min_run: Give up (``None``) where ``values`` has more than one run of consecutive
+            values per ``min_run`` of them (indexing whole arrays is then cheaper).
+
+    Returns:
+        ``(k, first, count)`` per piece: the tiling's run it lies in, its first value and its
+        length; ``arange_runs(first, count, 1)`` is ``values``. Or ``None``.
+    """
+    n = values.size
+    first_slot = run_starts(values)
+    if min_run * first_slot.size > n:
+        return None
+    a = values[first_slot]
+    b = a + np.diff(first_slot, append=n)  # each run covers the values [a, b)
+    k0 = np.searchsorted(starts, a, side="right") - 1
+    k1 = np.searchsorted(starts, b - 1, side="right") - 1
+    pieces = k1 - k0 + 1  # tiling runs each run overlaps
+    offsets = np.cumsum(pieces) - pieces
+    k = np.arange(int(pieces.sum()), dtype=np.int64)
+    k += np.repeat(k0 - offsets, pieces)
+    lo = np.maximum(np.repeat(a, pieces), starts[k])
+    hi = np.repeat(b, pieces)
+    inner = k + 1 < starts.size
+    np.minimum(hi, starts[np.minimum(k + 1, starts.size - 1)], out=hi, where=inner)
+    return k, lo, hi - lo

@@ -40,7 +40,7 @@ from cpshard.layouts.coordinates import (
     stream_to_positions,
 )
 from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.index import check_rank_map
+from cpshard.layouts.index import arange_runs, check_rank_map, runs_over
 from cpshard.layouts.placement import DocumentRuns, Placement, pad_document_ids
 
 __all__ = [
@@ -92,11 +92,11 @@ class StreamRuns:
 
     def positions(self) -> _I64:
         """``[P]``: the position of each token inside its document."""
-        return _runs(self.pos_first, self.counts, 1)
+        return arange_runs(self.pos_first, self.counts, 1)
 
     def sources(self) -> _I64:
         """``[P]``: the flat caller index of each position, ``-1`` where none fills it."""
-        return _runs(self.src_first, self.counts, self.src_step)
+        return arange_runs(self.src_first, self.counts, self.src_step)
 
     def at(self, stream: _I64) -> tuple[_I64, _I64, npt.NDArray[np.bool_]] | None:
         """``(sources, positions, pads)`` of the stream positions ``stream`` (``[L]``, e.g. one
@@ -111,31 +111,15 @@ class StreamRuns:
             ``[L]`` int64 caller indices (``-1``: none), ``[L]`` int64 positions, ``[L]`` bools
             (``True``: a pad), or ``None``.
         """
-        n = stream.size
-        if n == 0:
+        if stream.size == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, bool)
-        brk = np.empty(n, dtype=bool)
-        brk[0] = True
-        np.not_equal(stream[1:], stream[:-1] + 1, out=brk[1:])
-        first = np.flatnonzero(brk)
-        if 8 * first.size > n:
+        cut = runs_over(stream, self.starts, 8)
+        if cut is None:
             return None
-        a = stream[first]
-        b = a + np.diff(first, append=n)  # each local run is stream [a, b)
-        k0 = np.searchsorted(self.starts, a, side="right") - 1
-        k1 = np.searchsorted(self.starts, b - 1, side="right") - 1
-        pieces = k1 - k0 + 1  # stream runs each local run overlaps
-        total = int(pieces.sum())
-        offsets = np.cumsum(pieces) - pieces
-        k = np.arange(total, dtype=np.int64)
-        k += np.repeat(k0 - offsets, pieces)
-        run_start = self.starts[k]
-        lo = np.maximum(np.repeat(a, pieces), run_start)
-        hi = np.minimum(np.repeat(b, pieces), run_start + self.counts[k])
-        into = lo - run_start
-        count = hi - lo
-        src = _runs(self.src_first[k] + self.src_step[k] * into, count, self.src_step[k])
-        pos = _runs(self.pos_first[k] + into, count, 1)
+        k, lo, count = cut
+        into = lo - self.starts[k]
+        src = arange_runs(self.src_first[k] + self.src_step[k] * into, count, self.src_step[k])
+        pos = arange_runs(self.pos_first[k] + into, count, 1)
         pad = np.repeat(self.ids[k] < 0, count)
         return src, pos, pad
 
@@ -280,32 +264,6 @@ def _doc_lengths(spec: PackSpec) -> _I64:
     return np.fromiter(flat, dtype=np.int64, count=spec.num_docs)
 
 
-def _runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) -> _I64:
-    """``concat(first[i] + step[i] * arange(counts[i]))`` as one int64 array, built in place
-    (a repeat and a cumsum over the output; no ``[P]`` temporaries), into ``out`` if given
-    (only with a scalar ``step``)."""
-    keep = counts > 0
-    first, counts = first[keep], counts[keep]
-    if isinstance(step, int):
-        if out is None:
-            out = np.empty(int(counts.sum()), dtype=np.int64)
-        out.fill(step)
-        step_kept: _I64 | int = step
-    else:
-        step_kept = step[keep]
-        out = np.repeat(step_kept, counts)
-    if not counts.size:
-        return out
-    offsets = np.cumsum(counts) - counts
-    jump = first.copy()
-    jump[1:] -= first[:-1] + (counts[:-1] - 1) * (
-        step_kept if isinstance(step_kept, int) else step_kept[:-1]
-    )
-    out[offsets] = jump
-    np.cumsum(out, out=out)
-    return out
-
-
 def _stream_facts(
     spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int
 ) -> tuple[StreamRuns, torch.Tensor]:
@@ -335,7 +293,7 @@ def _stream_facts(
     first = np.insert(starts, row_ends, -1)
     counts = np.insert(lens, row_ends, row_pad)
     step = np.insert(np.ones(n_docs, dtype=np.int64), row_ends, 0)
-    idx = _runs(first, counts, step)
+    idx = arange_runs(first, counts, step)
     # the inverse: document d's real tokens come from its caller slots (row by row, the
     # documents of a row one after the other), its padding and the end pad from none
     row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(row_ends, prepend=0))
@@ -408,7 +366,7 @@ def plan_packed(spec: PackSpec, world_size: int) -> PackedPlan:
     first[:, :, 0] = starts + r * chunk
     first[:, :, 1] = starts + (two_c - 1 - r) * chunk
     counts = np.broadcast_to(chunk[None, :, None], first.shape)
-    flat = _runs(first.reshape(-1), counts.reshape(-1), 1)
+    flat = arange_runs(first.reshape(-1), counts.reshape(-1), 1)
     rank_map = torch.from_numpy(flat.reshape(world_size, -1))
     plan = plan_from_stream(spec, "packed", rank_map, torch.from_numpy(padded))
     return replace(plan, solver_seconds=time.perf_counter() - t0)
