@@ -472,7 +472,8 @@ def test_an_entrys_value_hash_does_not_depend_on_the_entries_before_it() -> None
 def test_model_fingerprint_values_over_mixed_dtypes_equal_the_per_entry_samples() -> None:
     """Samples are converted to float64 once per (device, dtype) group: each entry's value is
     still the sum over its own strided sample of its float64 bits times ``2 * place + 1``, for
-    fp32, bf16, int64, bool and complex entries interleaved."""
+    fp32, bf16, int64, bool and complex entries interleaved, a transposed parameter and a
+    buffer at a storage offset (the sample of the values in flat order, wherever they lie)."""
     from cpshard.guards.step import PARAM_SAMPLE, model_fingerprint
 
     g = torch.Generator().manual_seed(3)
@@ -483,8 +484,11 @@ def test_model_fingerprint_values_over_mixed_dtypes_equal_the_per_entry_samples(
     m.register_buffer("d", torch.rand(9, generator=g) > 0.5)
     m.e = torch.nn.Parameter(torch.randn(2, 3, generator=g))
     m.register_buffer("f", torch.randn(4, dtype=torch.complex64, generator=g))
+    m.t = torch.nn.Parameter(torch.randn(70, 50, generator=g).t())  # not contiguous
+    m.register_buffer("o", torch.arange(1000.0)[300:900])  # contiguous, at a storage offset
     fp = model_fingerprint(m, read_values=True)
-    for name, t in [("a", m.a), ("b", m.b), ("c", m.c), ("d", m.d), ("e", m.e), ("f", m.f)]:
+    entries = [("a", m.a), ("b", m.b), ("c", m.c), ("d", m.d), ("e", m.e), ("f", m.f)]
+    for name, t in [*entries, ("t", m.t), ("o", m.o)]:
         flat = t.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // PARAM_SAMPLE)][:PARAM_SAMPLE]
         if sample.is_complex():

@@ -445,7 +445,7 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
     """
     entries = _entries(model)
     layout = ";".join(
-        f"{name}:{tuple(t.shape)}:{t.dtype}" + (f":{t.requires_grad}" if is_param else "")
+        f"{name}:{t.shape}:{t.dtype}" + (f":{t.requires_grad}" if is_param else "")
         for name, t, is_param in entries
     )
     names = [name for name, _, _ in entries]
@@ -453,18 +453,22 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
     values = torch.zeros(len(entries), dtype=torch.long)
     # per (device, dtype): the samples and their entries; converted to float64 once per group
     by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
-    for i, (_, t, _) in enumerate(entries if read_values else ()):
-        local = t.to_local() if isinstance(t, DTensor) else t
-        n = local.numel()
-        if n == 0 or local.is_meta:
-            continue
-        step = max(1, n // PARAM_SAMPLE)  # every step-th value, at most PARAM_SAMPLE of them
-        sample = local.detach().reshape(-1)[: step * PARAM_SAMPLE : step]
-        if sample.is_complex():
-            sample = torch.view_as_real(sample).reshape(-1)
-        samples, owners = by_kind.setdefault((sample.device, sample.dtype), ([], []))
-        samples.append(sample)
-        owners.append(i)
+    with torch.no_grad():  # views of the values, no autograd record
+        for i, (_, t, _) in enumerate(entries if read_values else ()):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            n = local.numel()
+            if n == 0 or local.is_meta:
+                continue
+            step = max(1, n // PARAM_SAMPLE)  # every step-th value, at most PARAM_SAMPLE of them
+            if local.is_contiguous():  # one view op: values 0, step, ..., of the flat tensor
+                sample = local.as_strided((min(n, PARAM_SAMPLE),), (step,))
+            else:
+                sample = local.reshape(-1)[: step * PARAM_SAMPLE : step]
+            if sample.is_complex():
+                sample = torch.view_as_real(sample).reshape(-1)
+            samples, owners = by_kind.setdefault((sample.device, sample.dtype), ([], []))
+            samples.append(sample)
+            owners.append(i)
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[int], list[int]]] = {}
     for (device, _), (samples, owners) in by_kind.items():
         joined, idx, sizes = by_device.setdefault(device, ([], [], []))
