@@ -33,9 +33,12 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
   min(f * comm, work)``): a transport that moves bytes on the cores that compute (gloo on CPU)
   hides little.
 
-A step lasts as long as its slowest rank: a method's cost is the max over ranks. The model ignores
-kernel efficiency differences (tile waste, small-tile launch overhead), intra-node vs inter-node
-topology (one bandwidth for every pair of ranks) and contention between concurrent transfers.
+A step lasts as long as its slowest rank: a method's cost is the max over ranks. Of the kernels'
+own work the model charges the pad diagonals (``pad_pairs``), not their efficiency by piece size
+(small query blocks and short key pieces run slower per pair than large ones; on the CPU grid of
+BENCHMARKS.md this leaves a batch of a few long documents over-predicted at C = 2 and
+under-predicted at C = 4), nor intra-node vs inter-node topology (one bandwidth for every pair of
+ranks) or contention between concurrent transfers.
 
 Every input is a global fact of the batch (the token meta every rank holds) or of the call (shapes
 and dtype, equal on every rank), so every rank computes the same costs and picks the same method
