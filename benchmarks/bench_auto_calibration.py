@@ -97,6 +97,45 @@ def make_batch(mix: str, s: int, seed: int = 0) -> dict[str, Any]:
     return {"input_ids": torch.ones(1, s, dtype=torch.long), "seq_lens": [lens]}
 
 
+def grid_meta(mix: str, s: int, c: int) -> Any:
+    """Rank 0's token meta of the grid's ``(mix, S, C)`` batch, without ranks: the placement
+    :func:`~cpshard.make_cp_batch_and_ctx` makes of :func:`make_batch` with the mix's layout (the
+    facts are global: any rank's meta gives them)."""
+    from cpshard.layouts.balanced import plan_balanced
+    from cpshard.layouts.closed_form import RoundRobinLayout
+    from cpshard.layouts.packed import plan_packed
+    from cpshard.sharding.meta import TokenMeta
+    from cpshard.sharding.packed import pack_spec_of_batch
+
+    batch, cpu = make_batch(mix, s), torch.device("cpu")
+    if mix == "dense":
+        pad = batch["attention_mask"] == 0
+        placement = RoundRobinLayout().placement(c, pad.shape[0], pad.shape[1], pad, cpu)
+    else:
+        x = batch["input_ids"]
+        spec = pack_spec_of_batch(batch, (x.shape[0], x.shape[1]))
+        plan = plan_balanced(spec, c) if LAYOUT[mix] == "balanced" else plan_packed(spec, c)
+        placement = plan.placement(cpu)
+    return TokenMeta.of(placement, 0)
+
+
+def _recomputed_facts(label: str, saved: dict[str, Any]) -> Any:
+    """The plan facts of the point ``label`` (``"<mix> S=<k>k C=<C> ..."``) recomputed from
+    :func:`grid_meta`, checked against the ``saved`` ones: a file written before a fact existed
+    gets it (the grid's batches are deterministic)."""
+    from cpshard.attention.cost import plan_facts
+
+    mix, size, cp = label.split()[:3]
+    facts = plan_facts(grid_meta(mix, int(size[2:-1]) * 1024, int(cp[2:])))
+    for name in ("world", "local_len", "meta_rows"):
+        if getattr(facts, name) != saved[name]:
+            raise ValueError(f"{label}: recomputed {name} differs from the saved one")
+    for name in ("pairs", "local_pairs", "recv_slots", "send_slots"):
+        if [int(v) for v in getattr(facts, name)] != saved[name]:
+            raise ValueError(f"{label}: recomputed {name} differ from the saved ones")
+    return facts
+
+
 def grid(seqs: list[int], cps: list[int]) -> list[tuple[int, int, str, int, int]]:
     """``(S, C, batch, Hq, Hkv)`` points, GQA rotated as a Latin square."""
     out = []
@@ -178,6 +217,8 @@ def save_samples(
         facts = {"world": f.world, "local_len": f.local_len, "meta_rows": f.meta_rows}
         for name in ("pairs", "local_pairs", "recv_slots", "send_slots"):
             facts[name] = [int(v) for v in getattr(f, name)]
+        pads = f.pad_pairs if f.pad_pairs is not None else np.zeros(f.world, dtype=np.int64)
+        facts["pad_pairs"] = [int(v) for v in pads]
         rounds = {m: list(t) for m, t in x.rounds.items()}
         shape = dataclasses.asdict(x.shape)
         points.append(
@@ -191,7 +232,8 @@ def save_samples(
 def load_samples(path: str, clock: str = "wall") -> tuple[list[Any], Any, Any]:
     """The points of a :func:`save_samples` file (measured: the median until --stat says), by
     ``clock``: wall seconds, or CPU seconds (``share`` 1: a rank's CPU time is what its step
-    takes on a core of its own)."""
+    takes on a core of its own). A file without ``pad_pairs`` (written before that fact) gets
+    its facts recomputed (:func:`_recomputed_facts`)."""
     from cpshard.attention.calibration import Sample
     from cpshard.attention.cost import CallShape, PlanFacts
 
@@ -202,7 +244,12 @@ def load_samples(path: str, clock: str = "wall") -> tuple[list[Any], Any, Any]:
         f = pt["facts"]
         arrays = {k: np.asarray(f[k], dtype=np.int64)
                   for k in ("pairs", "local_pairs", "recv_slots", "send_slots")}  # fmt: skip
-        facts = PlanFacts(f["world"], f["local_len"], f["meta_rows"], **arrays)
+        if "pad_pairs" in f:
+            pads = np.asarray(f["pad_pairs"], dtype=np.int64)
+            facts = PlanFacts(f["world"], f["local_len"], f["meta_rows"], **arrays,
+                              pad_pairs=pads if pads.any() else None)  # fmt: skip
+        else:
+            facts = _recomputed_facts(pt["label"], f)
         if clock == "cpu" and "cpu_rounds" not in pt:
             raise ValueError(f"{path}: no CPU times recorded (measured before --clock existed)")
         key, share = ("cpu_rounds", 1.0) if clock == "cpu" else ("rounds", pt["share"])

@@ -9,18 +9,24 @@ bytes the exchange moves. No process group.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from cpshard.attention.cost import (
+    BACKWARD_FACTOR,
     CallShape,
     CostModel,
     method_bytes,
     method_costs,
+    pad_tile_pairs,
     plan_facts,
     wire_bytes,
 )
+from cpshard.attention.pieces import PAD_TILE
+from cpshard.attention.plan import attention_plan
 from cpshard.attention.selective_plan import selective_plan
 from cpshard.layouts.closed_form import ContiguousLayout, RoundRobinLayout
 from cpshard.layouts.index import padded_length
@@ -109,3 +115,55 @@ def test_method_bytes_is_what_method_costs_charges_the_link() -> None:
         costs, moved = method_costs(facts, shape, model), method_bytes(facts, shape)
         for m, t in costs.items():
             assert t * model.link_bandwidth == pytest.approx(moved[m].max(), rel=1e-9), m
+
+
+def _long_padded(world: int, lens: list[int], seq: int) -> list[TokenMeta]:
+    """Dense rows of ``seq`` tokens whose real lengths are ``lens`` (the rest padding, long pad
+    stretches: diagonals of several PAD_TILE tiles), round_robin."""
+    padded = padded_length(seq, 2 * world)
+    pad = torch.arange(padded)[None] >= torch.as_tensor(lens)[:, None]
+    docs = pad_document_ids(torch.zeros(len(lens), padded, dtype=torch.long), pad)
+    stream = RoundRobinLayout().rank_map(world, padded).reshape(-1)
+    pos = stream[None].expand(len(lens), -1).contiguous()
+    return [TokenMeta(r, world, pos, docs[:, stream].contiguous()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pad_pairs_are_what_the_kernels_compute_beyond_the_visible(world: int) -> None:
+    """Visible pairs plus pad_pairs of every rank are the pairs its all-gather plan's kernels
+    compute (each pad diagonal in tiles of at most PAD_TILE, computed whole)."""
+    for lens in ([1000, 3000, 2100], [4096], [700]):
+        metas = _long_padded(world, lens, 4096)
+        facts = plan_facts(metas[0])
+        pads = np.zeros(world, dtype=np.int64) if facts.pad_pairs is None else facts.pad_pairs
+        for r, meta in enumerate(metas):
+            computed = attention_plan(meta).all_gather(True, None, CPU).computed
+            assert int(facts.pairs[r] + pads[r]) == computed, (lens, r)
+    whole = padded_length(4096, 2 * world)  # a row without padding: no pad stretch
+    assert plan_facts(_long_padded(world, [whole], whole)[0]).pad_pairs is None
+
+
+def test_pad_tile_pairs_counts_whole_tiles() -> None:
+    t = PAD_TILE
+    got = pad_tile_pairs(np.asarray([1, 2, t, t + 1, 3 * t + 5], dtype=np.int64))
+    np.testing.assert_array_equal(
+        got, [0, 2, t * t - t, t * t + 1 - (t + 1), 3 * t * t + 25 - (3 * t + 5)]
+    )
+
+
+def test_pad_pairs_add_compute_on_the_padded_ranks() -> None:
+    """The same facts without their pad_pairs model every method faster; ulysses by the pad
+    diagonals of every rank over C, the others by at least the padded rank's."""
+    metas = _long_padded(4, [1000, 3000, 2100], 4096)
+    facts = plan_facts(metas[0])
+    assert facts.pad_pairs is not None and (facts.pad_pairs > 0).any()
+    bare = dataclasses.replace(facts, pad_pairs=None)
+    shape = CallShape(3, 8, 2, 16, 4)
+    model = CostModel(compute_rate=1e10, link_bandwidth=1e9, latency=0.0)
+    with_pads, without = method_costs(facts, shape, model), method_costs(bare, shape, model)
+    flop = 4 * 16 * 8 * (1 + BACKWARD_FACTOR) / model.compute_rate  # per meta row's pair
+    assert with_pads["ulysses"] - without["ulysses"] == pytest.approx(
+        facts.pad_pairs.sum() * flop / 4, rel=1e-9
+    )
+    for m in ("all_gather", "ring", "selective"):
+        assert with_pads[m] > without[m], m

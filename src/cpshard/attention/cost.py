@@ -2,10 +2,15 @@
 
 For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L`` tokens each):
 
-* **compute**: ``pairs_r`` visible query-key pairs of ``r``'s queries (from the token meta, exact),
-  ``4 * D * Hq`` FLOP per pair forward and :data:`BACKWARD_FACTOR` times that backward, at
-  ``compute_rate`` FLOP/s. ``all_gather``, ``ring`` and ``selective`` compute the same pairs;
-  ``ulysses`` computes ``1/C`` of the heads of every pair of the stream (perfectly balanced).
+* **compute**: ``pairs_r`` visible query-key pairs of ``r``'s queries (from the token meta, exact)
+  plus ``pad_pairs_r``, the pairs the kernels compute beyond those on ``r``'s padding (a pad sees
+  only itself, but a stretch of ``m`` pads runs as identity-masked diagonals of at most
+  :data:`~cpshard.attention.pieces.PAD_TILE`: ``sum(tile**2)`` pairs, not ``m``), ``4 * D * Hq``
+  FLOP per pair forward and :data:`BACKWARD_FACTOR` times that backward, at ``compute_rate``
+  FLOP/s. ``all_gather``, ``ring`` and ``selective`` compute the same pairs; ``ulysses``
+  computes ``1/C`` of the heads of every pair of the stream (perfectly balanced; its pad
+  diagonals taken as the ranks' together, exact where each rank's pad stretches are whole
+  tiles).
 * **communication**: bytes over ``link_bandwidth`` (bytes/s one rank receives, or sends, at
   once), plus ``latency`` per collective or ring step. Forward K/V move in the input dtype, the
   backward's dK/dV in the fp32 accumulation dtype (fp64 for fp64).
@@ -28,9 +33,12 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
   min(f * comm, work)``): a transport that moves bytes on the cores that compute (gloo on CPU)
   hides little.
 
-A step lasts as long as its slowest rank: a method's cost is the max over ranks. The model ignores
-kernel efficiency differences (tile waste, small-tile launch overhead), intra-node vs inter-node
-topology (one bandwidth for every pair of ranks) and contention between concurrent transfers.
+A step lasts as long as its slowest rank: a method's cost is the max over ranks. Of the kernels'
+own work the model charges the pad diagonals (``pad_pairs``), not their efficiency by piece size
+(small query blocks and short key pieces run slower per pair than large ones; on the CPU grid of
+BENCHMARKS.md this leaves a batch of a few long documents over-predicted at C = 2 and
+under-predicted at C = 4), nor intra-node vs inter-node topology (one bandwidth for every pair of
+ranks) or contention between concurrent transfers.
 
 Every input is a global fact of the batch (the token meta every rank holds) or of the call (shapes
 and dtype, equal on every rank), so every rank computes the same costs and picks the same method
@@ -56,6 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpshard.attention.methods import METHODS
+from cpshard.attention.pieces import PAD_TILE
 from cpshard.attention.selective_plan import MetaArrays, exchange_sums, meta_arrays
 from cpshard.attention.visibility import Frame, RankRuns, per_rank, visible_pairs
 from cpshard.sharding.meta import TokenMeta
@@ -70,6 +79,7 @@ __all__ = [
     "choose_method",
     "method_bytes",
     "method_costs",
+    "pad_tile_pairs",
     "plan_facts",
     "wire_bytes",
 ]
@@ -78,21 +88,22 @@ BACKWARD_FACTOR = 2.5
 """Backward FLOP per forward FLOP of attention (FlashAttention-2: 2.5x)."""
 
 CPU_GLOO_RATES: dict[str, float] = {
-    "compute_rate": 3.581e10,
-    "link_bandwidth": 7.966e8,
-    "latency": 5.767e-3,
-    "overlap": 0.04089,
-    "pass_rate": 1.006e10,
+    "compute_rate": 3.644e10,
+    "link_bandwidth": 8.213e8,
+    "latency": 5.627e-3,
+    "overlap": 0.04137,
+    "pass_rate": 2.447e9,
 }
 """The rates of :meth:`CostModel.cpu_gloo`: fitted by ``benchmarks/bench_auto_calibration.py
 --load benchmarks/data/auto_calibration_full_cpu.json --clock cpu`` (the full grid: 27 points,
 S 16k/32k/64k x C 2/3/4 x three batch mixes x GQA 8/8, 8/2, 8/1, 4 paired rounds each, the
 slowest rank's CPU time per step: what a step takes on a core of its own, whatever the
-neighbours' load) on the 2-core x86_64 container, weighted least squares of log time.
-Leave-one-point-out, 88% of the 90 (point, method) times were predicted within 15% and the
-measured best method was picked at 93% of the points (BENCHMARKS.md). ``latency`` here is per
-collective or ring step of a gloo rank sharing its core (5.8 ms: gloo's TCP round trips and the
-ranks' scheduling on 2 cores), not a network's."""
+neighbours' load) on the 2-core x86_64 container, weighted least squares of log time; refitted
+once the model charged the pad diagonals the kernels compute (:attr:`PlanFacts.pad_pairs`).
+Leave-one-point-out, 92% of the 90 (point, method) times were predicted within 15% (88% before
+the pad diagonals) and the measured best method was picked at 93% of the points (BENCHMARKS.md).
+``latency`` here is per collective or ring step of a gloo rank sharing its core (5.6 ms: gloo's
+TCP round trips and the ranks' scheduling on 2 cores), not a network's."""
 
 TIE_RTOL = 1e-9
 """Modelled times this close (relative) are a tie, decided by the bytes moved."""
@@ -223,6 +234,9 @@ class PlanFacts:
         recv_slots: ``[C]`` remote key slots each rank's queries see (what selective receives;
             :func:`~cpshard.attention.selective_plan.exchange_sums`).
         send_slots: ``[C]`` key slots each rank's peers need from it (what selective sends).
+        pad_pairs: ``[C]`` pairs each rank's kernels compute beyond the visible ones on its pad
+            diagonals (:func:`pad_tile_pairs`; on the rank's own keys, like every pad pair), or
+            ``None``: not known, 0.
     """
 
     world: int
@@ -232,6 +246,43 @@ class PlanFacts:
     local_pairs: np.ndarray
     recv_slots: np.ndarray
     send_slots: np.ndarray
+    pad_pairs: np.ndarray | None = None
+
+
+def pad_tile_pairs(lengths: np.ndarray) -> np.ndarray:
+    """Pairs the kernels compute beyond the visible ones for pad runs of ``lengths`` slots.
+
+    A stretch of ``m`` pads (each sees only itself: ``m`` visible pairs) runs as identity-masked
+    diagonals of at most :data:`~cpshard.attention.pieces.PAD_TILE` slots, each computed whole:
+    ``(m // T) * T**2 + (m % T)**2`` pairs.
+
+    Args:
+        lengths: int64 pad run lengths.
+
+    Returns:
+        int64, the extra pairs of each run (0 for runs of one pad).
+    """
+    whole, rest = np.divmod(lengths, PAD_TILE)
+    out: np.ndarray = whole * (PAD_TILE * PAD_TILE) + rest * rest - lengths
+    return out
+
+
+def _pad_pairs(a: MetaArrays) -> np.ndarray | None:
+    """``[C]`` :func:`pad_tile_pairs` of every rank's pad runs, each row group's weighted by the
+    meta rows it stands for; ``None`` where the stream has no pad run longer than one slot."""
+    runs = [g.runs for g in a.runs]
+    if len(runs) == 1:
+        pad, n, rank, w = runs[0].pad, runs[0].n, runs[0].rank, None
+    else:
+        pad = np.concatenate([r.pad for r in runs])
+        n = np.concatenate([r.n for r in runs])
+        rank = np.concatenate([r.rank for r in runs])
+        w = np.repeat(a.weights, [r.n.size for r in runs])[pad]
+    n = n[pad]
+    if not (n > 1).any():
+        return None
+    extra = pad_tile_pairs(n)
+    return per_rank(rank[pad], extra if w is None else w * extra, a.world)
 
 
 def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -300,7 +351,9 @@ def plan_facts(meta: TokenMeta, causal: bool = True, window: int | None = None) 
     a = meta_arrays(meta)
     pairs, local = _pairs(a, causal, window)
     recv, send = exchange_sums(a, causal, window)
-    facts = PlanFacts(a.world, a.local_len, int(a.weights.sum()), pairs, local, recv, send)
+    facts = PlanFacts(
+        a.world, a.local_len, int(a.weights.sum()), pairs, local, recv, send, _pad_pairs(a)
+    )
     meta.plan_cache[key] = facts
     return facts
 
@@ -333,8 +386,9 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     c, n = facts.world, facts.local_len
     rows = shape.batch / facts.meta_rows  # a one-row meta serves every batch row
     flop = 4.0 * shape.head_dim * shape.q_heads * rows
-    fwd = facts.pairs * flop / model.compute_rate  # [C] seconds
-    fwd_local = facts.local_pairs * flop / model.compute_rate
+    pads = 0 if facts.pad_pairs is None else facts.pad_pairs  # pad diagonals: on the own keys
+    fwd = (facts.pairs + pads) * flop / model.compute_rate  # [C] seconds
+    fwd_local = (facts.local_pairs + pads) * flop / model.compute_rate
     bwd, bwd_local = fwd * BACKWARD_FACTOR, fwd_local * BACKWARD_FACTOR
     slot, acc = _slot_and_acc(shape)
     bw, lat, f = model.link_bandwidth, model.latency, model.overlap
@@ -378,7 +432,8 @@ def method_costs(facts: PlanFacts, shape: CallShape, model: CostModel) -> dict[s
     costs["ring"] = float(t_ring.max())
     heads, out = _ulysses_elements(shape, c, n)
     uly_comm = ((heads + out) * shape.itemsize + (out * shape.itemsize + heads * acc)) / bw
-    total = float(facts.pairs.sum()) * flop / model.compute_rate * (1 + BACKWARD_FACTOR)
+    total = float(facts.pairs.sum() + np.sum(pads)) * flop / model.compute_rate
+    total *= 1 + BACKWARD_FACTOR
     costs["ulysses"] = uly_comm + total / c + 4 * lat
     costs["selective"] = overlapped(
         np.maximum(facts.recv_slots.astype(np.float64), facts.send_slots.astype(np.float64))
