@@ -28,7 +28,10 @@ steps): the fingerprint (content hash of the batch), the step header's exchange,
 (the sharder's ``shard``: layout, token meta, local tensors and their record), the auto cost
 facts and the chosen method's plan; and the model's checks: the weights fingerprint (inside the
 header exchange) and the token-mixer detection (in the prepare's validation). Goal <= 5 ms;
-``bare`` = one ``index_select`` per batch tensor with precomputed indices.
+``bare`` = one ``index_select`` per batch tensor with precomputed indices. The *floor* of a
+checked prepare is what no implementation can skip: ``bare`` (the local tensors), the batch's
+content hash (:func:`~cpshard.sharding.consistency.batch_fingerprint`, every value read once)
+and one step-header all-gather with both ranks already there, each timed in the same run.
 
 Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
 padded batch, and the batch fingerprint of its three tensors, fastest of 15 each: the parts of
@@ -174,8 +177,12 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> li
     from bench_shard_batch import _batches
 
     import cpshard
+    from cpshard import _comm
+    from cpshard.guards.step import HEADER_SIZE, PAYLOAD_SIZE
+    from cpshard.sharding.consistency import batch_fingerprint
 
     torch.set_num_threads(1)
+    header = torch.zeros(HEADER_SIZE + PAYLOAD_SIZE, dtype=torch.long)
     spent: dict[str, float] = {}
     saved = []
     for stage, (mod_name, attr) in _STAGES.items():
@@ -200,7 +207,7 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> li
             local = sharder.rank_map[mesh.get_local_rank()]  # type: ignore[index]
             flat = {k: v.reshape(1, -1) if name == "packed" else v for k, v in batch.items()
                     if isinstance(v, torch.Tensor)}  # fmt: skip
-            total, bare = [], []
+            total, bare, hashed, gathered = [], [], [], []
             spent.clear()
             for _ in range(repeat):
                 torch.distributed.barrier()
@@ -211,6 +218,13 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> li
                 for v in flat.values():
                     v.index_select(1, local.clamp(max=v.shape[1] - 1))
                 bare.append(time.process_time() - t0)
+                t0 = time.process_time()
+                batch_fingerprint(batch, layout=layout, attention="auto", padding_token_id=0)
+                hashed.append(time.process_time() - t0)
+                torch.distributed.barrier()  # both ranks there: the gather without a wait
+                t0 = time.process_time()
+                _comm.all_gather_fixed(header, mesh.get_group())
+                gathered.append(time.process_time() - t0)
             stages = {k: v / repeat * 1e3 for k, v in spent.items()}
             stages["plan of the chosen method"] = (
                 stages.pop("cp attention (facts + plan)") - stages["cost facts + choice"]
@@ -218,6 +232,8 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> li
             rows.append({
                 "batch": name, "total": statistics.median(total) * 1e3,
                 "bare": statistics.median(bare) * 1e3, "stages": stages,
+                "hash": statistics.median(hashed) * 1e3,
+                "gather": statistics.median(gathered) * 1e3,
             })  # fmt: skip
     finally:
         for mod, attr, real in saved:
@@ -235,6 +251,10 @@ def _prepare_part(b: int, s: int, ranks: int, repeat: int, model_name: str) -> N
         print(f"\n{r['batch']}: prepare {t:.2f} ms CPU (goal <= {PREPARE_GOAL_MS} ms: "
               f"{t / PREPARE_GOAL_MS:.2f}x the goal), bare index_select {bare:.2f} ms "
               f"(prepare / bare {t / bare:.1f}x)")  # fmt: skip
+        floor = bare + r["hash"] + r["gather"]
+        print(f"floor of a checked prepare: bare index_select {bare:.2f} + batch content hash "
+              f"{r['hash']:.2f} + one header all-gather {r['gather']:.2f} = {floor:.2f} ms "
+              f"(prepare / floor {t / floor:.2f}x)")  # fmt: skip
         print("| stage | CPU ms per prepare (mean) | / bare index_select |")
         print("|---|---|---|")
         for k, v in r["stages"].items():
