@@ -115,6 +115,8 @@ def test_placement_from_runs_equals_the_index_placement(
         assert torch.equal(placement.stream_document_ids(), want_stream)
         if isinstance(layout, _Striped) and padded // world > MAX_RUNS:
             assert placement.stream_runs is None
+        else:  # made from its runs (Placement.of_runs): they describe it, as the check says
+            assert placement.stream_runs is not None and placement._runs_match()
         for rank in range(world):
             runs = placement.local_runs(rank)
             if runs is not None:

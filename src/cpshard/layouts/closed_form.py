@@ -210,12 +210,6 @@ class ClosedFormLayout(ABC):
             run for r in range(world_size) for run in self.local_runs(r, world_size, padded)
         )
         runs = every if len(every) <= MAX_RUNS * world_size else None
-        if runs is not None:
-            # the rank map from its runs: one arange and a gather of its slices
-            ar = torch.arange(padded, dtype=torch.long, device=device)
-            rank_map = torch.cat([ar[a : a + n] for a, n in runs]).reshape(world_size, -1)
-        else:
-            rank_map = self.rank_map(world_size, padded, device)
         # the documents by their pads (bools; the int64 ids are made only if read), in a
         # tensor of their own (a copy, or the cat with the CP pads), so a caller who reuses the
         # mask's buffer cannot change this shard's documents
@@ -229,7 +223,10 @@ class ClosedFormLayout(ABC):
             ones = torch.ones(rows, tail, dtype=torch.bool, device=device)
             pad = torch.cat([pad, ones], dim=1)
         docs = PaddedRows(pad)
-        return Placement(rank_map, docs, CallerCoordinates(seq_len, padded), stream_runs=runs)
+        coordinates = CallerCoordinates(seq_len, padded)
+        if runs is not None:  # the rank map from its runs
+            return Placement.of_runs(runs, world_size, docs, coordinates, device)
+        return Placement(self.rank_map(world_size, padded, device), docs, coordinates)
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,32 @@ class Placement:
         object.__setattr__(self, "_ids", [] if rows is not None else [document_ids])
         self._check(document_ids.shape)
 
+    @classmethod
+    def of_runs(
+        cls,
+        stream_runs: tuple[tuple[int, int], ...],
+        world_size: int,
+        document_ids: torch.Tensor | Documents,
+        coordinates: CallerCoordinates,
+        device: torch.device,
+    ) -> Placement:
+        """The placement whose rank map is made from ``stream_runs`` (one ``arange`` and a
+        gather of its slices), so the runs describe it by construction: not checked again.
+
+        Args:
+            stream_runs: ``((start, length), ...)`` in stream order, tiling ``arange(P)``.
+            world_size: ``C`` (``P`` divisible by it).
+            document_ids: As for the constructor.
+            coordinates: As for the constructor.
+            device: Device of the rank map.
+        """
+        padded = sum(n for _, n in stream_runs)
+        ar = torch.arange(padded, dtype=torch.long, device=device)
+        rank_map = torch.cat([ar[a : a + n] for a, n in stream_runs]).reshape(world_size, -1)
+        out = cls(rank_map, document_ids, coordinates)  # checked without runs
+        object.__setattr__(out, "stream_runs", stream_runs)
+        return out
+
     def _check(self, doc_shape: torch.Size) -> None:
         if self.rank_map.dim() != 2 or len(doc_shape) != 2:
             raise ValueError(
