@@ -32,13 +32,27 @@ For one attention layer, forward and backward, on every rank ``r`` of ``C`` (``L
   ``CostModel.overlap = f < 1`` only ``f`` of a transfer can hide (``comm + work -
   min(f * comm, work)``): a transport that moves bytes on the cores that compute (gloo on CPU)
   hides little.
+* **CPU terms** (each ``inf`` by default: no cost, the GPU default model is unchanged):
 
-A step lasts as long as its slowest rank: a method's cost is the max over ranks. Of the kernels'
-own work the model charges the pad diagonals (``pad_pairs``), not their efficiency by piece size
-(small query blocks and short key pieces run slower per pair than large ones; on the CPU grid of
-BENCHMARKS.md this leaves a batch of a few long documents over-predicted at C = 2 and
-under-predicted at C = 4), nor intra-node vs inter-node topology (one bandwidth for every pair of
-ranks) or contention between concurrent transfers.
+  - ``CostModel.block_rate``: the CPU flash kernels' work per block (:class:`KernelBlocks`: a
+    call of ``nq`` queries runs query blocks of 32/64/256 queries, each against the 512-key
+    blocks up to its last visible key), per query head and row, forward and
+    :data:`BACKWARD_FACTOR` times that backward, unhidden. all_gather, selective and ring cut
+    the keys at the rank blocks (one call per query run and key run: each rank's
+    :attr:`KernelBlocks.every`); ulysses runs the whole stream's blocks, joined by position,
+    with ``1/C`` of the heads. Short query runs (small query blocks) cost more per pair: what
+    makes a batch of a few long documents cut in many pieces slower per pair at larger ``C``.
+  - ``CostModel.gather_bandwidth``: all_gather's gathered ``C * L`` K/V slots forward and the
+    dK/dV slots it reduce-scatters backward, written and read whole besides the link.
+  - ``CostModel.all_to_all_bandwidth``: every byte of Ulysses's all-to-alls costs this besides
+    the link (packing the head splits, the pairwise exchanges).
+
+A step lasts as long as its slowest rank: a method's cost is the max over ranks. The model
+ignores intra-node vs inter-node topology (one bandwidth for every pair of ranks), contention
+between concurrent transfers, and the plans' grouping of small pieces into masked tiles (the block
+count counts them one call each: a few percent high on packed short documents); with a sliding
+window, or runs that do not tile their documents, the block count is an estimate
+(:attr:`KernelBlocks.exact`).
 
 Every input is a global fact of the batch (the token meta every rank holds) or of the call (shapes
 and dtype, equal on every rank), so every rank computes the same costs and picks the same method
