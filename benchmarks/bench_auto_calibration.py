@@ -73,6 +73,9 @@ START = {
     "latency": 1e-3,
     "overlap": 0.5,
     "pass_rate": 1e8,
+    "block_rate": 1e7,
+    "gather_bandwidth": 1e9,
+    "all_to_all_bandwidth": 1e9,
 }
 
 
@@ -126,7 +129,7 @@ def _recomputed_facts(label: str, saved: dict[str, Any]) -> Any:
     from cpshard.attention.cost import plan_facts
 
     mix, size, cp = label.split()[:3]
-    facts = plan_facts(grid_meta(mix, int(size[2:-1]) * 1024, int(cp[2:])))
+    facts = plan_facts(grid_meta(mix, int(size[2:-1]) * 1024, int(cp[2:])), blocks=True)
     for name in ("world", "local_len", "meta_rows"):
         if getattr(facts, name) != saved[name]:
             raise ValueError(f"{label}: recomputed {name} differs from the saved one")
@@ -201,7 +204,13 @@ def _rank(mesh: Any, points: list[tuple[int, int, str, int, int]], dim: int, rou
                 times[m].append(time.perf_counter() - t0)
                 cpu[m].append(time.process_time() - c0)  # this process's CPU time, any thread
         out.append(
-            {"times": times, "cpu": cpu, "sent": sent, "facts": plan_facts(meta), "rows": rows}
+            {
+                "times": times,
+                "cpu": cpu,
+                "sent": sent,
+                "facts": plan_facts(meta, blocks=True),
+                "rows": rows,
+            }
         )
     return out
 
@@ -219,6 +228,10 @@ def save_samples(
             facts[name] = [int(v) for v in getattr(f, name)]
         pads = f.pad_pairs if f.pad_pairs is not None else np.zeros(f.world, dtype=np.int64)
         facts["pad_pairs"] = [int(v) for v in pads]
+        if f.blocks is not None:
+            b = f.blocks
+            facts["blocks"] = {"own": [int(v) for v in b.own], "every": [int(v) for v in b.every],
+                               "stream": b.stream, "exact": b.exact}  # fmt: skip
         rounds = {m: list(t) for m, t in x.rounds.items()}
         shape = dataclasses.asdict(x.shape)
         points.append(
@@ -232,10 +245,10 @@ def save_samples(
 def load_samples(path: str, clock: str = "wall") -> tuple[list[Any], Any, Any]:
     """The points of a :func:`save_samples` file (measured: the median until --stat says), by
     ``clock``: wall seconds, or CPU seconds (``share`` 1: a rank's CPU time is what its step
-    takes on a core of its own). A file without ``pad_pairs`` (written before that fact) gets
-    its facts recomputed (:func:`_recomputed_facts`)."""
+    takes on a core of its own). A file without ``pad_pairs`` or ``blocks`` (written before
+    those facts) gets its facts recomputed (:func:`_recomputed_facts`)."""
     from cpshard.attention.calibration import Sample
-    from cpshard.attention.cost import CallShape, PlanFacts
+    from cpshard.attention.cost import CallShape, KernelBlocks, PlanFacts
 
     with open(path) as fh:
         data = json.load(fh)
@@ -244,10 +257,15 @@ def load_samples(path: str, clock: str = "wall") -> tuple[list[Any], Any, Any]:
         f = pt["facts"]
         arrays = {k: np.asarray(f[k], dtype=np.int64)
                   for k in ("pairs", "local_pairs", "recv_slots", "send_slots")}  # fmt: skip
-        if "pad_pairs" in f:
+        if "pad_pairs" in f and "blocks" in f:
             pads = np.asarray(f["pad_pairs"], dtype=np.int64)
+            b = f["blocks"]
+            blocks = KernelBlocks(np.asarray(b["own"], dtype=np.int64),
+                                  np.asarray(b["every"], dtype=np.int64), float(b["stream"]),
+                                  bool(b["exact"]))  # fmt: skip
             facts = PlanFacts(f["world"], f["local_len"], f["meta_rows"], **arrays,
-                              pad_pairs=pads if pads.any() else None)  # fmt: skip
+                              pad_pairs=pads if pads.any() else None,
+                              blocks=blocks)  # fmt: skip
         else:
             facts = _recomputed_facts(pt["label"], f)
         if clock == "cpu" and "cpu_rounds" not in pt:

@@ -63,7 +63,7 @@ def choose_for_batch(
     """
     model = CostModel() if cost_model is None else cost_model
     rows = int(meta.positions.shape[0])
-    facts = plan_facts(meta, True, None)
+    facts = plan_facts(meta, True, None, blocks=model.needs_blocks())
     # Only methods that serve every head count: the model's heads are not known here.
     candidates = servable(1, 1, meta.world_size, outer)
     best, costs = choose_method(facts, model.shape(rows), model, candidates)

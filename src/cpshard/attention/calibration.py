@@ -60,7 +60,16 @@ __all__ = [
     "slower_beyond_noise",
 ]
 
-FIT_RATES = ("compute_rate", "link_bandwidth", "latency", "overlap", "pass_rate")
+FIT_RATES = (
+    "compute_rate",
+    "link_bandwidth",
+    "latency",
+    "overlap",
+    "pass_rate",
+    "block_rate",
+    "gather_bandwidth",
+    "all_to_all_bandwidth",
+)
 """The :class:`CostModel` fields :func:`fit_rates` may fit (``overlap`` linearly in ``[0, 1]``, the
 others in log space)."""
 

@@ -167,8 +167,8 @@ def resolve_method(
     hit = plan.meta.plan_cache.get(key)
     if isinstance(hit, str):
         return hit
-    facts = plan_facts(plan.meta, shape.causal, shape.window)
     model = CostModel() if cost_model is None else cost_model
+    facts = plan_facts(plan.meta, shape.causal, shape.window, blocks=model.needs_blocks())
     candidates = servable(shape.q_heads, shape.kv_heads, world, outer)
     best, _ = choose_method(facts, shape, model, candidates)
     plan.meta.plan_cache[key] = best
