@@ -183,17 +183,11 @@ def _packed_placements(rng: np.random.Generator) -> list[Placement]:
     return [plan.placement(CPU) for plan in (plan_balanced(spec, world), plan_packed(spec, world))]
 
 
-@pytest.mark.parametrize("runs_per_token", [0, 64])
-def test_packed_documents_as_runs_equal_the_token_pass(
-    runs_per_token: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_packed_documents_as_runs_equal_the_token_pass() -> None:
     """A packed plan's placement describes its documents as runs; the host rows (the stream's
-    runs from one pass over the rank map, or the token pass where the stream is cut finer than
-    one run per ``_RUNS_PER_TOKEN`` tokens: these small batches always are) and the selective
-    plans equal the token pass over the ids."""
-    from cpshard.attention import plan as plan_module
-
-    monkeypatch.setattr(plan_module, "_RUNS_PER_TOKEN", runs_per_token)
+    runs cut at the document runs, however finely the stream is cut: these small batches are
+    cut finer than one run per 64 tokens) and the selective plans equal the token pass over the
+    ids, and the ids are never made."""
     rng = np.random.default_rng(11)
     for _ in range(40):
         for place in _packed_placements(rng):
@@ -210,7 +204,7 @@ def test_packed_documents_as_runs_equal_the_token_pass(
                     assert torch.equal(got.send_index, want.send_index)
                     np.testing.assert_array_equal(got.recv_slots, want.recv_slots)
                     assert got.remote.computed == want.remote.computed
-                assert (meta._ids == []) == (runs_per_token == 0)  # the runs' route: ids unmade
+                assert meta._ids == []  # the runs' route: ids unmade
                 _same(got_host, _token_host(place, rank))  # (reads the ids)
 
 

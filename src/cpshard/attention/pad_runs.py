@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cpshard.attention.pieces import PAD_CLASS, RunTable, join_runs
-from cpshard.layouts.index import run_starts
+from cpshard.layouts.index import run_starts, runs_over
 
 __all__ = [
     "blocked_runs",
@@ -168,14 +168,25 @@ def pad_table(
     return piece_table(changes, cls_at, runs, pad.shape[1], cut)
 
 
-def runs_table(starts: _I64, ids: _I64, runs: tuple[_I64, _I64], width: int, cut: int) -> RunTable:
-    """:func:`piece_table` of one row given by its document runs (run ``k`` from ``starts[k]``,
-    document ``ids[k]``, pads where negative: :class:`~cpshard.layouts.placement.DocumentRuns`).
+def runs_table(stream: _I64, starts: _I64, ids: _I64, cut: int) -> RunTable:
+    """The run table of one row given by its document runs (run ``k`` from ``starts[k]``,
+    document ``ids[k]``, pads where negative: :class:`~cpshard.layouts.placement.DocumentRuns`)
+    and its stream order ``stream`` (the rank map flattened): the stream's runs of consecutive
+    positions, cut at the multiples of ``cut`` slots and at the document runs' starts
+    (:func:`~cpshard.layouts.index.runs_over`: no sort, no pass over the tokens but the one that
+    finds the stream's runs), neighbours that continue each other joined (pad stretches
+    merged): the table :func:`~cpshard.attention.pieces.run_table` finds token by token.
+
+    Args:
+        stream: ``[P]`` int64 positions in stream order.
+        starts: ``[K]`` int64 document run starts (``0`` first, increasing).
+        ids: ``[K]`` int64 document of each run, negative for pads.
+        cut: The local length ``L``.
     """
-    cls_of_run = np.where(ids < 0, PAD_CLASS, ids)
-
-    def cls_at(grp: _I64, pos: _I64) -> _I64:
-        out: _I64 = cls_of_run[np.searchsorted(starts, pos, side="right") - 1]
-        return out
-
-    return piece_table([starts[1:]], cls_at, runs, width, cut)
+    got = runs_over(stream, starts, 1, cut)
+    assert got is not None  # min_run 1: never given up
+    k, first, count = got
+    slot = np.cumsum(count) - count  # the pieces tile the stream in order
+    cls = np.where(ids < 0, PAD_CLASS, ids)[k]
+    table = RunTable(slot, count, first, cls, np.zeros(slot.size, dtype=np.int64))
+    return join_runs(table, stream.size, cut)

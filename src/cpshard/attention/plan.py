@@ -65,7 +65,8 @@ from cpshard.attention.pieces import (
     run_table,
     tasks_by_key,
 )
-from cpshard.sharding.meta import PaddedRows, TokenMeta
+from cpshard.layouts.placement import DocumentRuns
+from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
     "SMALL_PAIRS",
@@ -256,22 +257,22 @@ def _host_by_documents(meta: TokenMeta) -> HostRows | None:
     if docs is None or place is None or cut <= 0:
         return None
     width = place.padded_len
-    if place.stream_runs is not None:
-        runs = blocked_runs(place.stream_runs, cut)
-    else:
+    if isinstance(docs, DocumentRuns):  # one row: its stream's runs cut at the documents
+        groups, firsts = [[0]], [0]
         flat = place.rank_map.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
-        runs = rank_map_runs(flat, cut)
-        if runs[0].size * _RUNS_PER_TOKEN > width:  # a fine-cut stream: the token pass is faster
-            return None
-    if isinstance(docs, PaddedRows):
+        table = runs_table(flat, docs.starts.numpy(), docs.ids.numpy(), cut)
+    else:
+        if place.stream_runs is not None:
+            runs = blocked_runs(place.stream_runs, cut)
+        else:
+            flat = place.rank_map.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+            runs = rank_map_runs(flat, cut)
+            if runs[0].size * _RUNS_PER_TOKEN > width:  # fine-cut: the token pass is faster
+                return None
         pad = docs.padding_mask.detach().cpu().numpy()
         groups, changes = row_groups_by_pads(pad)
         firsts = [g[0] for g in groups]
         table = pad_table(pad, firsts, changes, runs, cut)
-    else:
-        groups, firsts = [[0]], [0]
-        starts, ids = docs.starts.numpy(), docs.ids.numpy()
-        table = runs_table(starts, ids, runs, width, cut)
     stream = meta.positions[:1].detach().cpu().numpy().astype(np.int64, copy=False)
     pos = np.broadcast_to(stream, (len(firsts), width))
 

@@ -182,7 +182,9 @@ def run_starts(values: _I64, cut: int | None = None) -> _I64:
     return np.flatnonzero(brk)
 
 
-def runs_over(values: _I64, starts: _I64, min_run: int) -> tuple[_I64, _I64, _I64] | None:
+def runs_over(
+    values: _I64, starts: _I64, min_run: int, cut: int | None = None
+) -> tuple[_I64, _I64, _I64] | None:
     """``values`` (any order) as pieces of consecutive values, each inside one run of a tiling
     whose runs start at ``starts``: the runs of consecutive values (:func:`run_starts`) cut at
     the tiling's starts, in ``values``' order.
@@ -193,13 +195,15 @@ def runs_over(values: _I64, starts: _I64, min_run: int) -> tuple[_I64, _I64, _I6
             ``[starts[k], starts[k + 1])``.
         min_run: Give up (``None``) where ``values`` has more than one run of consecutive
             values per ``min_run`` of them (indexing whole arrays is then cheaper).
+        cut: Also cut at every multiple of ``cut`` slots of ``values`` (:func:`run_starts`).
 
     Returns:
         ``(k, first, count)`` per piece: the tiling's run it lies in, its first value and its
-        length; ``arange_runs(first, count, 1)`` is ``values``. Or ``None``.
+        length; ``arange_runs(first, count, 1)`` is ``values`` (the pieces tile its slots in
+        order). Or ``None``.
     """
     n = values.size
-    first_slot = run_starts(values)
+    first_slot = run_starts(values, cut)
     if min_run * first_slot.size > n:
         return None
     a = values[first_slot]
