@@ -242,9 +242,10 @@ def host_rows(meta: TokenMeta) -> HostRows:
 
 
 _RUNS_PER_TOKEN = 64
-"""A stream cut into more runs than one per this many tokens (TE's ``packed`` at high CP: every
-document in ``2C`` chunks) finds its table faster by the token pass (linear) than from its runs
-(sorts over the runs)."""
+"""Rows given by their pads over a stream cut into more runs than one per this many tokens (a
+striped layout without its runs) find their table faster by the token pass (linear) than from
+the runs (:func:`~cpshard.attention.pad_runs.pad_table` sorts them); documents given as runs
+never take the token pass (:func:`~cpshard.attention.pad_runs.runs_table` does not sort)."""
 
 
 def _host_by_documents(meta: TokenMeta) -> HostRows | None:
