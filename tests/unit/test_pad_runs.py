@@ -183,15 +183,23 @@ def _packed_placements(rng: np.random.Generator) -> list[Placement]:
     return [plan.placement(CPU) for plan in (plan_balanced(spec, world), plan_packed(spec, world))]
 
 
-def test_packed_documents_as_runs_equal_the_token_pass() -> None:
+@pytest.mark.parametrize("runs_per_token", [0, 64])
+def test_packed_documents_as_runs_equal_the_token_pass(
+    runs_per_token: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A packed plan's placement describes its documents as runs; the host rows (the stream's
-    runs cut at the document runs, however finely the stream is cut: these small batches are
-    cut finer than one run per 64 tokens) and the selective plans equal the token pass over the
-    ids, and the ids are never made."""
+    runs cut at the document runs, or the token pass where the stream is cut finer than one run
+    per ``_RUNS_PER_TOKEN`` tokens) and the selective plans equal the token pass over the ids,
+    and the runs' route never makes the ids."""
+    from cpshard.attention import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_RUNS_PER_TOKEN", runs_per_token)
     rng = np.random.default_rng(11)
     for _ in range(40):
         for place in _packed_placements(rng):
             assert isinstance(place.documents, DocumentRuns)
+            flat = place.rank_map.reshape(-1).numpy()
+            fine = run_starts(flat, place.local_len).size * runs_per_token > flat.size
             for rank in range(place.world_size):
                 meta = TokenMeta.of(place, rank)
                 got_host = host_rows(meta)
@@ -204,7 +212,7 @@ def test_packed_documents_as_runs_equal_the_token_pass() -> None:
                     assert torch.equal(got.send_index, want.send_index)
                     np.testing.assert_array_equal(got.recv_slots, want.recv_slots)
                     assert got.remote.computed == want.remote.computed
-                assert meta._ids == []  # the runs' route: ids unmade
+                assert (meta._ids == []) != fine  # the runs' route: ids unmade
                 _same(got_host, _token_host(place, rank))  # (reads the ids)
 
 

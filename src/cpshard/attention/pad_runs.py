@@ -168,7 +168,9 @@ def pad_table(
     return piece_table(changes, cls_at, runs, pad.shape[1], cut)
 
 
-def runs_table(stream: _I64, starts: _I64, ids: _I64, cut: int) -> RunTable:
+def runs_table(
+    stream: _I64, starts: _I64, ids: _I64, cut: int, min_run: int = 1
+) -> RunTable | None:
     """The run table of one row given by its document runs (run ``k`` from ``starts[k]``,
     document ``ids[k]``, pads where negative: :class:`~cpshard.layouts.placement.DocumentRuns`)
     and its stream order ``stream`` (the rank map flattened): the stream's runs of consecutive
@@ -182,9 +184,12 @@ def runs_table(stream: _I64, starts: _I64, ids: _I64, cut: int) -> RunTable:
         starts: ``[K]`` int64 document run starts (``0`` first, increasing).
         ids: ``[K]`` int64 document of each run, negative for pads.
         cut: The local length ``L``.
+        min_run: ``None`` where the stream has more than one run of consecutive positions per
+            ``min_run`` slots (the caller then takes the token pass).
     """
-    got = runs_over(stream, starts, 1, cut)
-    assert got is not None  # min_run 1: never given up
+    got = runs_over(stream, starts, min_run, cut)
+    if got is None:
+        return None
     k, first, count = got
     slot = np.cumsum(count) - count  # the pieces tile the stream in order
     cls = np.where(ids < 0, PAD_CLASS, ids)[k]

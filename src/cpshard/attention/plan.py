@@ -242,10 +242,14 @@ def host_rows(meta: TokenMeta) -> HostRows:
 
 
 _RUNS_PER_TOKEN = 64
-"""Rows given by their pads over a stream cut into more runs than one per this many tokens (a
-striped layout without its runs) find their table faster by the token pass (linear) than from
-the runs (:func:`~cpshard.attention.pad_runs.pad_table` sorts them); documents given as runs
-never take the token pass (:func:`~cpshard.attention.pad_runs.runs_table` does not sort)."""
+"""A stream cut into more runs than one per this many tokens (TE's ``packed`` at high CP: every
+document in ``2C`` chunks; a striped layout without its runs) takes the token pass instead of
+its runs. For rows given by their pads the runs' route sorts them
+(:func:`~cpshard.attention.pad_runs.pad_table`); for documents given as runs it does not
+(:func:`~cpshard.attention.pad_runs.runs_table`) and costs less CPU, but the token pass's early
+``[P]`` arrays leave the allocator's pages warm for the plan's large buffers, which the runs'
+route then faults in (TE ``packed`` at 1M tokens, C = 64: ~13,600 page faults a plan against
+~2,400, 0.13 s against 0.09 s on the 2-vCPU VM of BENCHMARKS.md)."""
 
 
 def _host_by_documents(meta: TokenMeta) -> HostRows | None:
@@ -261,7 +265,11 @@ def _host_by_documents(meta: TokenMeta) -> HostRows | None:
     if isinstance(docs, DocumentRuns):  # one row: its stream's runs cut at the documents
         groups, firsts = [[0]], [0]
         flat = place.rank_map.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
-        table = runs_table(flat, docs.starts.numpy(), docs.ids.numpy(), cut)
+        starts, ids = docs.starts.numpy(), docs.ids.numpy()
+        found = runs_table(flat, starts, ids, cut, _RUNS_PER_TOKEN)
+        if found is None:  # a fine-cut stream: the token pass over the made ids
+            return None
+        table = found
     else:
         if place.stream_runs is not None:
             runs = blocked_runs(place.stream_runs, cut)
