@@ -236,7 +236,10 @@ def test_stream_runs_invert_the_input_map(world: int) -> None:
             assert (plan.input_token_stream_positions < 0).any() == any(sum(r) < seq for r in rows)
             assert plan.stream_input_sources.tolist() == want
             assert plan.stream.length == plan.padded_len
-            for local in [*plan.rank_map, torch.randperm(plan.padded_len)]:
+            blocks = list(torch.arange(plan.padded_len).split(16))  # runs of 16, out of order
+            rng.shuffle(blocks)
+            shuffled = torch.cat(blocks)
+            for local in [*plan.rank_map, torch.randperm(plan.padded_len), shuffled]:
                 got = plan.stream.at(local.numpy())
                 if got is None:  # cut finer than one run per 8 slots
                     assert local.numel() < 8 * (local.diff() != 1).sum() + 8
