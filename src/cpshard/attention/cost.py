@@ -572,16 +572,9 @@ def _pairs(a: MetaArrays, causal: bool, window: int | None) -> tuple[np.ndarray,
     local = np.zeros(c, dtype=np.int64)
     for g, runs in enumerate(a.runs):
         w = int(a.weights[g])
-        pairs += w * runs.pad_tokens  # a pad sees itself, on its own rank
-        local += w * runs.pad_tokens
-        tiled = runs.tiled_sums(causal) if window is None else None
-        if tiled is not None:
-            pairs += w * tiled.pairs
-            local += w * tiled.local
-            continue
-        seen, mine = _searched_pairs(runs, a.frame, causal, window)
-        pairs += w * seen
-        local += w * mine
+        seen, mine = _group_pairs(runs, a.frame, causal, window)
+        pairs += w * (seen + runs.pad_tokens)  # a pad sees itself, on its own rank
+        local += w * (mine + runs.pad_tokens)
     return pairs, local
 
 
