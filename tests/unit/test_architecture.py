@@ -71,7 +71,11 @@ LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("cpshard.attention.merge", (), "torch only"),
     ("cpshard.attention.pieces", (), "torch and numpy only; the plan and the run counts use it"),
     ("cpshard.attention.softcap", ("cpshard.attention.merge",), "the merge only"),
-    ("cpshard.attention.visibility", ("cpshard.attention.pieces",), "the run table only"),
+    (
+        "cpshard.attention.visibility",
+        ("cpshard.attention.pieces", "cpshard.layouts.index"),
+        "the run table and the layouts' index helpers only",
+    ),
     (
         "cpshard.attention.pad_runs",
         ("cpshard.attention.pieces", "cpshard.layouts.index"),

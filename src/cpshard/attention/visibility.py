@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cpshard.attention.pieces import PAD_CLASS, RunTable
+from cpshard.layouts.index import arange_runs
 
 __all__ = [
     "Depth",
@@ -790,17 +791,6 @@ def _joined(runs: StreamRuns) -> tuple[_I64, _I64]:
 
 
 def _aranges(a: _I64, b: _I64) -> _I64:
-    """Concatenation of ``arange(a[i], b[i])`` over ``i`` (empty ranges skipped)."""
-    n = np.maximum(b - a, 0)
-    total = int(n.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    keep = (n > 0).nonzero()[0]
-    a, n = a[keep], n[keep]
-    steps = np.ones(total, dtype=np.int64)
-    heads = n.cumsum() - n
-    steps[0] = a[0]
-    # at each range's head jump from the previous range's last value to this range's start
-    steps[heads[1:]] = a[1:] - (a[:-1] + n[:-1] - 1)
-    out: _I64 = np.cumsum(steps, out=steps)  # in place: no second array of the total's size
-    return out
+    """Concatenation of ``arange(a[i], b[i])`` over ``i`` (empty ranges skipped):
+    :func:`~cpshard.layouts.index.arange_runs` of the ranges' lengths."""
+    return arange_runs(a, np.maximum(b - a, 0), 1)
