@@ -134,6 +134,24 @@ def test_placement_rejects_runs_that_are_not_its_rank_map() -> None:
             Placement(rank_map, docs, coords, stream_runs=bad)
 
 
+def test_placement_of_runs_rejects_runs_that_do_not_tile_the_stream() -> None:
+    docs = torch.zeros(1, 8, dtype=torch.long)
+    coords = CallerCoordinates(8, 8)
+    ok = Placement.of_runs(((0, 2), (6, 2), (2, 4)), 2, docs, coords, CPU)
+    assert ok.rank_map.tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert ok.stream_runs == ((0, 2), (6, 2), (2, 4)) and ok._runs_match()
+    bad = (
+        ((0, 2), (6, 2), (2, 3), (5, 1), (7, 0)),  # an empty run
+        ((0, 2), (6, 2), (1, 4)),  # an overlap (and a gap)
+        ((0, 2), (3, 5)),  # a gap
+        ((0, 4), (4, 3)),  # P = 7 over 2 ranks
+        (),
+    )
+    for runs in bad:
+        with pytest.raises(ValueError, match="tile arange"):
+            Placement.of_runs(runs, 2, docs, coords, CPU)
+
+
 def test_pad_document_ids_broadcasts_one_document_per_row() -> None:
     pad = torch.tensor([[False, True, False, True], [True, False, False, False]])
     got = pad_document_ids(torch.zeros((), dtype=torch.long), pad)

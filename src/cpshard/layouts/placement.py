@@ -211,7 +211,8 @@ class Placement:
         device: torch.device,
     ) -> Placement:
         """The placement whose rank map is made from ``stream_runs`` (one ``arange`` and a
-        gather of its slices), so the runs describe it by construction: not checked again.
+        gather of its slices), so the runs describe it by construction: only their tiling is
+        checked (``O(runs)``), not the rank map against them.
 
         Args:
             stream_runs: ``((start, length), ...)`` in stream order, tiling ``arange(P)``.
@@ -219,8 +220,21 @@ class Placement:
             document_ids: As for the constructor.
             coordinates: As for the constructor.
             device: Device of the rank map.
+
+        Raises:
+            ValueError: runs that do not tile ``arange(P)`` (a gap, an overlap, an empty run),
+                or ``P`` not divisible by ``world_size``.
         """
         padded = sum(n for _, n in stream_runs)
+        ordered = sorted(stream_runs)
+        ends = [0] + [a + n for a, n in ordered]
+        tiles = all(n > 0 and a == end for (a, n), end in zip(ordered, ends, strict=False))
+        if not stream_runs or not tiles or world_size < 1 or padded % world_size:
+            raise ValueError(
+                "Placement.of_runs needs stream_runs ((start, length), ...) with lengths > 0 that "
+                f"tile arange(P), P divisible by world_size={world_size}; got "
+                f"{tuple(stream_runs)[:8]} (P={padded}). Pass the runs of a rank map flattened"
+            )
         ar = torch.arange(padded, dtype=torch.long, device=device)
         rank_map = torch.cat([ar[a : a + n] for a, n in stream_runs]).reshape(world_size, -1)
         out = cls(rank_map, document_ids, coordinates)  # checked without runs
