@@ -248,3 +248,5 @@ def test_stream_runs_invert_the_input_map(world: int) -> None:
                 assert torch.equal(src, plan.stream_input_sources[local])
                 assert torch.equal(pos, plan.stream_position_ids[local])
                 assert torch.equal(pad, plan.stream_padding_mask[local])
+            with pytest.raises(ValueError, match="positions must lie in"):
+                plan.stream.at(np.arange(plan.padded_len - 7, plan.padded_len + 9))

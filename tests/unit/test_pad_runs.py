@@ -262,6 +262,9 @@ def test_document_runs_in_any_order() -> None:
     assert docs.in_order(torch.arange(15, -1, -1)) is None  # runs of one position each
     got = docs.in_order(torch.tensor([*range(3, 16), 0, 1, 2]))  # pads first, then document 0
     assert got is not None and got.tolist() == [-1 - p for p in range(3, 16)] + [0, 0, 0]
+    for outside in ([*range(8, 17)], [-1, *range(0, 8)]):  # past P, before 0: never wrapped
+        with pytest.raises(ValueError, match=r"positions must lie in \[0, 16\)"):
+            docs.in_order(torch.tensor(outside))
 
 
 def test_rank_map_runs_cut_at_the_rank_blocks() -> None:

@@ -187,7 +187,7 @@ def runs_table(
         min_run: ``None`` where the stream has more than one run of consecutive positions per
             ``min_run`` slots (the caller then takes the token pass).
     """
-    got = runs_over(stream, starts, min_run, cut)
+    got = runs_over(stream, starts, stream.size, min_run, cut)
     if got is None:
         return None
     k, first, count = got

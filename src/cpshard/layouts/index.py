@@ -183,16 +183,17 @@ def run_starts(values: _I64, cut: int | None = None) -> _I64:
 
 
 def runs_over(
-    values: _I64, starts: _I64, min_run: int, cut: int | None = None
+    values: _I64, starts: _I64, end: int, min_run: int, cut: int | None = None
 ) -> tuple[_I64, _I64, _I64] | None:
     """``values`` (any order) as pieces of consecutive values, each inside one run of a tiling
     whose runs start at ``starts``: the runs of consecutive values (:func:`run_starts`) cut at
     the tiling's starts, in ``values``' order.
 
     Args:
-        values: ``[N]`` int64 values in ``[starts[0], end of the tiling)``.
+        values: ``[N]`` int64 values in ``[starts[0], end)``.
         starts: ``[K]`` int64, strictly increasing: run ``k`` of the tiling is
-            ``[starts[k], starts[k + 1])``.
+            ``[starts[k], starts[k + 1])``, the last one up to ``end``.
+        end: Where the tiling ends.
         min_run: Give up (``None``) where ``values`` has more than one run of consecutive
             values per ``min_run`` of them (indexing whole arrays is then cheaper).
         cut: Also cut at every multiple of ``cut`` slots of ``values`` (:func:`run_starts`).
@@ -201,6 +202,9 @@ def runs_over(
         ``(k, first, count)`` per piece: the tiling's run it lies in, its first value and its
         length; ``arange_runs(first, count, 1)`` is ``values`` (the pieces tile its slots in
         order). Or ``None``.
+
+    Raises:
+        ValueError: a value outside ``[starts[0], end)`` (checked on the runs: ``O(runs)``).
     """
     n = values.size
     first_slot = run_starts(values, cut)
@@ -208,6 +212,12 @@ def runs_over(
         return None
     a = values[first_slot]
     b = a + np.diff(first_slot, append=n)  # each run covers the values [a, b)
+    if a.size and (int(a.min()) < int(starts[0]) or int(b.max()) > end):
+        least, most = int(a.min()), int(b.max()) - 1
+        raise ValueError(
+            f"positions must lie in [{int(starts[0])}, {end}), got values from {least} to {most}; "
+            "pass positions of the stream these runs describe (e.g. its rank map)"
+        )
     k0 = np.searchsorted(starts, a, side="right") - 1
     k1 = np.searchsorted(starts, b - 1, side="right") - 1
     pieces = k1 - k0 + 1  # tiling runs each run overlaps

@@ -113,7 +113,7 @@ class StreamRuns:
         """
         if stream.size == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, bool)
-        cut = runs_over(stream, self.starts, 8)
+        cut = runs_over(stream, self.starts, self.length, 8)
         if cut is None:
             return None
         k, lo, count = cut

@@ -132,7 +132,7 @@ class DocumentRuns:
             LongTensor ``[N]`` on :attr:`device`, or ``None``.
         """
         at = order.detach().cpu().numpy().astype(np.int64, copy=False)
-        cut = runs_over(at, self.starts.numpy(), _IN_ORDER_MIN_RUN)
+        cut = runs_over(at, self.starts.numpy(), self.length, _IN_ORDER_MIN_RUN)
         if cut is None:
             return None
         k, first, count = cut
