@@ -112,7 +112,7 @@ step probe "$PY" -c '
 import sys, torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda)
 from importlib.metadata import PackageNotFoundError, version
-for name in ("transformers", "numpy", "pytest", "pytest-timeout"):
+for name in ("transformers", "numpy", "xxhash", "pytest", "pytest-timeout"):
     try:
         print(name, version(name))
     except PackageNotFoundError:

@@ -239,7 +239,7 @@ def _reference_hash(values: list[int], block: int = 1 << 15) -> int:
 
 @pytest.mark.parametrize("block", [None, 4, 5, 64])
 @pytest.mark.parametrize("shape", [(7, 13), (1, 5), (3, 1), (2, 3, 4), (17,)])
-def test_content_hash_is_a_nonlinear_sum_over_every_element(
+def test_lane_hash_is_a_nonlinear_sum_over_every_element(
     shape: tuple[int, ...], block: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Checked against plain Python integers, in one block or in blocks of any size (the last
@@ -253,13 +253,13 @@ def test_content_hash_is_a_nonlinear_sum_over_every_element(
     x.view(-1)[-1] = 2**63 - 1
     m = (1 << 64) - 1
     want = _reference_hash(x.reshape(-1).tolist(), block or consistency._BLOCK)
-    assert int(consistency._content_hash(x)) & m == want
+    assert int(consistency._lane_hash(x)) & m == want
 
 
 @pytest.mark.parametrize(
     "dtype", [torch.bool, torch.uint8, torch.int32, torch.float16, torch.float32, torch.float64]
 )
-def test_content_hash_of_other_dtypes_widens_values_and_float_bits(
+def test_lane_hash_of_other_dtypes_widens_values_and_float_bits(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Integers and bools by value (widened to int64), floats by their bits (sign-extended from
@@ -273,14 +273,14 @@ def test_content_hash_of_other_dtypes_widens_values_and_float_bits(
     bits = {torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
     values = (x.view(bits[dtype]) if dtype in bits else x).to(torch.long).reshape(-1).tolist()
     m = (1 << 64) - 1
-    assert int(consistency._content_hash(x)) & m == _reference_hash(values, 6)
+    assert int(consistency._lane_hash(x)) & m == _reference_hash(values, 6)
     strided = x[:, ::2].contiguous().view(bits[dtype]) if dtype in bits else x[:, ::2]
     want = _reference_hash(strided.to(torch.long).reshape(-1).tolist(), 6)
-    assert int(consistency._content_hash(x[:, ::2])) & m == want
+    assert int(consistency._lane_hash(x[:, ::2])) & m == want
 
 
 @pytest.mark.parametrize("per", [2, 3, 100])
-def test_content_hash_of_several_blocks_a_pass_equals_one_a_pass(
+def test_lane_hash_of_several_blocks_a_pass_equals_one_a_pass(
     per: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The value does not depend on how many blocks one pass takes (one on the CPU, 32 on an
@@ -291,24 +291,28 @@ def test_content_hash_of_several_blocks_a_pass_equals_one_a_pass(
     monkeypatch.setattr(consistency, "_BLOCK", 7)
     x = torch.randn(5, 7, 3)
     ids = torch.randint(0, 1000, (9, 31))
-    one = [int(consistency._content_hash(t)) for t in (x, ids, ids[:, :14])]
+    one = [int(consistency._lane_hash(t)) for t in (x, ids, ids[:, :14])]
     monkeypatch.setattr(consistency, "_CHUNK_BLOCKS_CPU", per)
     scratch: dict = {}
-    assert [int(consistency._content_hash(t, scratch)) for t in (x, ids, ids[:, :14])] == one
+    assert [int(consistency._lane_hash(t, scratch)) for t in (x, ids, ids[:, :14])] == one
 
 
+@pytest.mark.parametrize("which", ["_host_hash", "_lane_hash"])
 def test_content_hash_catches_swaps_compensations_shifts_and_sign_bits(
-    monkeypatch: pytest.MonkeyPatch,
+    which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Changes a weighted or plain sum cannot see: swapped values (next to each other, across
     rows, across chunks), compensating +d / -d pairs, a row shifted by one, the top bit of an
-    int64 and the sign of a float64 (its top bit): each changes the hash."""
+    int64 and the sign of a float64 (its top bit): each changes the hash, the CPU's and the
+    accelerator's (run here on the CPU)."""
     from cpshard.sharding import consistency
+
+    hash_of = getattr(consistency, which)
 
     monkeypatch.setattr(consistency, "_BLOCK", 16)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 32000, (4, 40), generator=g)
-    h = int(consistency._content_hash(ids))
+    h = int(hash_of(ids))
     changed = []
     swap = ids.clone()
     swap[0, [3, 4]] = swap[0, [4, 3]]
@@ -346,15 +350,54 @@ def test_content_hash_catches_swaps_compensations_shifts_and_sign_bits(
             changed.append(pair.view_as(ids))
     for c in changed:
         assert not torch.equal(c, ids)
-        assert int(consistency._content_hash(c)) != h
+        assert int(hash_of(c)) != h
     emb = torch.randn(2, 9, 3, dtype=torch.float64, generator=g)
     flipped = emb.clone()
     flipped[1, 4, 2] = -flipped[1, 4, 2]
-    assert int(consistency._content_hash(flipped)) != int(consistency._content_hash(emb))
+    assert int(hash_of(flipped)) != int(hash_of(emb))
     zero = torch.zeros(5)
     negzero = zero.clone()
     negzero[2] = -0.0
-    assert int(consistency._content_hash(negzero)) != int(consistency._content_hash(zero))
+    assert int(hash_of(negzero)) != int(hash_of(zero))
+
+
+def test_host_hash_is_xxh3_of_the_canonical_bytes() -> None:
+    """On the CPU: XXH3-64 of the row-major bytes, integers and bools widened to int64 (equal
+    values hash alike whatever their integer dtype, strided or not), floats by their own bits;
+    every element counts (each one changed in turn changes the hash)."""
+    import xxhash
+
+    from cpshard.sharding import consistency
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-(2**62), 2**62, (3, 7), generator=g)
+    raw = xxhash.xxh3_64_intdigest(ids.numpy().tobytes())
+    assert int(consistency._content_hash(ids)) & ((1 << 64) - 1) == raw
+    small = torch.randint(0, 100, (4, 9), generator=g)
+    want = int(consistency._content_hash(small))
+    for dtype in (torch.int32, torch.int16, torch.uint8, torch.int8):
+        assert int(consistency._content_hash(small.to(dtype))) == want, dtype
+    mask = small > 50
+    assert int(consistency._content_hash(mask)) == int(consistency._content_hash(mask.long()))
+    assert int(consistency._content_hash(small.t())) == int(
+        consistency._content_hash(small.t().contiguous())
+    )
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        x = torch.randn(5, 3, generator=g).to(dtype)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        assert int(consistency._content_hash(x)) & ((1 << 64) - 1) == xxhash.xxh3_64_intdigest(
+            x.view(bits).numpy().tobytes()
+        )
+    z = torch.randn(4, dtype=torch.complex64, generator=g)
+    assert int(consistency._content_hash(z.conj())) == int(
+        consistency._content_hash(z.conj().resolve_conj())
+    )
+    assert int(consistency._content_hash(z.conj())) != int(consistency._content_hash(z))
+    for k in range(small.numel()):
+        one = small.clone()
+        one.view(-1)[k] += 1
+        assert int(consistency._content_hash(one)) != want, k
+    assert int(consistency._content_hash(torch.zeros(0, 3))) == 0
 
 
 def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> None:

@@ -20,12 +20,14 @@ What it covers, exactly (with ``check_consistency=True``, the default):
 * the arguments: layout, attention method, pad id, ``pad_multiple``, ``num_chunks``,
   ``extra_token_keys``, a given sharder's type, and ``loss_mask`` by content.
 
-Content hash (:func:`_content_hash`): ``sum_k a_k (a_k + K)`` mod ``2**64``, ``a_k = x_k ^ w_k``,
-over every element (``x_k`` the value, or the bits of a float; ``w_k = (2k + 1) * G`` a
-per-position key; ``K`` odd). Non-linear per element, so the compensating changes that fool a
-weighted sum, and swaps of values, change it. It reads each element once, in cache-sized chunks
-with reused buffers (two int64 passes, a fused square-sum and a sum per chunk; the cost is in
-``BENCHMARKS.md``).
+Content hash (:func:`_content_hash`): on the CPU, XXH3-64 (the ``xxhash`` package) of the
+tensor's canonical bytes: integers and bools widened to int64 (equal values hash alike whatever the
+integer dtype), floats by their bits (``-0.0`` and each NaN payload count as different values). It
+reads about 60 bytes a nanosecond, so hashing the batch costs less than its ``index_select``. On
+an accelerator, where a host copy would cost more than the hash, a keyed quadratic sum in 32-bit
+lanes (:func:`_lane_hash`) runs as a few kernels. The two are different functions: a hash is only
+compared with another of the same device type (each tensor's description carries its device type;
+the shard's record hashes a call tensor on the record's device).
 
 Not covered: tensors handed only to the token verbs (``sharder.shard_token_tensor(advantages)``
 has no collective to ride; ``gather_token_tensor`` compares dtype, shape and arguments, not
@@ -53,6 +55,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
@@ -186,6 +189,45 @@ def _scratch(
 
 
 def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
+    """0-d int64 tensor: a hash of every element of ``t`` (a meta or empty tensor hashes to 0).
+
+    On the CPU, :func:`_host_hash`; on an accelerator, :func:`_lane_hash` (no host copy). Equal
+    values give equal hashes whatever their integer dtype (integers and bools are hashed widened
+    to int64), floats are hashed by their bits, and the hashes of the two device types differ.
+
+    Args:
+        t: Any tensor.
+        keys: One fingerprint's store of the lane hash's keys and work buffers (:func:`_scratch`),
+            which the tensors of one batch share; ``None``: this call's own. Unused on the CPU.
+    """
+    if t.device.type == "meta" or t.numel() == 0:
+        return torch.zeros((), dtype=torch.long)
+    if t.device.type == "cpu":
+        return _host_hash(t)
+    return _lane_hash(t, keys)
+
+
+def _host_hash(t: torch.Tensor) -> torch.Tensor:
+    """0-d int64 tensor: XXH3-64 of the bytes of ``t`` flattened in row-major order (integers and
+    bools widened to int64, floats and complex numbers by their bits), as a signed int64; ``t``
+    on the CPU, not empty.
+
+    One read of the tensor where it is contiguous int64 (token ids, labels, masks) or floating
+    point, else one copy first (a widening, or a gather of a strided view)."""
+    x = t.detach().resolve_conj().resolve_neg()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.is_floating_point():  # by its bits (the dtype is in the tensor's description)
+        x = x.contiguous().view(
+            {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        )
+    elif x.dtype != torch.long:
+        x = x.to(torch.long)
+    value = xxhash.xxh3_64_intdigest(x.contiguous().numpy().data)
+    return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.long)
+
+
+def _lane_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
     """0-d int64 tensor: ``n + sum_i c_i S_i`` mod ``2**64`` over blocks ``i`` of
     :data:`_BLOCK` elements, ``c_i = (2i + 1) K``.
 

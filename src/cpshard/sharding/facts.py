@@ -237,14 +237,15 @@ def call_record_tensors(
 
 
 def matches_record(
-    record: dict[str, tuple[tuple[int, ...], torch.Tensor | int]],
+    record: dict[str, tuple[tuple[int, ...], torch.Tensor | tuple[int, torch.device]]],
     tensors: Mapping[str, torch.Tensor],
 ) -> bool | None:
     """Whether call tensors are the shard's (same shape and content for every recorded key).
 
-    A recorded tensor is hashed on its first comparison, and its hash kept in ``record``
-    (:func:`local_record`); one content hash per element of each side
-    (:func:`cpshard.sharding.consistency.content_hash`).
+    A recorded tensor is hashed on its first comparison, and its hash kept in ``record`` with
+    its device (:func:`local_record`); a call tensor is hashed on that device (a local tensor
+    moved by ``.to()`` is still the shard's: the CPU and accelerator hashes differ), one content
+    hash per element of each side (:func:`cpshard.sharding.consistency.content_hash`).
 
     Returns:
         ``None`` when no key is both recorded and given (nothing to compare), else whether
@@ -259,8 +260,9 @@ def matches_record(
         if tuple(t.shape) != shape:
             return False
         if isinstance(held, torch.Tensor):
-            held = int(content_hash(held))
+            held = (int(content_hash(held)), held.device)
             record[key] = (shape, held)
-        if int(content_hash(t)) != held:
+        value, device = held
+        if int(content_hash(t.detach().to(device))) != value:
             return False
     return True

@@ -49,7 +49,7 @@ class TokenMeta:
         plan_cache: Per-batch cache of derived plans (the attention plan of
             :func:`cpshard.attention.plan.attention_plan`), filled by attention; a shard has one
             meta per placement and rank (:meth:`of`), so it is keyed by the placement.
-        local_record: ``{key: (shape, tensor or content hash)}`` of this rank's local
+        local_record: ``{key: (shape, tensor or (content hash, its device))}`` of this rank's local
             ``input_ids`` and ``position_ids`` as the sharder returned them (filled by
             :meth:`cpshard.CPSharder.shard`, each hashed on its first comparison): the batch
             identity that survives ``.clone()`` and ``.to()`` of the local tensors (see
@@ -69,7 +69,9 @@ class TokenMeta:
     world_size: int
     positions: torch.Tensor
     plan_cache: dict[str, Any] = field(repr=False)
-    local_record: dict[str, tuple[tuple[int, ...], torch.Tensor | int]] = field(repr=False)
+    local_record: dict[str, tuple[tuple[int, ...], torch.Tensor | tuple[int, torch.device]]] = (
+        field(repr=False)
+    )
     placement: Placement | None = field(repr=False)
     _ids: list[torch.Tensor] = field(repr=False)  # the document ids once made (at most one)
     _given_ids: bool = field(repr=False)  # document_ids were given (not the placement's)
@@ -81,7 +83,8 @@ class TokenMeta:
         positions: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         plan_cache: dict[str, Any] | None = None,
-        local_record: dict[str, tuple[tuple[int, ...], torch.Tensor | int]] | None = None,
+        local_record: dict[str, tuple[tuple[int, ...], torch.Tensor | tuple[int, torch.device]]]
+        | None = None,
         placement: Placement | None = None,
     ) -> None:
         if document_ids is None and placement is None:
