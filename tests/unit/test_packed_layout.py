@@ -201,7 +201,14 @@ def _reference_balanced(spec: PackSpec, world: int, tol: float) -> tuple[list[li
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_balanced_matches_token_by_token_reference(seed: int) -> None:
+def test_balanced_matches_token_by_token_reference(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with the work prefix made a few tokens at a time (chunks that start and end inside
+    documents, and one token per chunk)."""
+    from cpshard.layouts import balanced
+
+    monkeypatch.setattr(balanced, "_PREFIX_CHUNK", (1 << 15, 1, 7, 64)[seed % 4])
     rng = random.Random(300 + seed)
     for _ in range(15):
         spec = random_spec(rng, rows=rng.randint(1, 4), row_len=rng.randint(1, 120))

@@ -35,24 +35,43 @@ from cpshard.layouts.packed import (
 __all__ = ["plan_balanced"]
 
 
+# Pool tokens per pass of :func:`_pool_work_prefix`: its temporaries (128 KB each) stay in the
+# core's cache, where whole-pool temporaries (1.2 MB each at 147k tokens) went to memory and
+# back on every one of their eight passes.
+_PREFIX_CHUNK = 1 << 15
+
+
 def _pool_work_prefix(seg: _I64, real: int, padded: int) -> _I64:
     """``cum[p]``: causal work of the first ``p`` pool tokens (documents of lengths ``seg``,
     each outside-in, then pads). Closed form: the first ``m`` outside-in tokens of a document
     of length ``n`` are ``m // 2`` head-tail pairs of work ``n + 1`` each, plus position
-    ``m // 2`` (work ``m // 2 + 1``) when ``m`` is odd."""
-    seg_start = np.cumsum(seg) - seg
+    ``m // 2`` (work ``m // 2 + 1``) when ``m`` is odd. Made :data:`_PREFIX_CHUNK` tokens at a
+    time (the documents that overlap each chunk, cut at its ends)."""
+    seg_end = np.cumsum(seg)
+    seg_start = seg_end - seg
     doc_work = seg * (seg + 1) // 2
+    work_before = np.cumsum(doc_work) - doc_work
     cum = np.empty(padded + 1, dtype=np.int64)
     cum[0] = 0
-    body = cum[1 : real + 1]
-    m = np.arange(1, real + 1, dtype=np.int64)  # tokens taken of the current document
-    m -= np.repeat(seg_start, seg)
-    np.right_shift(m, 1, out=body)
-    np.bitwise_and(m, 1, out=m)
-    m *= body + 1  # odd m: the middle token, position m // 2
-    body *= np.repeat(seg + 1, seg)
-    body += m
-    body += np.repeat(np.cumsum(doc_work) - doc_work, seg)
+    chunk = min(_PREFIX_CHUNK, max(real, 1))
+    ramp = np.arange(1, chunk + 1, dtype=np.int64)
+    m_buf = np.empty(chunk, dtype=np.int64)
+    for a in range(0, real, chunk):
+        b = min(a + chunk, real)
+        n = b - a
+        d0 = int(np.searchsorted(seg_end, a, side="right"))
+        d1 = int(np.searchsorted(seg_end, b - 1, side="right")) + 1
+        counts = np.minimum(seg_end[d0:d1], b) - np.maximum(seg_start[d0:d1], a)
+        body = cum[a + 1 : b + 1]
+        m = m_buf[:n]  # tokens taken of the current document
+        np.add(ramp[:n], a, out=m)
+        m -= np.repeat(seg_start[d0:d1], counts)
+        np.right_shift(m, 1, out=body)
+        np.bitwise_and(m, 1, out=m)
+        m *= body + 1  # odd m: the middle token, position m // 2
+        body *= np.repeat(seg[d0:d1] + 1, counts)
+        body += m
+        body += np.repeat(work_before[d0:d1], counts)
     cum[real + 1 :] = cum[real]
     return cum
 
