@@ -22,7 +22,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from cpshard.layouts.balanced import _balanced_rank_map, plan_balanced
+from cpshard.layouts.balanced import _balanced_runs, plan_balanced
 from cpshard.layouts.documents import PackSpec
 from cpshard.tools.balance import BalanceReport, all_plans, balance_report, sample_packed_batch
 
@@ -89,14 +89,14 @@ def solver_speed(repeats: int = 30) -> str:
         f"128k tokens, {spec.num_docs} documents (lognormal mu 4.13, sigma 1.2), "
         f"one thread, {repeats} runs after 3 warm-ups:",
         "",
-        "| C | rank map (solver) ms, median / min | full plan ms, median / min |",
+        "| C | rank map runs (solver) ms, median / min | full plan ms, median / min |",
         "|---|---|---|",
     ]
     for c in CPS:
         solver, full = [], []
         for i in range(repeats + 3):
             t0 = time.perf_counter()
-            _balanced_rank_map(arr, c, 1e-3)
+            _balanced_runs(arr, c, 1e-3)
             t1 = time.perf_counter()
             plan_balanced(spec, c)
             t2 = time.perf_counter()

@@ -257,3 +257,101 @@ def test_stream_runs_invert_the_input_map(world: int) -> None:
                 assert torch.equal(pad, plan.stream_padding_mask[local])
             with pytest.raises(ValueError, match="positions must lie in"):
                 plan.stream.at(np.arange(plan.padded_len - 7, plan.padded_len + 9))
+
+
+def test_check_map_runs_accepts_a_tiling_and_names_what_breaks_it() -> None:
+    from cpshard.layouts.index import check_map_runs
+
+    first, count = np.array([0, 6, 2]), np.array([2, 2, 4])  # rows [0, 1, 6, 7] [2, 3, 4, 5]
+    check_map_runs(first, count, 8, 2)
+    bad = {
+        "gap or overlap at position 2": (np.array([0, 2]), np.array([4, 4])),  # 2, 3 twice
+        "gap or overlap at position 5": (np.array([0, 5]), np.array([4, 4])),  # 4 missing
+        "non-empty": (np.array([0, 4, 4]), np.array([4, 0, 4])),
+        "crosses a rank's row": (np.array([0, 3, 6]), np.array([3, 3, 2])),
+        "divisible": (np.array([0]), np.array([7])),
+    }
+    for what, (f, c) in bad.items():
+        with pytest.raises(ValueError, match=what):
+            check_map_runs(f, c, int(c.sum()), 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_plans_made_from_runs_keep_them(world: int) -> None:
+    """balanced and TE packed make their maps from runs: the runs make the map, each rank's
+    runs are its row, the plan equals the one checked token by token, and a placement carries
+    coarse runs (``Placement.stream_runs``, equal to its map) without reading the map again;
+    a rank's slots from its runs equal those found in its row."""
+    from cpshard.layouts.index import arange_runs
+    from cpshard.layouts.packed import plan_from_stream
+
+    rng = random.Random(40 + world)
+    for _ in range(10):
+        spec = random_spec(rng, rows=rng.randint(1, 4), row_len=rng.randint(8, 120))
+        if spec.real_tokens < world:
+            continue
+        for plan in (plan_balanced(spec, world), plan_packed(spec, world)):
+            assert plan.map_runs is not None
+            first, count = plan.map_runs
+            assert arange_runs(first, count, 1).tolist() == plan.rank_map.reshape(-1).tolist()
+            doc_padded = None if plan.layout == "balanced" else _te_padded(spec, world)
+            whole = plan_from_stream(spec, plan.layout, plan.rank_map, doc_padded)
+            assert torch.equal(
+                whole.input_token_stream_positions, plan.input_token_stream_positions
+            )
+            assert torch.equal(whole.stream_input_sources, plan.stream_input_sources)
+            for r in range(world):
+                mine = plan.local_map_runs(r)
+                assert mine is not None
+                local = plan.rank_map[r]
+                assert arange_runs(*mine, 1).tolist() == local.tolist()
+                got, want = plan.stream.at(local.numpy(), mine), plan.stream.at(local.numpy())
+                assert (got is None) == (want is None)
+                for a, b in zip(got or (), want or (), strict=True):
+                    np.testing.assert_array_equal(a, b)
+            place = plan.placement(torch.device("cpu"))
+            coarse = first.size * 64 <= plan.padded_len
+            assert (place.stream_runs is not None) == coarse
+            if coarse:
+                assert place._runs_match()
+                assert torch.equal(
+                    place.stream_document_ids(),
+                    place.document_ids.index_select(1, place.rank_map.reshape(-1)),
+                )
+
+
+def _te_padded(spec: PackSpec, world: int) -> torch.Tensor:
+    two_c = 2 * world
+    return (spec.lengths() + two_c - 1) // two_c * two_c
+
+
+def test_runs_over_given_runs_equals_finding_them() -> None:
+    from cpshard.layouts.index import arange_runs, run_starts, runs_over
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        counts = rng.integers(1, 9, size=int(rng.integers(1, 12)))
+        order = rng.permutation(counts.size)  # the runs of a tiling, shuffled
+        first, count = (np.cumsum(counts) - counts)[order], counts[order]
+        values = arange_runs(first, count, 1)
+        tiling = np.unique(np.concatenate([[0], rng.integers(0, values.size, size=4)]))
+        for cut in (None, 5):
+            slot = run_starts(values, cut)
+            found = (values[slot], np.diff(slot, append=values.size))
+            want = runs_over(values, tiling, values.size, 1, cut)
+            got = runs_over(None, tiling, values.size, 1, cut, found)
+            assert want is not None and got is not None
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(a, b)
+        with pytest.raises(ValueError, match="positions must lie in"):
+            runs_over(None, tiling + 1, values.size, 1, None, (first, count))
+
+
+def test_attach_stream_runs_checks_the_tiling() -> None:
+    from cpshard.layouts.placement import attach_stream_runs
+
+    spec = PackSpec.from_seq_lens([[5, 3]], 8)
+    place = plan_balanced(spec, 2).placement(torch.device("cpu"))
+    for runs in (((0, 4), (5, 4)), ((0, 4), (4, 0), (4, 4)), ((0, 4),), ()):
+        with pytest.raises(ValueError, match="must tile arange"):
+            attach_stream_runs(place, runs)

@@ -169,7 +169,13 @@ def pad_table(
 
 
 def runs_table(
-    stream: _I64, starts: _I64, ids: _I64, cut: int, min_run: int = 1
+    stream: _I64 | None,
+    starts: _I64,
+    ids: _I64,
+    cut: int,
+    min_run: int = 1,
+    runs: tuple[_I64, _I64] | None = None,
+    length: int | None = None,
 ) -> RunTable | None:
     """The run table of one row given by its document runs (run ``k`` from ``starts[k]``,
     document ``ids[k]``, pads where negative: :class:`~cpshard.layouts.placement.DocumentRuns`)
@@ -186,12 +192,18 @@ def runs_table(
         cut: The local length ``L``.
         min_run: ``None`` where the stream has more than one run of consecutive positions per
             ``min_run`` slots (the caller then takes the token pass).
+        runs: ``(first, count)``: the stream's runs of consecutive positions in slot order,
+            none across a multiple of ``cut`` (:func:`blocked_runs`), where known; ``stream``
+            is then ``None`` (no pass over it).
+        length: ``P`` where ``stream`` is ``None``.
     """
-    got = runs_over(stream, starts, stream.size, min_run, cut)
+    width = stream.size if stream is not None else length
+    assert width is not None, "runs_table: give the stream or its length"
+    got = runs_over(stream, starts, width, min_run, cut, runs)
     if got is None:
         return None
     k, first, count = got
     slot = np.cumsum(count) - count  # the pieces tile the stream in order
     cls = np.where(ids < 0, PAD_CLASS, ids)[k]
     table = RunTable(slot, count, first, cls, np.zeros(slot.size, dtype=np.int64))
-    return join_runs(table, stream.size, cut)
+    return join_runs(table, width, cut)

@@ -264,9 +264,14 @@ def _host_by_documents(meta: TokenMeta) -> HostRows | None:
     width = place.padded_len
     if isinstance(docs, DocumentRuns):  # one row: its stream's runs cut at the documents
         groups, firsts = [[0]], [0]
-        flat = place.rank_map.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         starts, ids = docs.starts.numpy(), docs.ids.numpy()
-        found = runs_table(flat, starts, ids, cut, _RUNS_PER_TOKEN)
+        if place.stream_runs is not None:  # the map's runs, known: no pass over it
+            slot, first = blocked_runs(place.stream_runs, cut)
+            runs = (first, np.diff(slot, append=width))
+            found = runs_table(None, starts, ids, cut, _RUNS_PER_TOKEN, runs, width)
+        else:
+            flat = place.rank_map.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+            found = runs_table(flat, starts, ids, cut, _RUNS_PER_TOKEN)
         if found is None:  # a fine-cut stream: the token pass over the made ids
             return None
         table = found

@@ -20,16 +20,15 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import torch
 
 from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.index import arange_runs, padded_length
+from cpshard.layouts.index import padded_length
 from cpshard.layouts.packed import (
     _I64,
     PackedPlan,
     _check_world,
     _doc_lengths,
-    plan_from_stream,
+    plan_from_runs,
 )
 
 __all__ = ["plan_balanced"]
@@ -76,7 +75,9 @@ def _pool_work_prefix(seg: _I64, real: int, padded: int) -> _I64:
     return cum
 
 
-def _balanced_rank_map(lens: _I64, world_size: int, work_tolerance: float) -> _I64:
+def _balanced_runs(lens: _I64, world_size: int, work_tolerance: float) -> tuple[_I64, _I64]:
+    """The balanced rank map as runs ``(first, count)`` of consecutive stream positions, in slot
+    order (:func:`_pool_to_runs`)."""
     real = int(lens.sum())
     padded = padded_length(real, world_size)
     local = padded // world_size
@@ -114,21 +115,10 @@ def _balanced_rank_map(lens: _I64, world_size: int, work_tolerance: float) -> _I
         lo, hi = lo + k, hi - local + k
     range_lo[-1], range_len[-1], range_rank[-1] = lo, hi - lo, world_size - 1
     used = range_len > 0
-    return _pool_to_rank_map(
-        lens,
-        order,
-        seg,
-        seg_end,
-        range_lo[used],
-        range_rank[used],
-        real,
-        padded,
-        world_size,
-        cum[:padded],  # the work prefix is done with: its memory holds the map
-    )
+    return _pool_to_runs(lens, order, seg, seg_end, range_lo[used], range_rank[used], real, padded)
 
 
-def _pool_to_rank_map(
+def _pool_to_runs(
     lens: _I64,
     order: _I64,
     seg: _I64,
@@ -137,15 +127,13 @@ def _pool_to_rank_map(
     range_rank: _I64,
     real: int,
     padded: int,
-    world_size: int,
-    out: _I64,
-) -> _I64:
-    """``[C, L]`` rank map, written into ``out`` (``[P]``), from the ranks' non-empty pool
+) -> tuple[_I64, _I64]:
+    """The rank map's runs ``(first, count)`` in slot order, from the ranks' non-empty pool
     ranges (``range_lo`` their starts; they tile ``[0, padded)``): each range is split at
     document boundaries; a piece ``[m0, m1)`` of a document's outside-in order (length ``n``,
     stream start ``s``) is the stream head ``[s + ceil(m0/2), s + ceil(m1/2))`` and tail
     ``[s + n - m1 // 2, s + n - m0 // 2)``; pads map to themselves. Each rank's intervals, in
-    stream order, are its local tokens."""
+    stream order, are its local tokens (empty ones dropped)."""
     by_lo = np.argsort(range_lo, kind="stable")
     range_lo, range_rank = range_lo[by_lo], range_rank[by_lo]
     cuts = np.union1d(np.concatenate([range_lo, seg_end]), [0, real, padded])
@@ -161,8 +149,9 @@ def _pool_to_rank_map(
     ends = np.concatenate([s + (m1 + 1) // 2, s + n - m0 // 2, b[~is_doc]])
     owner = np.concatenate([rank[is_doc], rank[is_doc], rank[~is_doc]])
     keyed = np.argsort(owner * (padded + 1) + starts)
-    flat = arange_runs(starts[keyed], ends[keyed] - starts[keyed], 1, out=out)
-    return flat.reshape(world_size, padded // world_size)
+    first, count = starts[keyed], ends[keyed] - starts[keyed]
+    kept = count > 0
+    return first[kept], count[kept]
 
 
 def plan_balanced(spec: PackSpec, world_size: int, work_tolerance: float = 1e-3) -> PackedPlan:
@@ -185,6 +174,6 @@ def plan_balanced(spec: PackSpec, world_size: int, work_tolerance: float = 1e-3)
     if work_tolerance < 0:
         raise ValueError(f"work_tolerance must be >= 0, got work_tolerance={work_tolerance}")
     t0 = time.perf_counter()
-    rank_map = torch.from_numpy(_balanced_rank_map(_doc_lengths(spec), world_size, work_tolerance))
-    plan = plan_from_stream(spec, "balanced", rank_map, None)
+    first, count = _balanced_runs(_doc_lengths(spec), world_size, work_tolerance)
+    plan = plan_from_runs(spec, "balanced", world_size, first, count)
     return replace(plan, solver_seconds=time.perf_counter() - t0)

@@ -12,6 +12,7 @@ import torch
 
 __all__ = [
     "arange_runs",
+    "check_map_runs",
     "check_rank_map",
     "consecutive_runs",
     "inverse_permutation",
@@ -93,6 +94,47 @@ def check_rank_map(rank_map: torch.Tensor, padded_seq_len: int) -> None:
         raise ValueError(
             f"a rank map must cover each of the {padded_seq_len} positions exactly once; "
             f"position {bad} appears {int(counts[bad])} times"
+        )
+
+
+def check_map_runs(first: _I64, count: _I64, padded_seq_len: int, world_size: int) -> None:
+    """Check in ``O(runs log runs)`` that the rank map ``arange_runs(first, count, 1)``,
+    reshaped to ``[C, L]``, is a bijection onto ``arange(padded_seq_len)`` whose runs stay
+    inside their rank's row (what :func:`check_rank_map` checks on the map, token by token).
+
+    Args:
+        first: ``[K]`` int64, the first position of each run, in slot order.
+        count: ``[K]`` int64 run lengths (``> 0``).
+        padded_seq_len: ``P``.
+        world_size: ``C`` (``P`` divisible by it).
+
+    Raises:
+        ValueError: an empty run, runs that do not tile ``arange(P)`` (a gap or an overlap), a
+            run across two ranks' rows, or ``P`` not divisible by ``C``.
+    """
+    if world_size < 1 or padded_seq_len % world_size or int(count.sum()) != padded_seq_len:
+        raise ValueError(
+            f"rank map runs must cover P={padded_seq_len} slots, P divisible by the CP size "
+            f"{world_size}; got {int(count.sum())} slots"
+        )
+    if count.size and int(count.min()) <= 0:
+        raise ValueError(f"rank map runs must be non-empty, got a run of {int(count.min())}")
+    by_first = np.argsort(first, kind="stable")
+    lo, n = first[by_first], count[by_first]
+    gaps = np.flatnonzero(lo != np.concatenate([[0], (lo + n)[:-1]]))
+    if gaps.size:
+        at = int(gaps[0])
+        raise ValueError(
+            f"a rank map must cover each of the {padded_seq_len} positions exactly once; its "
+            f"runs leave a gap or overlap at position {int(lo[at])}"
+        )
+    local = padded_seq_len // world_size
+    slot = np.cumsum(count) - count
+    across = np.flatnonzero(slot // local != (slot + count - 1) // local)
+    if across.size:
+        raise ValueError(
+            f"rank map run {int(across[0])} (slots {int(slot[across[0]])}.."
+            f"{int(slot[across[0]] + count[across[0]] - 1)}) crosses a rank's row of L={local}"
         )
 
 
@@ -183,20 +225,29 @@ def run_starts(values: _I64, cut: int | None = None) -> _I64:
 
 
 def runs_over(
-    values: _I64, starts: _I64, end: int, min_run: int, cut: int | None = None
+    values: _I64 | None,
+    starts: _I64,
+    end: int,
+    min_run: int,
+    cut: int | None = None,
+    runs: tuple[_I64, _I64] | None = None,
 ) -> tuple[_I64, _I64, _I64] | None:
     """``values`` (any order) as pieces of consecutive values, each inside one run of a tiling
     whose runs start at ``starts``: the runs of consecutive values (:func:`run_starts`) cut at
     the tiling's starts, in ``values``' order.
 
     Args:
-        values: ``[N]`` int64 values in ``[starts[0], end)``.
+        values: ``[N]`` int64 values in ``[starts[0], end)``; ``None`` with ``runs``.
         starts: ``[K]`` int64, strictly increasing: run ``k`` of the tiling is
             ``[starts[k], starts[k + 1])``, the last one up to ``end``.
         end: Where the tiling ends.
         min_run: Give up (``None``) where ``values`` has more than one run of consecutive
             values per ``min_run`` of them (indexing whole arrays is then cheaper).
-        cut: Also cut at every multiple of ``cut`` slots of ``values`` (:func:`run_starts`).
+        cut: Also cut at every multiple of ``cut`` slots of ``values`` (:func:`run_starts`);
+            with ``runs``, theirs must not cross one.
+        runs: ``(first, count)`` of ``values``' runs of consecutive values in slot order
+            (``values`` is ``arange_runs(first, count, 1)``; they need not be maximal), where
+            known: no pass over the values.
 
     Returns:
         ``(k, first, count)`` per piece: the tiling's run it lies in, its first value and its
@@ -206,12 +257,18 @@ def runs_over(
     Raises:
         ValueError: a value outside ``[starts[0], end)`` (checked on the runs: ``O(runs)``).
     """
-    n = values.size
-    first_slot = run_starts(values, cut)
-    if min_run * first_slot.size > n:
-        return None
-    a = values[first_slot]
-    b = a + np.diff(first_slot, append=n)  # each run covers the values [a, b)
+    if runs is not None:
+        a, b = runs[0], runs[0] + runs[1]  # each run covers the values [a, b)
+        if min_run * a.size > int(runs[1].sum()):
+            return None
+    else:
+        assert values is not None
+        n = values.size
+        first_slot = run_starts(values, cut)
+        if min_run * first_slot.size > n:
+            return None
+        a = values[first_slot]
+        b = a + np.diff(first_slot, append=n)
     if a.size and (int(a.min()) < int(starts[0]) or int(b.max()) > end):
         least, most = int(a.min()), int(b.max()) - 1
         raise ValueError(

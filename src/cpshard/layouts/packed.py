@@ -40,13 +40,19 @@ from cpshard.layouts.coordinates import (
     stream_to_positions,
 )
 from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.index import arange_runs, check_rank_map, runs_over
-from cpshard.layouts.placement import DocumentRuns, Placement, pad_document_ids
+from cpshard.layouts.index import arange_runs, check_map_runs, check_rank_map, runs_over
+from cpshard.layouts.placement import (
+    DocumentRuns,
+    Placement,
+    attach_stream_runs,
+    pad_document_ids,
+)
 
 __all__ = [
     "PackedPlan",
     "StreamRuns",
     "plan_closed_form",
+    "plan_from_runs",
     "plan_from_stream",
     "plan_packed",
 ]
@@ -98,7 +104,9 @@ class StreamRuns:
         """``[P]``: the flat caller index of each position, ``-1`` where none fills it."""
         return arange_runs(self.src_first, self.counts, self.src_step)
 
-    def at(self, stream: _I64) -> tuple[_I64, _I64, npt.NDArray[np.bool_]] | None:
+    def at(
+        self, stream: _I64, runs: tuple[_I64, _I64] | None = None
+    ) -> tuple[_I64, _I64, npt.NDArray[np.bool_]] | None:
         """``(sources, positions, pads)`` of the stream positions ``stream`` (``[L]``, e.g. one
         rank's row of the rank map), made from the runs of consecutive positions in ``stream``
         cut at this stream's runs (no ``[P]`` array); ``None`` where ``stream`` is cut finer than
@@ -106,6 +114,8 @@ class StreamRuns:
 
         Args:
             stream: ``[L]`` int64 stream positions, any order.
+            runs: ``(first, count)``: ``stream``'s runs of consecutive positions, where known
+                (no pass over ``stream``).
 
         Returns:
             ``[L]`` int64 caller indices (``-1``: none), ``[L]`` int64 positions, ``[L]`` bools
@@ -113,7 +123,7 @@ class StreamRuns:
         """
         if stream.size == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, bool)
-        cut = runs_over(stream, self.starts, self.length, 8)
+        cut = runs_over(stream, self.starts, self.length, 8, runs=runs)
         if cut is None:
             return None
         k, lo, count = cut
@@ -143,6 +153,9 @@ class PackedPlan:
         input_row_shape: ``(B, S)`` of the caller's batch.
         stream: The stream as runs (:class:`StreamRuns`).
         solver_seconds: Wall time spent building the plan (rank map, stream facts, checks).
+        map_runs: ``(first, count)``, int64 ``[K]`` each: the maximal runs of consecutive
+            positions inside each row of the rank map flattened (:func:`plan_from_runs`), or
+            ``None`` (a map given whole).
     """
 
     layout: str
@@ -153,6 +166,16 @@ class PackedPlan:
     input_row_shape: tuple[int, int]
     stream: StreamRuns
     solver_seconds: float = 0.0
+    map_runs: tuple[_I64, _I64] | None = None
+
+    def local_map_runs(self, rank: int) -> tuple[_I64, _I64] | None:
+        """:attr:`map_runs` of rank ``rank``'s row of the rank map (``None`` without them)."""
+        if self.map_runs is None:
+            return None
+        first, count = self.map_runs
+        slot = np.cumsum(count) - count
+        mine = slot // self.local_len == rank
+        return first[mine], count[mine]
 
     @functools.cached_property
     def stream_document_ids(self) -> torch.Tensor:
@@ -238,7 +261,12 @@ class PackedPlan:
             self.input_row_shape,
             self.input_token_stream_positions.to(device),
         )
-        return Placement(self.rank_map.to(device), docs, coordinates)
+        place = Placement(self.rank_map.to(device), docs, coordinates)
+        runs = self.map_runs
+        if runs is not None and runs[0].size * _COARSE_RUNS <= self.padded_len:
+            # the map is made from its runs (plan_from_runs): the placement slices them
+            attach_stream_runs(place, tuple(zip(runs[0].tolist(), runs[1].tolist(), strict=True)))
+        return place
 
 
 def _check_world(spec: PackSpec, world_size: int) -> None:
@@ -312,6 +340,48 @@ def _stream_facts(
     return stream, torch.from_numpy(idx).view(spec.num_rows, spec.row_len)
 
 
+_COARSE_RUNS = 64
+"""A plan's placement carries its map's runs (:attr:`Placement.stream_runs`) where they average
+at least this many positions (``balanced``: a few per document; not TE's ``packed`` at high
+CP, whose thousands of runs would cost more as Python tuples than one pass over the map)."""
+
+
+def plan_from_runs(
+    spec: PackSpec,
+    layout: str,
+    world_size: int,
+    first: _I64,
+    count: _I64,
+    doc_padded_lens: torch.Tensor | None = None,
+) -> PackedPlan:
+    """The :class:`PackedPlan` whose rank map is made from runs of consecutive stream
+    positions: the runs are checked in ``O(runs log runs)`` (:func:`check_map_runs`) instead of
+    the map token by token, and the plan keeps them (:attr:`PackedPlan.map_runs`).
+
+    Args:
+        spec: The batch's document structure.
+        layout: Label.
+        world_size: ``C``.
+        first: ``[K]`` int64, the first stream position of each run, in slot order (rank 0's
+            local slots first).
+        count: ``[K]`` int64 run lengths, ``> 0``, none across a rank's row.
+        doc_padded_lens: As for :func:`plan_from_stream`.
+
+    Raises:
+        ValueError: runs that do not make a ``[C, L]`` bijection onto ``arange(P)``.
+    """
+    padded = int(count.sum())
+    check_map_runs(first, count, padded, world_size)
+    rank_map = torch.from_numpy(arange_runs(first, count, 1).reshape(world_size, -1))
+    plan = _plan(spec, layout, rank_map, doc_padded_lens)
+    # neighbours that continue each other inside one row are one run (TE's head and tail
+    # chunks of a document at C = 1, a balanced rank's consecutive pieces)
+    slot = np.cumsum(count) - count
+    joined = (first[1:] == first[:-1] + count[:-1]) & (slot[1:] % (padded // world_size) != 0)
+    heads = np.flatnonzero(np.concatenate([[True], ~joined]))
+    return replace(plan, map_runs=(first[heads], np.add.reduceat(count, heads)))
+
+
 def plan_from_stream(
     spec: PackSpec,
     layout: str,
@@ -329,8 +399,15 @@ def plan_from_stream(
             or ``None`` for unpadded documents; the stream end is padded up to ``C * L``.
         solver_seconds: Time the caller spent computing ``rank_map``.
     """
+    check_rank_map(rank_map, int(rank_map.numel()))
+    return replace(_plan(spec, layout, rank_map, doc_padded_lens), solver_seconds=solver_seconds)
+
+
+def _plan(
+    spec: PackSpec, layout: str, rank_map: torch.Tensor, doc_padded_lens: torch.Tensor | None
+) -> PackedPlan:
+    """The plan of a checked rank map."""
     padded = int(rank_map.numel())
-    check_rank_map(rank_map, padded)
     lens = _doc_lengths(spec)
     seg = lens if doc_padded_lens is None else doc_padded_lens.numpy().astype(np.int64)
     stream, idx = _stream_facts(spec, lens, seg, padded)
@@ -342,7 +419,6 @@ def plan_from_stream(
         input_token_stream_positions=idx,
         input_row_shape=(spec.num_rows, spec.row_len),
         stream=stream,
-        solver_seconds=solver_seconds,
     )
 
 
@@ -365,10 +441,11 @@ def plan_packed(spec: PackSpec, world_size: int) -> PackedPlan:
     first = np.empty((world_size, padded.size, 2), dtype=np.int64)  # rank, document, head/tail
     first[:, :, 0] = starts + r * chunk
     first[:, :, 1] = starts + (two_c - 1 - r) * chunk
-    counts = np.broadcast_to(chunk[None, :, None], first.shape)
-    flat = arange_runs(first.reshape(-1), counts.reshape(-1), 1)
-    rank_map = torch.from_numpy(flat.reshape(world_size, -1))
-    plan = plan_from_stream(spec, "packed", rank_map, torch.from_numpy(padded))
+    counts = np.broadcast_to(chunk[None, :, None], first.shape).reshape(-1)
+    kept = counts > 0
+    plan = plan_from_runs(
+        spec, "packed", world_size, first.reshape(-1)[kept], counts[kept], torch.from_numpy(padded)
+    )
     return replace(plan, solver_seconds=time.perf_counter() - t0)
 
 

@@ -118,7 +118,9 @@ class DocumentRuns:
         per = per.to(self.device)
         return pad_document_ids(per[None], per[None] < 0)
 
-    def in_order(self, order: torch.Tensor) -> torch.Tensor | None:
+    def in_order(
+        self, order: torch.Tensor, runs: tuple[tuple[int, int], ...] | None = None
+    ) -> torch.Tensor | None:
         """The ids at the positions ``order`` (pads ``-1 - position``), made from the runs cut at
         the runs of consecutive positions in ``order`` (no ``[P]`` ids in global order), or
         ``None`` where ``order`` is cut finer than one run per :data:`_IN_ORDER_MIN_RUN`
@@ -127,12 +129,18 @@ class DocumentRuns:
         Args:
             order: LongTensor ``[N]``: positions in ``[0, P)``, any order (e.g. the rank map
                 flattened: the rank-major stream).
+            runs: ``order`` as runs of consecutive positions, ``((first, length), ...)`` in
+                order, where known (:attr:`Placement.stream_runs`): no pass over ``order``.
 
         Returns:
             LongTensor ``[N]`` on :attr:`device`, or ``None``.
         """
-        at = order.detach().cpu().numpy().astype(np.int64, copy=False)
-        cut = runs_over(at, self.starts.numpy(), self.length, _IN_ORDER_MIN_RUN)
+        given = None
+        if runs is not None:
+            pairs = np.array(runs, dtype=np.int64).reshape(-1, 2)
+            given = (pairs[:, 0].copy(), pairs[:, 1].copy())
+        at = None if given else order.detach().cpu().numpy().astype(np.int64, copy=False)
+        cut = runs_over(at, self.starts.numpy(), self.length, _IN_ORDER_MIN_RUN, runs=given)
         if cut is None:
             return None
         k, first, count = cut
@@ -326,10 +334,32 @@ class Placement:
         runs not yet made into ids: from their runs, :meth:`DocumentRuns.in_order`)."""
         runs = self.stream_runs
         docs = self.documents
-        if runs is None and not self._ids and isinstance(docs, DocumentRuns):
-            got = docs.in_order(self.rank_map.reshape(-1))
+        if not self._ids and isinstance(docs, DocumentRuns):
+            got = docs.in_order(self.rank_map.reshape(-1), runs)
             if got is not None:
                 return got[None]
         if runs is not None:
             return torch.cat([self.document_ids[:, a : a + n] for a, n in runs], dim=1)
         return self.document_ids.index_select(1, self.rank_map.reshape(-1))
+
+
+def attach_stream_runs(placement: Placement, runs: tuple[tuple[int, int], ...]) -> None:
+    """Give ``placement`` the runs its rank map was made from (:attr:`Placement.stream_runs`).
+
+    For a map made from ``runs`` by its maker (a packed plan's,
+    :func:`cpshard.layouts.packed.plan_from_runs`, which checked them): their tiling of
+    ``arange(P)`` is checked here in ``O(runs)``, not the map against them (the constructor's
+    pass over the map, which made them moot).
+
+    Raises:
+        ValueError: runs that do not tile ``arange(P)`` of this placement's ``P``.
+    """
+    ordered = sorted(runs)
+    ends = [0] + [a + n for a, n in ordered]
+    tiles = all(n > 0 and a == end for (a, n), end in zip(ordered, ends, strict=False))
+    if not runs or not tiles or ends[-1] != placement.padded_len:
+        raise ValueError(
+            f"stream runs must tile arange(P) with P={placement.padded_len}, got "
+            f"{tuple(runs)[:8]}; pass the runs the rank map was made from"
+        )
+    object.__setattr__(placement, "stream_runs", runs)

@@ -98,7 +98,7 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
 
 
 def _local_stream(
-    plan: PackedPlan, local: torch.Tensor, caller_padding: torch.Tensor | None
+    plan: PackedPlan, rank: int, caller_padding: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's slots of the stream: the caller index of each (``-1``: a layout pad), its
     position in its document, whether it is a pad, and the whole stream's pads where the caller
@@ -106,7 +106,7 @@ def _local_stream(
 
     Args:
         plan: The plan.
-        local: LongTensor ``[L]``: this rank's stream positions (its row of the rank map).
+        rank: This rank (its row of the rank map: its stream positions, or the map's runs).
         caller_padding: The caller's ``padding_mask`` ``[B, S]`` (pads inside documents), or
             ``None``.
 
@@ -116,7 +116,7 @@ def _local_stream(
         ``caller_padding``: the plan's own pads, its documents as runs).
     """
     if caller_padding is None:
-        got = plan.stream.at(local.cpu().numpy())
+        got = plan.stream.at(plan.rank_map[rank].cpu().numpy(), plan.local_map_runs(rank))
         if got is not None:  # from the runs: no [P] array
             src, pos, pad = (torch.from_numpy(x) for x in got)
             return src, pos, pad, None
@@ -125,7 +125,7 @@ def _local_stream(
     if caller_padding is not None:  # caller pads inside documents see only themselves too
         inside = caller_padding.bool().reshape(-1).cpu().index_select(0, caller.clamp(min=0))
         stream_pad = stream_pad | (inside & (caller >= 0))
-    local = local.cpu()
+    local = plan.rank_map[rank].cpu()
     src = caller.index_select(0, local)
     pos = plan.stream_position_ids.index_select(0, local)
     return (
@@ -206,8 +206,7 @@ def shard_batch_packed(
     plan = plan_balanced(spec, world) if layout == "balanced" else plan_packed(spec, world)
     device = x.device
     caller_padding = out.get("padding_mask")
-    rank_map = plan.rank_map
-    src, local_pos, local_pad, stream_pad = _local_stream(plan, rank_map[rank], caller_padding)
+    src, local_pos, local_pad, stream_pad = _local_stream(plan, rank, caller_padding)
     src, local_pos, local_pad = src.to(device), local_pos.to(device), local_pad.to(device)
     # the documents as runs, or the caller's pads inside them as well
     placement = plan.placement(device, None if stream_pad is None else stream_pad.to(device))
