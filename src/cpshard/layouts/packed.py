@@ -355,8 +355,10 @@ def plan_from_runs(
     doc_padded_lens: torch.Tensor | None = None,
 ) -> PackedPlan:
     """The :class:`PackedPlan` whose rank map is made from runs of consecutive stream
-    positions: the runs are checked in ``O(runs log runs)`` (:func:`check_map_runs`) instead of
-    the map token by token, and the plan keeps them (:attr:`PackedPlan.map_runs`).
+    positions: neighbours that continue each other in one row are joined, the runs are checked
+    in ``O(runs log runs)`` (:func:`check_map_runs`) instead of the map token by token (where
+    they average fewer than :data:`_COARSE_RUNS` positions, the map is: one pass costs less than
+    sorting them), and the plan keeps them (:attr:`PackedPlan.map_runs`).
 
     Args:
         spec: The batch's document structure.
@@ -371,15 +373,22 @@ def plan_from_runs(
         ValueError: runs that do not make a ``[C, L]`` bijection onto ``arange(P)``.
     """
     padded = int(count.sum())
-    check_map_runs(first, count, padded, world_size)
-    rank_map = torch.from_numpy(arange_runs(first, count, 1).reshape(world_size, -1))
-    plan = _plan(spec, layout, rank_map, doc_padded_lens)
+    if world_size < 1 or padded % world_size or not count.size or int(count.min()) <= 0:
+        check_map_runs(first, count, padded, world_size)  # raises what is wrong
     # neighbours that continue each other inside one row are one run (TE's head and tail
     # chunks of a document at C = 1, a balanced rank's consecutive pieces)
     slot = np.cumsum(count) - count
     joined = (first[1:] == first[:-1] + count[:-1]) & (slot[1:] % (padded // world_size) != 0)
-    heads = np.flatnonzero(np.concatenate([[True], ~joined]))
-    return replace(plan, map_runs=(first[heads], np.add.reduceat(count, heads)))
+    if joined.any():
+        heads = np.flatnonzero(np.concatenate([[True], ~joined]))
+        first, count = first[heads], np.add.reduceat(count, heads)
+    flat = arange_runs(first, count, 1)
+    if first.size * _COARSE_RUNS > padded:  # many short runs: one pass over the map is cheaper
+        check_rank_map(torch.from_numpy(flat).view(world_size, -1), padded)
+    else:
+        check_map_runs(first, count, padded, world_size)
+    plan = _plan(spec, layout, torch.from_numpy(flat.reshape(world_size, -1)), doc_padded_lens)
+    return replace(plan, map_runs=(first, count))
 
 
 def plan_from_stream(
@@ -442,9 +451,8 @@ def plan_packed(spec: PackSpec, world_size: int) -> PackedPlan:
     first[:, :, 0] = starts + r * chunk
     first[:, :, 1] = starts + (two_c - 1 - r) * chunk
     counts = np.broadcast_to(chunk[None, :, None], first.shape).reshape(-1)
-    kept = counts > 0
     plan = plan_from_runs(
-        spec, "packed", world_size, first.reshape(-1)[kept], counts[kept], torch.from_numpy(padded)
+        spec, "packed", world_size, first.reshape(-1), counts, torch.from_numpy(padded)
     )
     return replace(plan, solver_seconds=time.perf_counter() - t0)
 
