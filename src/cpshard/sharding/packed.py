@@ -141,7 +141,7 @@ def _shard_key(
     dim: int,
     fill: float | int | bool,
     idx: torch.Tensor,
-    pad: torch.Tensor,
+    pad: torch.Tensor | None,
     rows: int,
 ) -> torch.Tensor:
     """Caller tensor with sequence dim ``dim`` -> local ``[1, L, ...]`` (seq on dim 1): one
@@ -154,7 +154,8 @@ def _shard_key(
         fill: Value of the local slots no caller token fills.
         idx: LongTensor ``[L]``: the flat caller index of each local slot, ``0`` at layout pads
             (:func:`_local_stream`'s sources clamped).
-        pad: BoolTensor ``[L]``: the layout pads (no caller token).
+        pad: BoolTensor ``[L]``: the layout pads (no caller token), ``None`` where there are
+            none (nothing to fill).
         rows: ``B`` of the batch.
     """
     moved = t.movedim(dim, 1)
@@ -162,7 +163,8 @@ def _shard_key(
     if moved.shape[0] != rows:  # a batch-size-1 tensor broadcast over the rows
         idx = idx % seq
     picked = moved.reshape(-1, *moved.shape[2:]).index_select(0, idx)
-    picked.masked_fill_(pad.reshape(-1, *([1] * (picked.dim() - 1))), fill)  # a fresh tensor
+    if pad is not None:
+        picked.masked_fill_(pad.reshape(-1, *([1] * (picked.dim() - 1))), fill)  # a fresh tensor
     return picked.unsqueeze(0).movedim(1, dim).contiguous()
 
 
@@ -212,6 +214,7 @@ def shard_batch_packed(
     placement = plan.placement(device, None if stream_pad is None else stream_pad.to(device))
     rows = plan.input_row_shape[0]
     idx, layout_pad = src.clamp(min=0), src < 0  # what every key reads, and its layout pads
+    pads = layout_pad if bool(layout_pad.any()) else None  # balanced: on the last rank only
     if not given_positions:  # per document, straight from the plan: no caller round trip
         out["position_ids"] = local_pos[None]
         dims.pop("position_ids", None)
@@ -225,12 +228,14 @@ def shard_batch_packed(
         if key == "padding_mask":
             continue  # set below from the stream, layout pads included
         if key == "position_ids":  # layout pads continue their document's positions
-            got = _shard_key(t, dim, 0, idx, layout_pad, rows)
-            out[key] = torch.where(layout_pad[None], local_pos.to(got.dtype)[None], got)
+            got = _shard_key(t, dim, 0, idx, pads, rows)
+            if pads is not None:
+                got = torch.where(pads[None], local_pos.to(got.dtype)[None], got)
+            out[key] = got
         else:
             fill = pad_value(key, padding_token_id, extra)
             assert fill is not None
-            out[key] = _shard_key(t, dim, fill, idx, layout_pad, rows)
+            out[key] = _shard_key(t, dim, fill, idx, pads, rows)
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
     # losses and token counts can leave them out without knowing the layout.
     out["padding_mask"] = local_pad.unsqueeze(0)
