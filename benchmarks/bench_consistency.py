@@ -1,6 +1,12 @@
 """Cost of the cross-rank consistency checks (target: <= 1 ms per batch at [8, 32768] on CPU).
 
-Usage: ``python benchmarks/bench_consistency.py [--seq 32768] [--batch 8] [--repeat 100]``
+Usage: ``python benchmarks/bench_consistency.py [--seq 32768] [--batch 8] [--repeat 100]
+[--hashes]``
+
+``--hashes`` prints only the one-process table of the two content hashes: the batch fingerprint
+with the CPU's hash (XXH3-64 of the canonical bytes) against the same fingerprint with the
+accelerator's lane hash run on the CPU (what the CPU used before), interleaved, on the batches
+below and an ``inputs_embeds [1, 8192, 1024]`` fp32 batch.
 
 Per rank count (2 and 4 gloo ranks, 1 thread each), medians of interleaved runs:
 
@@ -113,12 +119,50 @@ def _bench(cp_mesh: DeviceMesh, b: int, s: int, repeat: int) -> list[dict[str, A
     return rows
 
 
+def _hashes(a: Any) -> None:
+    """The batch fingerprint with each content hash, one process, interleaved medians."""
+    from cpshard.sharding import consistency
+
+    torch.set_num_threads(1)
+    host = consistency._content_hash
+    kw: dict[str, Any] = {"layout": "auto", "attention": "ring", "padding_token_id": 0}
+    g = torch.Generator().manual_seed(1)
+    batches = {
+        "ids, labels, mask": _batch(a.batch, a.seq, False),
+        "+positions": _batch(a.batch, a.seq, True),
+        "inputs_embeds [1, 8192, 1024] fp32 + labels": {
+            "inputs_embeds": torch.randn(1, 8192, 1024, generator=g),
+            "labels": torch.randint(0, 32000, (1, 8192), generator=g),
+        },
+    }
+    print(f"machine: {platform.machine()}, torch {torch.__version__}; one process, 1 thread")
+    print("| batch | XXH3 (CPU) ms | lane hash on the CPU ms | lane / XXH3 |")
+    print("|---|---|---|---|")
+    for name, batch in batches.items():
+
+        def lane(b: dict[str, torch.Tensor] = batch) -> torch.Tensor:
+            consistency._content_hash = consistency._lane_hash  # type: ignore[assignment]
+            try:
+                return batch_fingerprint(b, **kw)
+            finally:
+                consistency._content_hash = host  # type: ignore[assignment]
+
+        t_host, t_lane = paired_median_times(
+            [lambda b=batch: batch_fingerprint(b, **kw), lane], repeat=a.repeat
+        )
+        print(f"| {name} | {t_host * 1e3:.3f} | {t_lane * 1e3:.3f} | {t_lane / t_host:.1f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeat", type=int, default=100)
+    p.add_argument("--hashes", action="store_true", help="only the two hashes, one process")
     a = p.parse_args()
+    if a.hashes:
+        _hashes(a)
+        return
     print(
         f"machine: {platform.machine()}, torch {torch.__version__}; B={a.batch}, S={a.seq}, "
         "1 thread per rank, gloo; rank 0's medians"
