@@ -31,7 +31,9 @@ header exchange) and the token-mixer detection (in the prepare's validation). Go
 ``bare`` = one ``index_select`` per batch tensor with precomputed indices. The *floor* of a
 checked prepare is what no implementation can skip: ``bare`` (the local tensors), the batch's
 content hash (:func:`~cpshard.sharding.consistency.batch_fingerprint`, every value read once)
-and one step-header all-gather with both ranks already there, each timed in the same run.
+and one step-header all-gather with both ranks already there, each timed in the same run. The
+*per-call cost* is the same prepare of a ``[1, 256]`` batch of the same kind (the work that does
+not scale with the tokens: Python, small host arrays, the model checks, the collectives).
 
 Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
 padded batch, and the batch fingerprint of its three tensors, fastest of 15 each: the parts of
@@ -200,6 +202,7 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> li
         setattr(mod, attr, timed)
     model = _model(model_name)
     rows = []
+    small = _batches(1, 256)
     try:
         for name, batch in _batches(b, s).items():
             layout = "balanced" if name == "packed" else "round_robin"
@@ -229,11 +232,18 @@ def _prepare_rank(mesh: Any, b: int, s: int, repeat: int, model_name: str) -> li
             stages["plan of the chosen method"] = (
                 stages.pop("cp attention (facts + plan)") - stages["cost facts + choice"]
             )
+            fixed = []  # the same prepare of a [1, 256] batch of this kind: the per-call cost
+            for _ in range(repeat):
+                torch.distributed.barrier()
+                t0 = time.process_time()
+                cpshard.prepare_cp_forward(model, mesh, small[name], layout=layout)
+                fixed.append(time.process_time() - t0)
             rows.append({
                 "batch": name, "total": statistics.median(total) * 1e3,
                 "bare": statistics.median(bare) * 1e3, "stages": stages,
                 "hash": statistics.median(hashed) * 1e3,
                 "gather": statistics.median(gathered) * 1e3,
+                "fixed": statistics.median(fixed) * 1e3,
             })  # fmt: skip
     finally:
         for mod, attr, real in saved:
@@ -255,6 +265,8 @@ def _prepare_part(b: int, s: int, ranks: int, repeat: int, model_name: str) -> N
         print(f"floor of a checked prepare: bare index_select {bare:.2f} + batch content hash "
               f"{r['hash']:.2f} + one header all-gather {r['gather']:.2f} = {floor:.2f} ms "
               f"(prepare / floor {t / floor:.2f}x)")  # fmt: skip
+        print(f"per-call cost (the same prepare of a [1, 256] batch): {r['fixed']:.2f} ms; what "
+              f"scales with the batch: {t - r['fixed']:.2f} ms")  # fmt: skip
         print("| stage | CPU ms per prepare (mean) | / bare index_select |")
         print("|---|---|---|")
         for k, v in r["stages"].items():
