@@ -139,7 +139,9 @@ class DocumentRuns:
         if runs is not None:
             pairs = np.array(runs, dtype=np.int64).reshape(-1, 2)
             given = (pairs[:, 0].copy(), pairs[:, 1].copy())
-        at = None if given else order.detach().cpu().numpy().astype(np.int64, copy=False)
+        at = None
+        if given is None:
+            at = order.detach().cpu().numpy().astype(np.int64, copy=False)
         cut = runs_over(at, self.starts.numpy(), self.length, _IN_ORDER_MIN_RUN, runs=given)
         if cut is None:
             return None
@@ -233,15 +235,13 @@ class Placement:
             ValueError: runs that do not tile ``arange(P)`` (a gap, an overlap, an empty run),
                 or ``P`` not divisible by ``world_size``.
         """
-        padded = sum(n for _, n in stream_runs)
-        ordered = sorted(stream_runs)
-        ends = [0] + [a + n for a, n in ordered]
-        tiles = all(n > 0 and a == end for (a, n), end in zip(ordered, ends, strict=False))
-        if not stream_runs or not tiles or world_size < 1 or padded % world_size:
+        padded = _tiled_length(stream_runs)
+        if padded is None or world_size < 1 or padded % world_size:
             raise ValueError(
                 "Placement.of_runs needs stream_runs ((start, length), ...) with lengths > 0 that "
                 f"tile arange(P), P divisible by world_size={world_size}; got "
-                f"{tuple(stream_runs)[:8]} (P={padded}). Pass the runs of a rank map flattened"
+                f"{tuple(stream_runs)[:8]} (P={sum(n for _, n in stream_runs)}). Pass the runs "
+                "of a rank map flattened"
             )
         ar = torch.arange(padded, dtype=torch.long, device=device)
         rank_map = torch.cat([ar[a : a + n] for a, n in stream_runs]).reshape(world_size, -1)
@@ -354,12 +354,19 @@ def attach_stream_runs(placement: Placement, runs: tuple[tuple[int, int], ...]) 
     Raises:
         ValueError: runs that do not tile ``arange(P)`` of this placement's ``P``.
     """
-    ordered = sorted(runs)
-    ends = [0] + [a + n for a, n in ordered]
-    tiles = all(n > 0 and a == end for (a, n), end in zip(ordered, ends, strict=False))
-    if not runs or not tiles or ends[-1] != placement.padded_len:
+    if _tiled_length(runs) != placement.padded_len:
         raise ValueError(
             f"stream runs must tile arange(P) with P={placement.padded_len}, got "
             f"{tuple(runs)[:8]}; pass the runs the rank map was made from"
         )
     object.__setattr__(placement, "stream_runs", runs)
+
+
+def _tiled_length(runs: tuple[tuple[int, int], ...]) -> int | None:
+    """``P`` where ``runs`` (``(start, length)``, any order, lengths ``> 0``) tile
+    ``arange(P)`` exactly (no gap, no overlap, at least one run), else ``None``; ``O(runs)``
+    after a sort of the runs."""
+    ordered = sorted(runs)
+    ends = [0] + [a + n for a, n in ordered]
+    tiles = all(n > 0 and a == end for (a, n), end in zip(ordered, ends, strict=False))
+    return ends[-1] if runs and tiles else None
