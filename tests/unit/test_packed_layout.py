@@ -355,3 +355,28 @@ def test_attach_stream_runs_checks_the_tiling() -> None:
     for runs in (((0, 4), (5, 4)), ((0, 4), (4, 0), (4, 4)), ((0, 4),), ()):
         with pytest.raises(ValueError, match="must tile arange"):
             attach_stream_runs(place, runs)
+
+
+def test_plan_from_runs_rejects_bad_runs_coarse_or_fine() -> None:
+    """Runs that do not make a bijection raise whether they are checked by sorting (coarse) or
+    on the map made from them (fine: more than one run per 64 positions), and so does a run
+    across two ranks' rows (its rank's slots would be read from the wrong runs)."""
+    from cpshard.layouts.packed import plan_from_runs
+
+    spec = PackSpec.from_seq_lens([[100, 28]], 128)
+    coarse = (np.array([0, 64]), np.array([64, 64]))
+    plan = plan_from_runs(spec, "custom", 2, *coarse)
+    assert plan.rank_map.tolist() == [list(range(64)), list(range(64, 128))]
+    fine_first = np.arange(0, 128, 2)[::-1].copy()  # 64 runs of 2, in reverse order
+    plan = plan_from_runs(spec, "custom", 2, fine_first, np.full(64, 2))
+    assert plan.rank_map.reshape(-1).tolist() == [p for a in fine_first for p in (a, a + 1)]
+    bad = {
+        "crosses a rank's row": (np.array([0, 96]), np.array([96, 32])),
+        "exactly once": (np.array([0, 60]), np.array([64, 64])),
+    }
+    for what, (f, c) in bad.items():
+        with pytest.raises(ValueError, match=what):
+            plan_from_runs(spec, "custom", 2, f, c)
+    overlap = np.concatenate([np.arange(0, 126, 2), [0]])  # fine, position 0 twice, 126 never
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_from_runs(spec, "custom", 2, overlap, np.full(64, 2))

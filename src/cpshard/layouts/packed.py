@@ -373,8 +373,8 @@ def plan_from_runs(
         ValueError: runs that do not make a ``[C, L]`` bijection onto ``arange(P)``.
     """
     padded = int(count.sum())
-    if world_size < 1 or padded % world_size or not count.size or int(count.min()) <= 0:
-        check_map_runs(first, count, padded, world_size)  # raises what is wrong
+    fine = first.size * _COARSE_RUNS > padded  # many short runs: one pass over the map is cheaper
+    check_map_runs(first, count, padded, world_size, tiling=not fine)
     # neighbours that continue each other inside one row are one run (TE's head and tail
     # chunks of a document at C = 1, a balanced rank's consecutive pieces)
     slot = np.cumsum(count) - count
@@ -383,10 +383,8 @@ def plan_from_runs(
         heads = np.flatnonzero(np.concatenate([[True], ~joined]))
         first, count = first[heads], np.add.reduceat(count, heads)
     flat = arange_runs(first, count, 1)
-    if first.size * _COARSE_RUNS > padded:  # many short runs: one pass over the map is cheaper
+    if fine:  # the tiling, on the map made
         check_rank_map(torch.from_numpy(flat).view(world_size, -1), padded)
-    else:
-        check_map_runs(first, count, padded, world_size)
     plan = _plan(spec, layout, torch.from_numpy(flat.reshape(world_size, -1)), doc_padded_lens)
     return replace(plan, map_runs=(first, count))
 
