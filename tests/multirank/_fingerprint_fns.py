@@ -25,6 +25,10 @@ def _batch(variant: str) -> dict[str, Any]:
         batch["sample_weight"] = np.linspace(0.0, 1.0, B)
     if variant == "list":
         batch["source"] = ["wiki", "code"]
+    if variant == "sparse":  # not plain strided tensors: hashed by their parts, never raising
+        batch["graph"] = torch.eye(6).to_sparse()
+        batch["codes"] = torch.quantize_per_tensor(torch.arange(6.0), 0.5, 0, torch.quint8)
+        batch["parts"] = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     return batch
 
 
@@ -44,6 +48,8 @@ def _diverge(batch: dict[str, Any], variant: str) -> None:
         batch["sample_weight"] = w
     elif variant == "list":
         batch["source"] = ["wiki", "web"]
+    elif variant == "sparse":
+        batch["graph"] = (torch.eye(6) * 2).to_sparse()
     else:
         raise AssertionError(variant)
 

@@ -14,7 +14,7 @@ from _ranks import Ranks
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("variant", ["embeds_late_row", "crafted", "numpy", "list"])
+@pytest.mark.parametrize("variant", ["embeds_late_row", "crafted", "numpy", "list", "sparse"])
 def test_divergence_the_old_fingerprint_missed_raises_everywhere(
     ranks: Ranks, variant: str
 ) -> None:

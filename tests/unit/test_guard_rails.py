@@ -400,6 +400,49 @@ def test_host_hash_is_xxh3_of_the_canonical_bytes() -> None:
     assert int(consistency._content_hash(torch.zeros(0, 3))) == 0
 
 
+def test_fingerprint_of_sparse_quantized_and_nested_tensors_never_raises() -> None:
+    """Tensors that are not plain strided ones are hashed by their parts (a sparse tensor's
+    coalesced indices and values, a quantized one's integers and quantizer, a nested one's
+    components): equal ones alike, a changed value, scale or component not; their layout is in
+    the description. None of them raises (a rank raising alone before the exchange would leave
+    the others waiting in it)."""
+    import warnings
+
+    def fp(value: object) -> torch.Tensor:
+        batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "x": value}
+        return batch_fingerprint(batch, layout="auto", attention="auto", padding_token_id=0)
+
+    eye = torch.eye(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        pairs = {
+            "coo": (lambda: eye.to_sparse(), lambda: (eye * 3).to_sparse()),
+            "csr": (lambda: eye.to_sparse_csr(), lambda: eye.flip(0).to_sparse_csr()),
+            "per tensor": (
+                lambda: torch.quantize_per_tensor(torch.arange(5.0), 0.5, 0, torch.quint8),
+                lambda: torch.quantize_per_tensor(torch.arange(5.0), 0.25, 0, torch.quint8),
+            ),
+            "per channel": (
+                lambda: torch.quantize_per_channel(
+                    torch.ones(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([0, 0]), 0,
+                    torch.qint8,
+                ),
+                lambda: torch.quantize_per_channel(
+                    torch.ones(2, 3), torch.tensor([0.1, 0.4]), torch.tensor([0, 0]), 0,
+                    torch.qint8,
+                ),
+            ),
+            "nested": (
+                lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+                lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3) * 2]),
+            ),
+        }  # fmt: skip
+        for name, (make, other) in pairs.items():
+            assert torch.equal(fp(make()), fp(make())), name
+            assert not torch.equal(fp(make()), fp(other())), name
+        assert not torch.equal(fp(eye.to_sparse()), fp(eye))  # the layout is described
+
+
 def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> None:
     """Issue 17: float values outside a 4096-value sample, crafted collisions of a weighted sum,
     numpy / list / string entries: each changes the fingerprint."""

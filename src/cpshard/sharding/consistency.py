@@ -117,7 +117,10 @@ def _str_hash(text: str) -> int:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"Tensor({value.dtype}, {tuple(value.shape)}, {value.device.type})"
+        if value.is_nested:  # no single shape: its components'
+            shapes = [tuple(part.shape) for part in value.unbind()]
+            return f"NestedTensor({value.dtype}, {shapes}, {value.device.type})"
+        return f"Tensor({value.dtype}, {tuple(value.shape)}, {value.device.type}, {value.layout})"
     if value is None or isinstance(value, bool | int | float | str):
         return repr(value)
     if isinstance(value, list | tuple):
@@ -149,6 +152,7 @@ def _describe_entry(key: object, value: Any) -> str:
     if (
         key in _PADDING_KEYS
         and isinstance(value, torch.Tensor)
+        and not value.is_nested
         and not value.is_floating_point()
         and not value.is_complex()
     ):
@@ -195,16 +199,58 @@ def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) 
     values give equal hashes whatever their integer dtype (integers and bools are hashed widened
     to int64), floats are hashed by their bits, and the hashes of the two device types differ.
 
+    A tensor that is not a plain strided one is hashed by its parts (:func:`_parts`: a sparse
+    tensor's coalesced indices and values, a quantized one's integers and quantizer, a nested
+    one's components), so the fingerprint never raises on one (a rank that raised alone before
+    the exchange would leave the others waiting in it).
+
     Args:
         t: Any tensor.
         keys: One fingerprint's store of the lane hash's keys and work buffers (:func:`_scratch`),
             which the tensors of one batch share; ``None``: this call's own. Unused on the CPU.
     """
+    if t.is_nested or t.layout != torch.strided or t.is_quantized:
+        parts = _parts(t)
+        if parts is None:
+            return torch.tensor(_str_hash(f"unhashable {t.layout} {t.dtype}"), dtype=torch.long)
+        total = torch.zeros((), dtype=torch.long, device=parts[0].device if parts else "cpu")
+        for i, part in enumerate(parts):
+            total = total + _content_hash(part, keys).to(total.device) * (2 * i + 1)
+        return total
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
     if t.device.type == "cpu":
         return _host_hash(t)
     return _lane_hash(t, keys)
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors that describe a sparse, quantized or nested tensor exactly (with its
+    shape, which its description holds), or ``None`` where reading them fails."""
+    try:
+        if t.is_nested:
+            return [x for part in t.unbind() for x in _parts_or_self(part)]
+        if t.is_quantized:
+            if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+                scale = torch.tensor([t.q_scale()], dtype=torch.float64)
+                point = torch.tensor([t.q_zero_point()], dtype=torch.long)
+            else:
+                scale = t.q_per_channel_scales().to(torch.float64)
+                point = t.q_per_channel_zero_points().to(torch.long)
+            return [t.int_repr(), scale.to(t.device), point.to(t.device)]
+        coo = t.detach().to_sparse() if t.layout != torch.sparse_coo else t.detach()
+        coo = coo.coalesce()
+        return [coo.indices(), *_parts_or_self(coo.values())]
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def _parts_or_self(t: torch.Tensor) -> list[torch.Tensor]:
+    """``[t]`` for a plain tensor, else its :func:`_parts` (a tag tensor where they fail)."""
+    if not (t.is_nested or t.layout != torch.strided or t.is_quantized):
+        return [t]
+    got = _parts(t)
+    return got if got is not None else [torch.tensor([_str_hash(f"unhashable {t.layout}")])]
 
 
 def _host_hash(t: torch.Tensor) -> torch.Tensor:
