@@ -14,6 +14,8 @@ What it covers, exactly (with ``check_consistency=True``, the default):
   numbers and strings: their value; lists: each element's);
 * every value of every tensor of the batch, whatever its key or dtype: token ids, positions,
   labels, masks, ``inputs_embeds`` (every token row, every element), ``seq_lens``, extra keys;
+  sparse, quantized and nested tensors by their parts (indices and values, integers and
+  quantizer, components) and their layout;
 * every non-tensor entry by content: numpy arrays (dtype, shape, every byte), lists, tuples and
   dicts (their items in order, tensors inside by content), ``None``, bools, numbers, strings and
   bytes; any other object by its type only (its ``repr`` may hold a per-process address);
