@@ -296,3 +296,30 @@ def test_document_runs_are_checked() -> None:
         DocumentRuns(torch.tensor([0, 3, 3]), torch.tensor([0, 1, -1]), 6, CPU)
     with pytest.raises(ValueError, match="strictly increasing"):
         DocumentRuns(torch.tensor([1]), torch.tensor([0]), 6, CPU)
+
+
+@pytest.mark.parametrize("long_runs", [1, 2048, 1 << 40])
+def test_arange_runs_equals_its_definition(long_runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``concat(first[i] + step[i] * arange(counts[i]))`` whichever way it is written: runs as
+    slices (long on average; those of ``_RAMP`` values or more by ``torch.arange``) or a repeat
+    and a cumsum; empty runs, negative and zero steps, a scalar step and ``out``."""
+    from cpshard.layouts import index
+
+    monkeypatch.setattr(index, "_LONG_RUNS", long_runs)
+    monkeypatch.setattr(index, "_RAMP", 64)
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        k = int(rng.integers(1, 7))
+        counts = rng.integers(0, 300 if trial % 2 else 4, size=k)
+        first = rng.integers(-(10**6), 10**6, size=k)
+        step: np.ndarray | int = rng.integers(-3, 4, size=k)
+        if trial % 3 == 0:
+            step = int(rng.integers(-2, 3))
+        steps = [step] * k if isinstance(step, int) else step.tolist()
+        runs = zip(first.tolist(), counts.tolist(), steps, strict=True)
+        want = [f + s * i for f, n, s in runs for i in range(n)]
+        assert index.arange_runs(first, counts, step).tolist() == want
+        if isinstance(step, int):
+            out = np.full(len(want), 7, dtype=np.int64)
+            assert index.arange_runs(first, counts, step, out=out) is out
+            assert out.tolist() == want

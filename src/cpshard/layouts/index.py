@@ -173,10 +173,21 @@ def consecutive_runs(idx: torch.Tensor, *, split_every: int | None = None) -> li
     return [(v, e - s) for v, s, e in zip(firsts, starts, ends, strict=True)]
 
 
+_LONG_RUNS = 2048
+""":func:`arange_runs` writes runs that average at least this many values one slice each (one
+pass over the output); shorter ones in a repeat and a cumsum (two passes, no Python step per
+run)."""
+
+_RAMP = 1 << 16
+"""Runs this long or longer are written by ``torch.arange`` into their slice, shorter ones from
+one shared ``arange`` of at most this many values."""
+
+
 def arange_runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) -> _I64:
     """``concat(first[i] + step[i] * arange(counts[i]))`` as one int64 array, built in place
-    (a repeat and a cumsum over the output; no temporaries of its size), into ``out`` if given
-    (only with a scalar ``step``).
+    (runs that average :data:`_LONG_RUNS` values or more: one slice each; shorter ones: a repeat
+    and a cumsum over the output; no temporaries of its size), into ``out`` if given (only with
+    a scalar ``step``).
 
     Example:
         >>> arange_runs(np.array([5, 0]), np.array([2, 3]), 1).tolist()
@@ -184,6 +195,12 @@ def arange_runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = 
     """
     keep = counts > 0
     first, counts = first[keep], counts[keep]
+    total = int(counts.sum())
+    if counts.size and total >= _LONG_RUNS * counts.size:
+        steps = [step] * counts.size if isinstance(step, int) else step[keep].tolist()
+        if out is None:
+            out = np.empty(total, dtype=np.int64)
+        return _slices(first.tolist(), counts.tolist(), steps, out)
     if isinstance(step, int):
         if out is None:
             out = np.empty(int(counts.sum()), dtype=np.int64)
@@ -201,6 +218,26 @@ def arange_runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = 
     )
     out[offsets] = jump
     np.cumsum(out, out=out)
+    return out
+
+
+def _slices(first: list[int], counts: list[int], steps: list[int], out: _I64) -> _I64:
+    """:func:`arange_runs` of long runs, each written into its slice of ``out``."""
+    ramp = np.arange(min(max(counts), _RAMP), dtype=np.int64)
+    flat = torch.from_numpy(out)
+    at = 0
+    for f, n, s in zip(first, counts, steps, strict=True):
+        dst = out[at : at + n]
+        if s == 0:
+            dst.fill(f)
+        elif n >= _RAMP:  # one pass, no ramp of its size
+            torch.arange(f, f + s * n, s, dtype=torch.long, out=flat[at : at + n])
+        elif s == 1:
+            np.add(ramp[:n], f, out=dst)
+        else:
+            np.multiply(ramp[:n], s, out=dst)
+            dst += f
+        at += n
     return out
 
 
