@@ -101,3 +101,21 @@ def opt_out_everywhere_reads_no_values(cp_mesh: DeviceMesh) -> int:
     _, local, sharder = cpshard.make_cp_batch_and_ctx(cp_mesh, batch, check_consistency=False)
     assert not sharder.check_consistency
     return int(local["input_ids"].shape[1])
+
+
+def cost_models_differ(cp_mesh: DeviceMesh) -> str:
+    """The last rank passes another ``attention_cost``: under ``attention="auto"`` it could choose
+    another method (mismatched collectives); every rank raises the same error instead."""
+    from dataclasses import replace
+
+    from cpshard.attention.cost import CostModel
+
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    cost = CostModel.cpu_gloo()
+    if rank == world - 1:
+        cost = replace(cost, link_bandwidth=cost.link_bandwidth * 2)
+    with pytest.raises(ValueError, match="were given different batches") as info:
+        cpshard.make_cp_batch_and_ctx(cp_mesh, _batch("crafted"), attention_cost=cost)
+    msg = str(info.value)
+    assert f"options (ranks {list(range(world - 1))} vs ranks [{world - 1}])" in msg, msg
+    return msg

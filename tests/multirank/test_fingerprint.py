@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _fingerprint_fns import (
+    cost_models_differ,
     divergent_content,
     opt_out_everywhere_reads_no_values,
     opt_out_on_some_ranks,
@@ -38,3 +39,8 @@ def test_opt_out_on_some_ranks_is_a_clear_error_everywhere(
 
 def test_opt_out_everywhere_still_shards(ranks: Ranks) -> None:
     assert len(set(ranks(2, opt_out_everywhere_reads_no_values))) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_other_cost_models_raise_everywhere(ranks: Ranks, world: int) -> None:
+    assert len(set(ranks(world, cost_models_differ))) == 1

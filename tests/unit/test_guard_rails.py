@@ -443,6 +443,38 @@ def test_fingerprint_of_sparse_quantized_and_nested_tensors_never_raises() -> No
         assert not torch.equal(fp(eye.to_sparse()), fp(eye))  # the layout is described
 
 
+def test_fingerprint_compares_a_cost_model_and_dataclass_entries_by_their_fields() -> None:
+    """Two ``attention_cost`` models with other rates (or call shape) under ``"auto"`` could make
+    the ranks choose different methods: they fingerprint apart, equal ones alike; a dataclass
+    entry of the batch counts by its fields too."""
+    from dataclasses import dataclass, replace
+
+    from cpshard.attention.cost import CostModel
+
+    ids = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+
+    def fp(batch: dict, cost: object) -> torch.Tensor:
+        opts = {"attention_cost": cost}
+        return batch_fingerprint(batch, layout="auto", attention="auto", padding_token_id=0,
+                                 options=opts)  # fmt: skip
+
+    base = fp(ids, CostModel())
+    assert torch.equal(base, fp(ids, CostModel()))
+    for other in (CostModel.cpu_gloo(), replace(CostModel(), link_bandwidth=5e10),
+                  replace(CostModel(), q_heads=16), None):  # fmt: skip
+        assert not torch.equal(base, fp(ids, other)), other
+
+    @dataclass
+    class Meta:
+        step: int
+        weights: torch.Tensor
+
+    one = fp({**ids, "meta": Meta(3, torch.ones(2))}, None)
+    assert torch.equal(one, fp({**ids, "meta": Meta(3, torch.ones(2))}, None))
+    assert not torch.equal(one, fp({**ids, "meta": Meta(4, torch.ones(2))}, None))
+    assert not torch.equal(one, fp({**ids, "meta": Meta(3, torch.zeros(2))}, None))
+
+
 def test_fingerprint_catches_what_the_old_sample_and_linear_hash_missed() -> None:
     """Issue 17: float values outside a 4096-value sample, crafted collisions of a weighted sum,
     numpy / list / string entries: each changes the fingerprint."""

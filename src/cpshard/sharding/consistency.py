@@ -17,10 +17,13 @@ What it covers, exactly (with ``check_consistency=True``, the default):
   sparse, quantized and nested tensors by their parts (indices and values, integers and
   quantizer, components) and their layout;
 * every non-tensor entry by content: numpy arrays (dtype, shape, every byte), lists, tuples and
-  dicts (their items in order, tensors inside by content), ``None``, bools, numbers, strings and
-  bytes; any other object by its type only (its ``repr`` may hold a per-process address);
+  dicts (their items in order, tensors inside by content), dataclass instances (their fields),
+  ``None``, bools, numbers, strings and bytes; any other object by its type only (its ``repr``
+  may hold a per-process address);
 * the arguments: layout, attention method, pad id, ``pad_multiple``, ``num_chunks``,
-  ``extra_token_keys``, a given sharder's type, and ``loss_mask`` by content.
+  ``extra_token_keys``, ``attention_cost`` (every rate and the assumed call shape of the
+  ``CostModel``: ranks with different ones could choose different methods under ``"auto"``), a
+  given sharder's type, and ``loss_mask`` by content.
 
 Content hash (:func:`_content_hash`): on the CPU, XXH3-64 (the ``xxhash`` package) of the
 tensor's canonical bytes: integers and bools widened to int64 (equal values hash alike whatever the
@@ -51,6 +54,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 from collections.abc import Mapping
@@ -117,7 +121,17 @@ def _str_hash(text: str) -> int:
     return int.from_bytes(digest, "little") & _MASK
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Any, depth: int = 0) -> str:
+    """A deterministic text of a value's kind (tensors: dtype, shape, device, layout; scalars and
+    strings: their ``repr``; lists: their elements'; dataclass instances, such as a
+    ``CostModel``: their fields'; any other object: its type name only, its ``repr`` may hold a
+    per-process address)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 8:
+        fields = ", ".join(
+            f"{f.name}={_describe(getattr(value, f.name, None), depth + 1)}"
+            for f in dataclasses.fields(value)
+        )
+        return f"{type(value).__name__}({fields})"
     if isinstance(value, torch.Tensor):
         if value.is_nested:  # no single shape: its components'
             shapes = [tuple(part.shape) for part in value.unbind()]
@@ -126,7 +140,8 @@ def _describe(value: Any) -> str:
     if value is None or isinstance(value, bool | int | float | str):
         return repr(value)
     if isinstance(value, list | tuple):
-        return f"{type(value).__name__}[{', '.join(_describe(v) for v in value[:64])}]"
+        inner = ", ".join(_describe(v, depth + 1) for v in value[:64])
+        return f"{type(value).__name__}[{inner}]"
     if hasattr(value, "__array_interface__"):  # numpy: dtype and shape
         dtype, shape = getattr(value, "dtype", "?"), getattr(value, "shape", "?")
         return f"{type(value).__name__}({dtype}, {shape})"
@@ -356,8 +371,8 @@ def _digest(value: Any, depth: int = 0) -> int | torch.Tensor:
 
     numpy arrays: dtype, shape and every byte; ``None``, bools, numbers, strings and bytes: their
     ``repr``; lists, tuples and dicts: their items, in order (tensors inside by content, via
-    :func:`_content_hash`); any other object: its type name only (its ``repr`` may hold a memory
-    address that differs across ranks).
+    :func:`_content_hash`); dataclass instances: their type and fields; any other object: its
+    type name only (its ``repr`` may hold a memory address that differs across ranks).
     """
     if isinstance(value, torch.Tensor):
         return _content_hash(value)
@@ -372,6 +387,9 @@ def _digest(value: Any, depth: int = 0) -> int | torch.Tensor:
             return int.from_bytes(digest, "little") & _MASK
         except Exception:  # never raise here: the batch is validated after the exchange
             return _str_hash(type(value).__name__)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 8:
+        fields = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+        return _add(_str_hash(type(value).__name__), _digest(fields, depth + 1))
     if isinstance(value, list | tuple | dict) and depth < 8:
         items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
         total: int | torch.Tensor = _str_hash(f"{type(value).__name__}:{len(items)}")
