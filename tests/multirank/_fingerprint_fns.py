@@ -119,3 +119,24 @@ def cost_models_differ(cp_mesh: DeviceMesh) -> str:
     msg = str(info.value)
     assert f"options (ranks {list(range(world - 1))} vs ranks [{world - 1}])" in msg, msg
     return msg
+
+
+def sharders_differ(cp_mesh: DeviceMesh) -> str:
+    """The last rank is given a sharder of the same type with another layout (its pad multiple):
+    its shard would have another padded length (mismatched data collectives later); every rank
+    raises the same error at the fingerprint instead."""
+    from cpshard.layouts.closed_form import ContiguousLayout
+
+    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    sharder = cpshard.closed_form_sharder(
+        ContiguousLayout(pad_multiple=4 if rank == world - 1 else 2)
+    )
+    with pytest.raises(ValueError, match="were given different batches") as info:
+        cpshard.make_cp_batch_and_ctx(cp_mesh, _batch("crafted"), cp_sharder=sharder)
+    msg = str(info.value)
+    assert f"options (ranks {list(range(world - 1))} vs ranks [{world - 1}])" in msg, msg
+    # the same sharder everywhere, used before (it holds its last shard's facts): no error
+    same = cpshard.closed_form_sharder(ContiguousLayout(pad_multiple=2))
+    for _ in range(2):
+        cpshard.make_cp_batch_and_ctx(cp_mesh, _batch("crafted"), cp_sharder=same)
+    return msg

@@ -8,6 +8,7 @@ from _fingerprint_fns import (
     divergent_content,
     opt_out_everywhere_reads_no_values,
     opt_out_on_some_ranks,
+    sharders_differ,
 )
 
 from _ranks import Ranks
@@ -44,3 +45,7 @@ def test_opt_out_everywhere_still_shards(ranks: Ranks) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_with_other_cost_models_raise_everywhere(ranks: Ranks, world: int) -> None:
     assert len(set(ranks(world, cost_models_differ))) == 1
+
+
+def test_ranks_given_different_sharders_raise_everywhere(ranks: Ranks) -> None:
+    assert len(set(ranks(3, sharders_differ))) == 1

@@ -55,6 +55,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 from collections.abc import Mapping
@@ -631,16 +632,19 @@ def dispatch_fingerprint(
 ) -> torch.Tensor | None:
     """:func:`batch_fingerprint` of the dispatcher's arguments (``None`` without a CP group).
 
-    Sharders and extra keys are compared by type and spec, tensors by content;
+    A given sharder is compared by its type, layout label and callables (:func:`_sharder_spec`),
+    extra keys by their spec, tensors by content;
     ``hashed=False``: no values are read, the fingerprint has the same size. The dispatcher
     sends it in the step header's all-gather and checks it with :func:`raise_on_mismatch`.
     """
     if _comm.cp_group(cp_mesh) is None:
         return None
     described = {
-        k: (type(v).__name__ if k in ("cp_sharder", "extra_token_keys") and v is not None else v)
+        k: (type(v).__name__ if k == "extra_token_keys" and v is not None else v)
         for k, v in options.items()
     }
+    if options.get("cp_sharder") is not None:
+        described["cp_sharder"] = _sharder_spec(options["cp_sharder"])
     if options.get("extra_token_keys") is not None:
         described["extra_token_keys"] = repr(sorted(dict(options["extra_token_keys"]).items()))
     return batch_fingerprint(
@@ -651,6 +655,45 @@ def dispatch_fingerprint(
         options=described,
         hashed=hashed,
     )
+
+
+def _sharder_spec(sharder: object) -> str:
+    """A given sharder as the ranks must agree on it: its type, layout label and callables
+    (functions by name; a ``functools.partial``'s function, arguments and keywords described:
+    a closed-form sharder's layout by its fields), not its facts (a used sharder's hold its
+    last shard's, which differ by rank)."""
+    parts = [type(sharder).__name__, repr(getattr(sharder, "layout", None))]
+    for name in ("shard_batch", "local_token_global_indices", "rank_map_fn"):
+        parts.append(f"{name}={_callable_spec(getattr(sharder, name, None))}")
+    return ";".join(parts)
+
+
+def _callable_spec(fn: object, depth: int = 0) -> str:
+    """A function by its module and qualified name, a ``functools.partial`` by its function and
+    its arguments' descriptions (:func:`_describe`), a bound method by its class and name, any
+    other callable by its type."""
+    if fn is None:
+        return "None"
+    if isinstance(fn, functools.partial) and depth < 8:
+        args = _describe(list(fn.args))
+        keywords = _describe([(str(k), _items(v)) for k, v in sorted(fn.keywords.items())])
+        return f"partial({_callable_spec(fn.func, depth + 1)}, {args}, {keywords})"
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", None)
+    if owner is not None and isinstance(name, str):  # a bound method: its object described
+        return f"{_describe(owner)}.{name}"
+    qualname = getattr(fn, "__qualname__", None)
+    if isinstance(qualname, str):
+        return f"{getattr(fn, '__module__', '')}.{qualname}"
+    return type(fn).__name__
+
+
+def _items(value: object) -> object:
+    """A mapping as its items sorted by key (a list :func:`_describe` reads element by element),
+    anything else as it is."""
+    if isinstance(value, Mapping):
+        return sorted(((str(k), v) for k, v in value.items()), key=lambda kv: kv[0])
+    return value
 
 
 # --- token verbs ------------------------------------------------------------------------------
