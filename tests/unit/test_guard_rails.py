@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -441,6 +442,33 @@ def test_fingerprint_of_sparse_quantized_and_nested_tensors_never_raises() -> No
             assert torch.equal(fp(make()), fp(make())), name
             assert not torch.equal(fp(make()), fp(other())), name
         assert not torch.equal(fp(eye.to_sparse()), fp(eye))  # the layout is described
+
+
+def test_fingerprint_of_every_dtype_never_raises() -> None:
+    """Every dtype torch can hold a tensor of, the sub-byte and bits ones included (no conversion
+    reaches them: their raw bytes are hashed), fingerprints without raising; raw bytes still
+    tell values apart."""
+
+    def fp(value: torch.Tensor) -> torch.Tensor:
+        batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "x": value}
+        return batch_fingerprint(batch, layout="auto", attention="auto", padding_token_id=0)
+
+    raw = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    dtypes = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    tried = 0
+    for dtype in sorted(dtypes, key=str):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32 and quantized dtypes warn when made
+            try:
+                value = raw.view(dtype) if torch.empty(0, dtype=dtype).element_size() == 1 else None
+                value = torch.zeros(4, dtype=dtype) if value is None else value
+            except (RuntimeError, TypeError, NotImplementedError):
+                continue  # no tensor of it can be made here
+            fp(value)
+        tried += 1
+    assert tried >= 30
+    assert not torch.equal(fp(raw.view(torch.bits8)), fp((raw + 1).view(torch.bits8)))
+    assert torch.equal(fp(raw.view(torch.bits8)), fp(raw.clone().view(torch.bits8)))
 
 
 def test_fingerprint_compares_a_cost_model_and_dataclass_entries_by_their_fields() -> None:

@@ -237,9 +237,15 @@ def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) 
         return total
     if t.device.type == "meta" or t.numel() == 0:
         return torch.zeros((), dtype=torch.long)
-    if t.device.type == "cpu":
-        return _host_hash(t)
-    return _lane_hash(t, keys)
+    hash_of = _host_hash if t.device.type == "cpu" else functools.partial(_lane_hash, keys=keys)
+    try:
+        return hash_of(t)
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass  # a dtype no conversion reaches (sub-byte, bits): its raw bytes
+    try:
+        return hash_of(t.detach().view(torch.uint8)) ^ _str_hash(f"raw {t.dtype}")
+    except (RuntimeError, NotImplementedError, TypeError):
+        return torch.tensor(_str_hash(f"unhashable {t.dtype}"), dtype=torch.long)
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor] | None:
