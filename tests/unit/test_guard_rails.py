@@ -407,7 +407,6 @@ def test_fingerprint_of_sparse_quantized_and_nested_tensors_never_raises() -> No
     components): equal ones alike, a changed value, scale or component not; their layout is in
     the description. None of them raises (a rank raising alone before the exchange would leave
     the others waiting in it)."""
-    import warnings
 
     def fp(value: object) -> torch.Tensor:
         batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "x": value}
