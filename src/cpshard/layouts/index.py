@@ -123,16 +123,19 @@ def check_map_runs(
         )
     if count.size and int(count.min()) <= 0:
         raise ValueError(f"rank map runs must be non-empty, got a run of {int(count.min())}")
-    by_first = np.argsort(first, kind="stable") if tiling else np.zeros(0, dtype=np.int64)
-    lo, n = first[by_first], count[by_first]
-    gaps = np.flatnonzero(lo != np.concatenate([[0], (lo + n)[:-1]]))
-    if gaps.size and tiling:
-        at = int(gaps[0])
-        raise ValueError(
-            f"a rank map must cover each of the {padded_seq_len} positions exactly once; its "
-            f"runs leave a gap or overlap at position {int(lo[at])}"
-        )
-    local = padded_seq_len // world_size
+    if tiling:
+        by_first = np.argsort(first, kind="stable")
+        lo, n = first[by_first], count[by_first]
+        ends = np.empty_like(lo)
+        ends[:1] = 0
+        ends[1:] = (lo + n)[:-1]
+        gaps = np.flatnonzero(lo != ends)
+        if gaps.size:
+            raise ValueError(
+                f"a rank map must cover each of the {padded_seq_len} positions exactly once; "
+                f"its runs leave a gap or overlap at position {int(lo[gaps[0]])}"
+            )
+    local = max(padded_seq_len // world_size, 1)
     slot = np.cumsum(count) - count
     across = np.flatnonzero(slot // local != (slot + count - 1) // local)
     if across.size:
