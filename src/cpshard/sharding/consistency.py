@@ -227,7 +227,7 @@ def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) 
         keys: One fingerprint's store of the lane hash's keys and work buffers (:func:`_scratch`),
             which the tensors of one batch share; ``None``: this call's own. Unused on the CPU.
     """
-    if t.is_nested or t.layout != torch.strided or t.is_quantized:
+    if not _is_plain(t):
         parts = _parts(t)
         if parts is None:
             return torch.tensor(_str_hash(f"unhashable {t.layout} {t.dtype}"), dtype=torch.long)
@@ -246,6 +246,11 @@ def _content_hash(t: torch.Tensor, keys: dict[Any, torch.Tensor] | None = None) 
         return hash_of(t.detach().view(torch.uint8)) ^ _str_hash(f"raw {t.dtype}")
     except (RuntimeError, NotImplementedError, TypeError):
         return torch.tensor(_str_hash(f"unhashable {t.dtype}"), dtype=torch.long)
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain strided tensor (not sparse, quantized or nested)."""
+    return not (t.is_nested or t.layout != torch.strided or t.is_quantized)
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -271,7 +276,7 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor] | None:
 
 def _parts_or_self(t: torch.Tensor) -> list[torch.Tensor]:
     """``[t]`` for a plain tensor, else its :func:`_parts` (a tag tensor where they fail)."""
-    if not (t.is_nested or t.layout != torch.strided or t.is_quantized):
+    if _is_plain(t):
         return [t]
     got = _parts(t)
     return got if got is not None else [torch.tensor([_str_hash(f"unhashable {t.layout}")])]
