@@ -204,11 +204,11 @@ def _reference_balanced(spec: PackSpec, world: int, tol: float) -> tuple[list[li
 def test_balanced_matches_token_by_token_reference(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Also with the work prefix made a few tokens at a time (chunks that start and end inside
-    documents, and one token per chunk)."""
+    """Also with the cut search's blocks a third, a half and all of a rank's cuts wide (blocks
+    skipped and searched, cuts on both sides of their edges)."""
     from cpshard.layouts import balanced
 
-    monkeypatch.setattr(balanced, "_PREFIX_CHUNK", (1 << 15, 1, 7, 64)[seed % 4])
+    monkeypatch.setattr(balanced, "_SEARCH_BLOCKS", (256, 1, 2, 3)[seed % 4])
     rng = random.Random(300 + seed)
     for _ in range(15):
         spec = random_spec(rng, rows=rng.randint(1, 4), row_len=rng.randint(1, 120))
@@ -216,6 +216,22 @@ def test_balanced_matches_token_by_token_reference(
         if spec.real_tokens < world:
             continue
         tol = rng.choice([0.0, 1e-3, 0.05])
+        plan = plan_balanced(spec, world, tol)
+        assert tuple(plan.rank_map.tolist()) == _reference_balanced(spec, world, tol)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, 16])
+def test_balanced_matches_the_reference_on_realistic_mixes(world: int) -> None:
+    """Thousands of tokens of log-normal documents (a few long, many short, some of one
+    token): the blocks of the cut search are wide, most are skipped, and the cuts are still the
+    ones a search of every cut makes, for every tolerance."""
+    rng = np.random.default_rng(world)
+    for tol in (0.0, 1e-3, 0.05):
+        rows = []
+        for _ in range(int(rng.integers(1, 4))):
+            lens = np.maximum(1, rng.lognormal(4.5, 1.3, size=int(rng.integers(5, 60))))
+            rows.append([int(n) for n in lens])
+        spec = PackSpec.from_seq_lens(rows, max(sum(r) for r in rows) + 3)
         plan = plan_balanced(spec, world, tol)
         assert tuple(plan.rank_map.tolist()) == _reference_balanced(spec, world, tol)
 

@@ -34,88 +34,106 @@ from cpshard.layouts.packed import (
 __all__ = ["plan_balanced"]
 
 
-# Pool tokens per pass of :func:`_pool_work_prefix`: its temporaries (128 KB each) stay in the
-# core's cache, where whole-pool temporaries (1.2 MB each at 147k tokens) went to memory and
-# back on every one of their eight passes.
-_PREFIX_CHUNK = 1 << 15
+_SEARCH_BLOCKS = 256
+"""A rank's cut search first looks at this many evenly spaced cuts (bounding the work of every
+block of cuts between them), then at every cut of the blocks that can hold a best one."""
 
 
-def _pool_work_prefix(seg: _I64, real: int, padded: int) -> _I64:
-    """``cum[p]``: causal work of the first ``p`` pool tokens (documents of lengths ``seg``,
-    each outside-in, then pads). Closed form: the first ``m`` outside-in tokens of a document
-    of length ``n`` are ``m // 2`` head-tail pairs of work ``n + 1`` each, plus position
-    ``m // 2`` (work ``m // 2 + 1``) when ``m`` is odd. Made :data:`_PREFIX_CHUNK` tokens at a
-    time (the documents that overlap each chunk, cut at its ends)."""
-    seg_end = np.cumsum(seg)
-    seg_start = seg_end - seg
-    doc_work = seg * (seg + 1) // 2
-    work_before = np.cumsum(doc_work) - doc_work
-    cum = np.empty(padded + 1, dtype=np.int64)
-    cum[0] = 0
-    chunk = min(_PREFIX_CHUNK, max(real, 1))
-    ramp = np.arange(1, chunk + 1, dtype=np.int64)
-    m_buf = np.empty(chunk, dtype=np.int64)
-    for a in range(0, real, chunk):
-        b = min(a + chunk, real)
-        n = b - a
-        d0 = int(np.searchsorted(seg_end, a, side="right"))
-        d1 = int(np.searchsorted(seg_end, b - 1, side="right")) + 1
-        counts = np.minimum(seg_end[d0:d1], b) - np.maximum(seg_start[d0:d1], a)
-        body = cum[a + 1 : b + 1]
-        m = m_buf[:n]  # tokens taken of the current document
-        np.add(ramp[:n], a, out=m)
-        m -= np.repeat(seg_start[d0:d1], counts)
-        np.right_shift(m, 1, out=body)
-        np.bitwise_and(m, 1, out=m)
-        m *= body + 1  # odd m: the middle token, position m // 2
-        body *= np.repeat(seg[d0:d1] + 1, counts)
-        body += m
-        body += np.repeat(work_before[d0:d1], counts)
-    cum[real + 1 :] = cum[real]
-    return cum
+class _Pool:
+    """The pool of :func:`_balanced_runs` (documents of lengths ``seg`` longest first, each
+    outside-in, then pads) and its causal work prefix at any position, in closed form: the first
+    ``m`` outside-in tokens of a document of length ``n`` are ``m // 2`` head-tail pairs of work
+    ``n + 1`` each, plus position ``m // 2`` (work ``m // 2 + 1``) when ``m`` is odd; pads have
+    no work. Nothing of the pool's size is made."""
+
+    def __init__(self, seg: _I64) -> None:
+        self.seg = seg
+        self.end = np.cumsum(seg)
+        doc_work = seg * (seg + 1) // 2
+        # per document: its first pool position, pair work n + 1, and the work before it
+        self.table = np.stack([self.end - seg, seg + 1, np.cumsum(doc_work) - doc_work], axis=1)
+        self.real = int(self.end[-1]) if seg.size else 0
+
+    def cum(self, p: _I64) -> _I64:
+        """``cum[p]``: the work of the first ``p`` pool tokens, for ``p`` in ``[0, padded]``."""
+        p = np.minimum(p, self.real)
+        d = np.searchsorted(self.end, p, side="right")
+        start, pair, before = self.table[np.minimum(d, self.seg.size - 1, out=d)].T
+        m = p - start  # tokens of document d before position p (all of it at the end)
+        half = m >> 1
+        out: _I64 = before + half * pair + (m & 1) * (half + 1)
+        return out
+
+    def at_boundary(self, p: _I64) -> _I64:
+        """1 where pool position ``p`` starts a document, the pads or the pool, else 0."""
+        i = np.minimum(np.searchsorted(self.end, p), self.seg.size - 1)
+        edge: _I64 = ((p == 0) | (p >= self.real) | (self.end[i] == p)).astype(np.int64)
+        return edge
+
+
+def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: float) -> int:
+    """How many heavy tokens ``k`` (``[lo, lo + k)``; then ``local - k`` light ones,
+    ``[hi - local + k, hi)``) the next rank takes: the ``k`` whose work is closest to the
+    remaining work divided by ``ranks_left``; among those within ``tolerance`` of the target,
+    cuts at document boundaries first.
+
+    Looks at :data:`_SEARCH_BLOCKS` evenly spaced ``k`` first; the work of any ``k`` of the
+    block after one lies between that ``k``'s work minus the block's light work and plus its
+    heavy work, so blocks whose every ``k`` is farther from the target than a ``k`` already seen
+    (plus the tolerance) can hold no candidate and are skipped. The others are searched ``k`` by
+    ``k``: the same choice as a search of every ``k``, in ``O(blocks + kept blocks' k)``.
+    """
+    width = -(-(local + 1) // _SEARCH_BLOCKS)
+    edges = np.append(np.arange(0, local + 1, width, dtype=np.int64), local)
+    n = edges.size
+    heavy, light = np.split(pool.cum(np.concatenate([lo + edges, hi - local + edges])), [n])
+    total = int(light[-1] - heavy[0])  # the last edge is local: light[-1] is cum[hi]
+    target = total / ranks_left
+    slack = tolerance * target
+    work = heavy - light + total
+    seen = np.abs(work - target).min()
+    # the work of k in [edges[j], edges[j + 1]) lies in [work[j] - light_j, work[j] + heavy_j]
+    low = (work[:-1] - np.diff(light)) - target
+    high = target - (work[:-1] + np.diff(heavy))
+    bound = np.maximum(np.maximum(low, high), 0.0)
+    # a margin of one unit of work against rounding: kept blocks are searched exactly
+    kept = np.flatnonzero(bound <= seen + slack + 1.0 + 1e-9 * target)
+    ks = np.concatenate([*(np.arange(edges[j], edges[j + 1]) for j in kept), [local]])
+    m = ks.size
+    heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [m])
+    err = np.abs((heavy - light + total) - target)
+    ok = err <= err.min() + slack
+    ks, err = ks[ok], err[ok]
+    edge = pool.at_boundary(np.concatenate([lo + ks, hi - local + ks]))
+    cuts = edge[: ks.size] + edge[ks.size :]
+    best = cuts == cuts.max()  # prefer cuts at document boundaries
+    return int(ks[best][np.argmin(err[best])])
 
 
 def _balanced_runs(lens: _I64, world_size: int, work_tolerance: float) -> tuple[_I64, _I64]:
     """The balanced rank map as runs ``(first, count)`` of consecutive stream positions, in slot
-    order (:func:`_pool_to_runs`)."""
+    order (:func:`_pool_to_runs`): rank ``r`` takes pool ranges ``[lo, lo + k)`` and
+    ``[hi - local + k, hi)`` (:func:`_cut`), the last rank what is left."""
     real = int(lens.sum())
     padded = padded_length(real, world_size)
     local = padded // world_size
     order = np.argsort(-lens, kind="stable")
-    seg = lens[order]
-    seg_end = np.cumsum(seg)
-    cum = _pool_work_prefix(seg, real, padded)
-    boundary = np.zeros(padded + 1, dtype=np.int8)
-    boundary[seg_end] = 1
-    boundary[0] = 1
-    boundary[real:] = 1
-    # pool ranges [lo, hi) and their ranks; rank r takes k heavy tokens [lo, lo + k) and
-    # local - k light ones [hi - local + k, hi)
+    pool = _Pool(lens[order])
     range_lo = np.empty(2 * world_size - 1, dtype=np.int64)
     range_len = np.empty(2 * world_size - 1, dtype=np.int64)
     range_rank = np.empty(2 * world_size - 1, dtype=np.int64)
-    work = np.empty(local + 1, dtype=np.int64)
-    err = np.empty(local + 1, dtype=np.float64)
     lo, hi = 0, padded
     for r in range(world_size - 1):
-        total = cum[hi] - cum[lo]
-        target = total / (world_size - r)
-        # heavy + light work of each k, exactly as integers
-        np.subtract(cum[lo : lo + local + 1], cum[hi - local : hi + 1], out=work)
-        work += total
-        np.subtract(work, target, out=err)
-        np.abs(err, out=err)
-        ok = np.flatnonzero(err <= err.min() + work_tolerance * target)
-        cuts = boundary[lo + ok] + boundary[hi - local + ok]
-        cand = ok[cuts == cuts.max()]  # prefer cuts at document boundaries
-        k = int(cand[np.argmin(err[cand])])
+        k = _cut(pool, lo, hi, local, world_size - r, work_tolerance)
         range_lo[2 * r], range_len[2 * r], range_rank[2 * r] = lo, k, r
         range_lo[2 * r + 1], range_len[2 * r + 1] = hi - local + k, local - k
         range_rank[2 * r + 1] = r
         lo, hi = lo + k, hi - local + k
     range_lo[-1], range_len[-1], range_rank[-1] = lo, hi - lo, world_size - 1
     used = range_len > 0
-    return _pool_to_runs(lens, order, seg, seg_end, range_lo[used], range_rank[used], real, padded)
+    return _pool_to_runs(
+        lens, order, pool.seg, pool.end, range_lo[used], range_rank[used], real, padded
+    )
 
 
 def _pool_to_runs(
