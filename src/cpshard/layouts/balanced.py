@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.index import padded_length
+from cpshard.layouts.index import arange_runs, padded_length
 from cpshard.layouts.packed import (
     _I64,
     PackedPlan,
@@ -98,7 +98,7 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
     bound = np.maximum(np.maximum(low, high), 0.0)
     # a margin of one unit of work against rounding: kept blocks are searched exactly
     kept = np.flatnonzero(bound <= seen + slack + 1.0 + 1e-9 * target)
-    ks = np.concatenate([*(np.arange(edges[j], edges[j + 1]) for j in kept), [local]])
+    ks = np.append(arange_runs(edges[kept], edges[kept + 1] - edges[kept], 1), local)
     m = ks.size
     heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [m])
     err = np.abs((heavy - light + total) - target)

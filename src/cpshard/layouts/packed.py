@@ -123,15 +123,44 @@ class StreamRuns:
         """
         if stream.size == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, bool)
-        cut = runs_over(stream, self.starts, self.length, 8, runs=runs)
+        got = self.pieces_at(stream, runs, 8, 0)
+        if got is None:
+            return None
+        src, step, pos, count = got
+        return (
+            arange_runs(src, count, step),
+            arange_runs(pos, count, 1),
+            np.repeat(step == 0, count),
+        )
+
+    def pieces_at(
+        self, stream: _I64 | None, runs: tuple[_I64, _I64] | None, min_run: int, min_piece: int
+    ) -> tuple[_I64, _I64, _I64, _I64] | None:
+        """The stream positions ``stream`` (or their runs) as pieces, each of consecutive
+        positions inside one run of this stream: ``(src_first, src_step, pos_first, count)``
+        per piece, in ``stream``'s order. Piece ``i`` is ``count[i]`` slots whose caller indices
+        are ``src_first[i] + src_step[i] * j`` (``src_step`` 0: a pad, no caller token,
+        ``src_first`` ``-1``) and positions ``pos_first[i] + j``.
+
+        Args:
+            stream: ``[L]`` int64 stream positions, any order (``None`` with ``runs``).
+            runs: ``(first, count)``: their runs of consecutive positions, where known.
+            min_run: ``None`` where ``stream``'s runs average fewer than this many positions.
+            min_piece: ``None`` where the pieces (those runs cut at this stream's runs) average
+                fewer than this many slots.
+
+        Returns:
+            Four ``[N]`` int64 arrays, or ``None``.
+        """
+        cut = runs_over(stream, self.starts, self.length, min_run, runs=runs)
         if cut is None:
             return None
         k, lo, count = cut
+        if min_piece * count.size > int(count.sum()):
+            return None
         into = lo - self.starts[k]
-        src = arange_runs(self.src_first[k] + self.src_step[k] * into, count, self.src_step[k])
-        pos = arange_runs(self.pos_first[k] + into, count, 1)
-        pad = np.repeat(self.ids[k] < 0, count)
-        return src, pos, pad
+        step = self.src_step[k]
+        return self.src_first[k] + step * into, step, self.pos_first[k] + into, count
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,14 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.documents import PackSpec
+from cpshard.layouts.index import arange_runs
 from cpshard.layouts.packed import PackedPlan, plan_packed
 from cpshard.names import PACKED_LAYOUTS
 from cpshard.sharding.batch import (
@@ -136,6 +138,80 @@ def _local_stream(
     )
 
 
+_COARSE_PIECES = 64
+"""A rank's local tokens are copied as slices of the caller's rows (:func:`_shard_pieces`) where
+its pieces (:meth:`~cpshard.layouts.packed.StreamRuns.pieces_at`: its runs cut at documents)
+average at least this many tokens; else by one ``index_select`` of its caller indices."""
+
+
+def _local_pieces(
+    plan: PackedPlan, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[list[int], list[int], list[bool]]] | None:
+    """This rank's slots as pieces, where the plan keeps its map's runs and they are coarse
+    (:data:`_COARSE_PIECES`): ``(positions, pad, pieces)``, the positions ``[L]`` and pad mask
+    ``[L]`` of its slots (CPU), and per piece of consecutive slots its first caller index
+    (flat, ``b * S + s``), length, and whether it is a layout pad; neighbours that continue each
+    other in one caller row are one piece. ``None`` otherwise (:func:`_local_stream`)."""
+    runs = plan.local_map_runs(rank)
+    if runs is None:
+        return None
+    got = plan.stream.pieces_at(None, runs, _COARSE_PIECES, _COARSE_PIECES)
+    if got is None or not got[0].size:
+        return None
+    src, step, pos, count = got
+    seq = plan.input_row_shape[1]
+    positions = torch.from_numpy(arange_runs(pos, count, 1))
+    pad = step == 0
+    pad_mask = torch.from_numpy(np.repeat(pad, count))
+    # join pads to pads, and caller runs that continue each other inside one row
+    real_next = ~pad[1:] & ~pad[:-1] & (src[1:] == src[:-1] + count[:-1]) & (src[1:] % seq != 0)
+    joined = (pad[1:] & pad[:-1]) | real_next
+    heads = np.flatnonzero(np.concatenate([[True], ~joined]))
+    pieces = (
+        src[heads].tolist(),
+        np.add.reduceat(count, heads).tolist() if heads.size else [],
+        pad[heads].tolist(),
+    )
+    return positions, pad_mask, pieces
+
+
+def _shard_pieces(
+    t: torch.Tensor,
+    dim: int,
+    fill: float | int | bool | torch.Tensor,
+    pieces: tuple[list[int], list[int], list[bool]],
+    rows: int,
+) -> torch.Tensor:
+    """:func:`_shard_key` from pieces (:func:`_local_pieces`): each real piece a slice of the
+    caller's rows, each pad piece its fill, one ``cat`` (one copy, differentiable).
+
+    Args:
+        t: The caller's tensor, ``[B or 1, S, ...]`` with its sequence on ``dim``.
+        dim: Its sequence dim.
+        fill: Value of the layout pads, or ``[L]`` values per local slot (``position_ids``:
+            the layout pads continue their document).
+        pieces: ``(first caller index, length, is a pad)`` per piece, in slot order.
+        rows: ``B`` of the batch.
+    """
+    moved = t.movedim(dim, 1)
+    seq = moved.shape[1]
+    flat = moved.reshape(-1, *moved.shape[2:])
+    broadcast = moved.shape[0] != rows  # a batch-size-1 tensor broadcast over the rows
+    # an empty slice of t first: the result is in t's autograd graph even if all are pads
+    parts = [flat.narrow(0, 0, 0)]
+    slot = 0
+    for first, n, is_pad in zip(*pieces, strict=True):
+        if not is_pad:
+            parts.append(flat.narrow(0, first % seq if broadcast else first, n))
+        elif isinstance(fill, torch.Tensor):
+            part = fill[slot : slot + n].to(device=flat.device, dtype=flat.dtype)
+            parts.append(part.reshape(n, *([1] * (flat.dim() - 1))).expand(n, *flat.shape[1:]))
+        else:
+            parts.append(flat.new_full((n, *flat.shape[1:]), fill))
+        slot += n
+    return torch.cat(parts).unsqueeze(0).movedim(1, dim).contiguous()
+
+
 def _shard_key(
     t: torch.Tensor,
     dim: int,
@@ -208,13 +284,20 @@ def shard_batch_packed(
     plan = plan_balanced(spec, world) if layout == "balanced" else plan_packed(spec, world)
     device = x.device
     caller_padding = out.get("padding_mask")
-    src, local_pos, local_pad, stream_pad = _local_stream(plan, rank, caller_padding)
-    src, local_pos, local_pad = src.to(device), local_pos.to(device), local_pad.to(device)
+    rows = plan.input_row_shape[0]
+    # this rank's slots as coarse pieces (slices of the caller's rows), or their caller indices
+    local = None if caller_padding is not None else _local_pieces(plan, rank)
+    if local is not None:
+        local_pos, local_pad, pieces = local[0].to(device), local[1].to(device), local[2]
+        stream_pad = None
+    else:
+        src, local_pos, local_pad, stream_pad = _local_stream(plan, rank, caller_padding)
+        src, local_pos, local_pad = src.to(device), local_pos.to(device), local_pad.to(device)
+        layout_pad = src < 0
+        idx = src.clamp_(min=0)  # what every key reads
+        pads = layout_pad if bool(layout_pad.any()) else None  # balanced: on the last rank only
     # the documents as runs, or the caller's pads inside them as well
     placement = plan.placement(device, None if stream_pad is None else stream_pad.to(device))
-    rows = plan.input_row_shape[0]
-    idx, layout_pad = src.clamp(min=0), src < 0  # what every key reads, and its layout pads
-    pads = layout_pad if bool(layout_pad.any()) else None  # balanced: on the last rank only
     if not given_positions:  # per document, straight from the plan: no caller round trip
         out["position_ids"] = local_pos[None]
         dims.pop("position_ids", None)
@@ -228,6 +311,9 @@ def shard_batch_packed(
         if key == "padding_mask":
             continue  # set below from the stream, layout pads included
         if key == "position_ids":  # layout pads continue their document's positions
+            if local is not None:
+                out[key] = _shard_pieces(t, dim, local_pos, pieces, rows)
+                continue
             got = _shard_key(t, dim, 0, idx, pads, rows)
             if pads is not None:
                 got = torch.where(pads[None], local_pos.to(got.dtype)[None], got)
@@ -235,7 +321,10 @@ def shard_batch_packed(
         else:
             fill = pad_value(key, padding_token_id, extra)
             assert fill is not None
-            out[key] = _shard_key(t, dim, fill, idx, pads, rows)
+            if local is not None:
+                out[key] = _shard_pieces(t, dim, fill, pieces, rows)
+            else:
+                out[key] = _shard_key(t, dim, fill, idx, pads, rows)
     # Always present (cp=1 too): CP layout pads and caller pads are True, so routers, auxiliary
     # losses and token counts can leave them out without knowing the layout.
     out["padding_mask"] = local_pad.unsqueeze(0)
