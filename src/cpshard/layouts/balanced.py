@@ -77,30 +77,38 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
     remaining work divided by ``ranks_left``; among those within ``tolerance`` of the target,
     cuts at document boundaries first.
 
-    Looks at :data:`_SEARCH_BLOCKS` evenly spaced ``k`` first; the work of any ``k`` of the
+    Up to ``4 * _SEARCH_BLOCKS`` cuts, looks at every one. Beyond, looks at
+    :data:`_SEARCH_BLOCKS` evenly spaced ``k`` first; the work of any ``k`` of the
     block after one lies between that ``k``'s work minus the block's light work and plus its
     heavy work, so blocks whose every ``k`` is farther from the target than a ``k`` already seen
     (plus the tolerance) can hold no candidate and are skipped. The others are searched ``k`` by
     ``k``: the same choice as a search of every ``k``, in ``O(blocks + kept blocks' k)``.
     """
-    width = -(-(local + 1) // _SEARCH_BLOCKS)
-    edges = np.append(np.arange(0, local + 1, width, dtype=np.int64), local)
-    n = edges.size
-    heavy, light = np.split(pool.cum(np.concatenate([lo + edges, hi - local + edges])), [n])
-    total = int(light[-1] - heavy[0])  # the last edge is local: light[-1] is cum[hi]
-    target = total / ranks_left
-    slack = tolerance * target
-    work = heavy - light + total
-    seen = np.abs(work - target).min()
-    # the work of k in [edges[j], edges[j + 1]) lies in [work[j] - light_j, work[j] + heavy_j]
-    low = (work[:-1] - np.diff(light)) - target
-    high = target - (work[:-1] + np.diff(heavy))
-    bound = np.maximum(np.maximum(low, high), 0.0)
-    # a margin of one unit of work against rounding: kept blocks are searched exactly
-    kept = np.flatnonzero(bound <= seen + slack + 1.0 + 1e-9 * target)
-    ks = np.append(arange_runs(edges[kept], edges[kept + 1] - edges[kept], 1), local)
-    m = ks.size
-    heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [m])
+    if local + 1 <= 4 * _SEARCH_BLOCKS:  # few cuts: every one, no blocks
+        ks = np.arange(local + 1, dtype=np.int64)
+        heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [ks.size])
+        total = int(light[-1] - heavy[0])  # k = local: light[-1] is cum[hi]; k = 0: cum[lo]
+        target = total / ranks_left
+        slack = tolerance * target
+    else:
+        width = -(-(local + 1) // _SEARCH_BLOCKS)
+        edges = np.append(np.arange(0, local + 1, width, dtype=np.int64), local)
+        n = edges.size
+        heavy, light = np.split(pool.cum(np.concatenate([lo + edges, hi - local + edges])), [n])
+        total = int(light[-1] - heavy[0])  # the last edge is local: light[-1] is cum[hi]
+        target = total / ranks_left
+        slack = tolerance * target
+        work = heavy - light + total
+        seen = np.abs(work - target).min()
+        # the work of k in [edges[j], edges[j + 1]) lies in [work[j] - light_j, work[j] + heavy_j]
+        low = (work[:-1] - np.diff(light)) - target
+        high = target - (work[:-1] + np.diff(heavy))
+        bound = np.maximum(np.maximum(low, high), 0.0)
+        # a margin of one unit of work against rounding: kept blocks are searched exactly
+        kept = np.flatnonzero(bound <= seen + slack + 1.0 + 1e-9 * target)
+        ks = np.append(arange_runs(edges[kept], edges[kept + 1] - edges[kept], 1), local)
+        m = ks.size
+        heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [m])
     err = np.abs((heavy - light + total) - target)
     ok = err <= err.min() + slack
     ks, err = ks[ok], err[ok]
