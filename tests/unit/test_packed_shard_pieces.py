@@ -84,7 +84,8 @@ def test_pieces_and_indices_give_the_same_shard(
         plan = (plan_balanced if layout == "balanced" else plan_packed)(spec, world)
         for rank in range(world):
             monkeypatch.setattr(packed_shard, "_COARSE_PIECES", 1)
-            if packed_shard._local_pieces(plan, rank) is not None:
+            local = packed_shard._local_pieces(plan, rank)
+            if local is not None and local[2] is not None:
                 taken += 1
             for batch, kw in ((base, {"extra_token_keys": extra}), (from_positions, {})):
                 got = _shard(monkeypatch, 1, rank, world, layout, batch, **kw)
@@ -109,7 +110,8 @@ def test_pieces_and_indices_give_the_same_shard(
 
 def test_coarse_pieces_are_taken_at_scale() -> None:
     """A realistic packed batch (a few long documents per row) is sharded from pieces on every
-    rank without any setting; their slots tile the rank's slots."""
+    rank without any setting; their slots tile the rank's slots. Fine pieces give the caller
+    indices instead, equal to the plan's."""
     rng = random.Random(3)
     spec = _spec(rng, 4, 4096)
     for world in (2, 4):
@@ -117,7 +119,9 @@ def test_coarse_pieces_are_taken_at_scale() -> None:
         for rank in range(world):
             got = packed_shard._local_pieces(plan, rank)
             assert got is not None
-            positions, pad, (first, count, is_pad) = got
+            positions, pad, pieces, src = got
+            assert pieces is not None and src is None
+            first, count, is_pad = pieces
             assert sum(count) == plan.local_len == positions.numel() == pad.numel()
             mine = plan.rank_map[rank]
             assert torch.equal(positions, plan.stream_position_ids[mine])
@@ -129,3 +133,8 @@ def test_coarse_pieces_are_taken_at_scale() -> None:
                 want = torch.full((n,), -1) if p else torch.arange(f, f + n)
                 assert torch.equal(part, want)
                 at += n
+    fine = plan_packed(_spec(rng, 2, 300), 4)  # TE: every document in 8 chunks
+    for rank in range(4):
+        got = packed_shard._local_pieces(fine, rank)
+        assert got is not None and got[2] is None and got[3] is not None
+        assert torch.equal(got[3], fine.stream_input_sources[fine.rank_map[rank]])

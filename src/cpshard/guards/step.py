@@ -267,7 +267,8 @@ def step_state(cp_mesh: DeviceMesh | None) -> StepState | None:
     if not isinstance(records, dict):
         records = {}
         setattr(root, _ATTR, records)
-    key = (_comm.group_name(group), tuple(cp_mesh.mesh.flatten().tolist()))
+    # the group's ranks, not the mesh's tensor (made anew on every read of DeviceMesh.mesh)
+    key = (_comm.group_name(group), tuple(_comm.group_ranks(group)))
     state = records.get(key)
     if not isinstance(state, StepState):
         state = records[key] = StepState()

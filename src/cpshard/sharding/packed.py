@@ -102,9 +102,10 @@ def pack_spec_of_batch(batch: Mapping[str, Any], row_shape: tuple[int, int]) -> 
 def _local_stream(
     plan: PackedPlan, rank: int, caller_padding: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """This rank's slots of the stream: the caller index of each (``-1``: a layout pad), its
-    position in its document, whether it is a pad, and the whole stream's pads where the caller
-    marks pads of its own.
+    """This rank's slots of the stream, from the plan's ``[P]`` arrays (where the caller marks
+    pads of its own, or :func:`_local_pieces` cannot make them from runs): the caller index of
+    each (``-1``: a layout pad), its position in its document, whether it is a pad, and the
+    whole stream's pads where the caller marks pads of its own.
 
     Args:
         plan: The plan.
@@ -117,11 +118,6 @@ def _local_stream(
         ``[L]`` (CPU), and the BoolTensor ``[P]`` of every stream pad (``None`` without
         ``caller_padding``: the plan's own pads, its documents as runs).
     """
-    if caller_padding is None:
-        got = plan.stream.at(plan.rank_map[rank].cpu().numpy(), plan.local_map_runs(rank))
-        if got is not None:  # from the runs: no [P] array
-            src, pos, pad = (torch.from_numpy(x) for x in got)
-            return src, pos, pad, None
     caller = plan.stream_input_sources
     stream_pad = plan.stream_padding_mask
     if caller_padding is not None:  # caller pads inside documents see only themselves too
@@ -144,42 +140,49 @@ its pieces (:meth:`~cpshard.layouts.packed.StreamRuns.pieces_at`: its runs cut a
 average at least this many tokens; else by one ``index_select`` of its caller indices."""
 
 
+_Pieces = tuple[list[int], list[int], list[bool]]
+
+
 def _local_pieces(
     plan: PackedPlan, rank: int
-) -> tuple[torch.Tensor, torch.Tensor, tuple[list[int], list[int], list[bool]]] | None:
-    """This rank's slots as pieces, where the plan keeps its map's runs and they are coarse
-    (:data:`_COARSE_PIECES`): ``(positions, pad, pieces)``, the positions ``[L]`` and pad mask
-    ``[L]`` of its slots (CPU), and per piece of consecutive slots its first caller index
-    (flat, ``b * S + s``), length, and whether it is a layout pad; neighbours that continue each
-    other in one caller row are one piece. ``None`` otherwise (:func:`_local_stream`)."""
+) -> tuple[torch.Tensor, torch.Tensor, _Pieces | None, torch.Tensor | None] | None:
+    """This rank's slots made from the plan's map runs cut at the stream's runs (no ``[P]``
+    array): ``(positions, pad, pieces, src)``, the positions ``[L]`` and pad mask ``[L]`` of its
+    slots (CPU), and either its pieces where they are coarse (:data:`_COARSE_PIECES`; per piece
+    of consecutive slots its first caller index, flat ``b * S + s``, its length, and whether it
+    is a layout pad; neighbours that continue each other in one caller row are one piece), or
+    else its caller indices ``[L]`` (``-1``: a layout pad). ``None`` where the plan keeps no
+    runs or they are cut finer than one per 8 slots (:func:`_local_stream`)."""
     runs = plan.local_map_runs(rank)
     if runs is None:
         return None
-    got = plan.stream.pieces_at(None, runs, _COARSE_PIECES, _COARSE_PIECES)
+    got = plan.stream.pieces_at(None, runs, 8, 0)
     if got is None or not got[0].size:
         return None
     src, step, pos, count = got
-    seq = plan.input_row_shape[1]
     positions = torch.from_numpy(arange_runs(pos, count, 1))
     pad = step == 0
     pad_mask = torch.from_numpy(np.repeat(pad, count))
+    if _COARSE_PIECES * count.size > plan.local_len:  # fine: one index per slot
+        return positions, pad_mask, None, torch.from_numpy(arange_runs(src, count, step))
     # join pads to pads, and caller runs that continue each other inside one row
+    seq = plan.input_row_shape[1]
     real_next = ~pad[1:] & ~pad[:-1] & (src[1:] == src[:-1] + count[:-1]) & (src[1:] % seq != 0)
     joined = (pad[1:] & pad[:-1]) | real_next
     heads = np.flatnonzero(np.concatenate([[True], ~joined]))
     pieces = (
         src[heads].tolist(),
-        np.add.reduceat(count, heads).tolist() if heads.size else [],
+        np.add.reduceat(count, heads).tolist(),
         pad[heads].tolist(),
     )
-    return positions, pad_mask, pieces
+    return positions, pad_mask, pieces, None
 
 
 def _shard_pieces(
     t: torch.Tensor,
     dim: int,
     fill: float | int | bool | torch.Tensor,
-    pieces: tuple[list[int], list[int], list[bool]],
+    pieces: _Pieces,
     rows: int,
 ) -> torch.Tensor:
     """:func:`_shard_key` from pieces (:func:`_local_pieces`): each real piece a slice of the
@@ -287,12 +290,16 @@ def shard_batch_packed(
     rows = plan.input_row_shape[0]
     # this rank's slots as coarse pieces (slices of the caller's rows), or their caller indices
     local = None if caller_padding is not None else _local_pieces(plan, rank)
+    pieces = src = None
     if local is not None:
-        local_pos, local_pad, pieces = local[0].to(device), local[1].to(device), local[2]
+        local_pos, local_pad, pieces, src = local
         stream_pad = None
     else:
         src, local_pos, local_pad, stream_pad = _local_stream(plan, rank, caller_padding)
-        src, local_pos, local_pad = src.to(device), local_pos.to(device), local_pad.to(device)
+    local_pos, local_pad = local_pos.to(device), local_pad.to(device)
+    if pieces is None:
+        assert src is not None
+        src = src.to(device)
         layout_pad = src < 0
         idx = src.clamp_(min=0)  # what every key reads
         pads = layout_pad if bool(layout_pad.any()) else None  # balanced: on the last rank only
@@ -311,7 +318,7 @@ def shard_batch_packed(
         if key == "padding_mask":
             continue  # set below from the stream, layout pads included
         if key == "position_ids":  # layout pads continue their document's positions
-            if local is not None:
+            if pieces is not None:
                 out[key] = _shard_pieces(t, dim, local_pos, pieces, rows)
                 continue
             got = _shard_key(t, dim, 0, idx, pads, rows)
@@ -321,7 +328,7 @@ def shard_batch_packed(
         else:
             fill = pad_value(key, padding_token_id, extra)
             assert fill is not None
-            if local is not None:
+            if pieces is not None:
                 out[key] = _shard_pieces(t, dim, fill, pieces, rows)
             else:
                 out[key] = _shard_key(t, dim, fill, idx, pads, rows)
