@@ -17,10 +17,10 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import numpy as np
 
+from cpshard.layouts.deferred import replace
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.index import arange_runs, padded_length
 from cpshard.layouts.packed import (

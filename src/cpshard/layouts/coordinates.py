@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpshard.layouts.deferred import DeferredField
+
 __all__ = ["CallerCoordinates", "positions_to_stream", "stream_to_positions"]
 
 Fill = float | int | bool
@@ -83,13 +85,16 @@ class CallerCoordinates:
             stream. Without input positions the flattening is a pure reshape (row ``b``, column
             ``s`` is stream slot ``b * S + s``); with them, the positions are the map.
         input_token_stream_positions: LongTensor ``[B, S]``: stream slot of each caller token for
-            layouts that reposition tokens; ``-1`` = dropped pad slot.
+            layouts that reposition tokens; ``-1`` = dropped pad slot. Given as a value or a
+            :class:`~cpshard.layouts.deferred.Deferred` maker (a packed plan's: made on first
+            read, which a prepare does not do).
     """
 
     original_seq_len: int | None
     padded_seq_len: int | None
     input_row_shape: tuple[int, ...] | None = None
-    input_token_stream_positions: torch.Tensor | None = None
+    # a value or a Deferred maker, read as the value (cpshard.layouts.deferred)
+    input_token_stream_positions: torch.Tensor | None = DeferredField(default=None)  # type: ignore[assignment]  # noqa: RUF009
 
     def to_stream(
         self, t: torch.Tensor, seq_dim: int, fill: Fill | None, layout: str = "custom"

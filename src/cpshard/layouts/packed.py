@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,7 @@ from cpshard.layouts.coordinates import (
     positions_to_stream,
     stream_to_positions,
 )
+from cpshard.layouts.deferred import Deferred, DeferredField, replace
 from cpshard.layouts.documents import PackSpec
 from cpshard.layouts.index import arange_runs, check_map_runs, check_rank_map, runs_over
 from cpshard.layouts.placement import (
@@ -177,10 +178,12 @@ class PackedPlan:
         padded_len: ``P``, length of the padded stream, ``C * L``.
         rank_map: LongTensor ``[C, L]``: row ``r`` = stream positions of rank ``r``'s local
             tokens in local order; a bijection onto ``arange(P)``.
-        input_token_stream_positions: LongTensor ``[B, S]``: stream position of each input
-            token, ``-1`` for dropped row-end pads. Injective on its non-negative entries.
         input_row_shape: ``(B, S)`` of the caller's batch.
         stream: The stream as runs (:class:`StreamRuns`).
+        input_token_stream_positions: LongTensor ``[B, S]``: stream position of each input
+            token, ``-1`` for dropped row-end pads. Injective on its non-negative entries.
+            Required; a plan made from runs gives a maker (made on first read: the token verbs
+            in input coordinates read it, a prepare does not).
         solver_seconds: Wall time spent building the plan (rank map, stream facts, checks).
         map_runs: ``(first, count)``, int64 ``[K]`` each: the maximal runs of consecutive
             positions inside each row of the rank map flattened (:func:`plan_from_runs`), or
@@ -191,9 +194,10 @@ class PackedPlan:
     world_size: int
     padded_len: int
     rank_map: torch.Tensor
-    input_token_stream_positions: torch.Tensor
     input_row_shape: tuple[int, int]
     stream: StreamRuns
+    # a value or a Deferred maker, read as the value (cpshard.layouts.deferred); required
+    input_token_stream_positions: torch.Tensor = DeferredField()  # type: ignore[assignment]  # noqa: RUF009
     solver_seconds: float = 0.0
     map_runs: tuple[_I64, _I64] | None = None
 
@@ -288,7 +292,7 @@ class PackedPlan:
             None,
             self.padded_len,
             self.input_row_shape,
-            self.input_token_stream_positions.to(device),
+            Deferred(lambda: self.input_token_stream_positions.to(device)),  # type: ignore[arg-type]
         )
         place = Placement(self.rank_map.to(device), docs, coordinates)
         runs = self.map_runs
@@ -321,15 +325,10 @@ def _doc_lengths(spec: PackSpec) -> _I64:
     return np.fromiter(flat, dtype=np.int64, count=spec.num_docs)
 
 
-def _stream_facts(
-    spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int
-) -> tuple[StreamRuns, torch.Tensor]:
-    """The stream as runs and the input map (``[B, S]``: the stream position of each caller
-    token, ``-1`` for row-end pads) when document ``d`` occupies ``[start_d, start_d +
-    seg_lens[d])`` of the stream (its ``lens[d]`` real tokens first)."""
+def _stream_facts(spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int) -> StreamRuns:
+    """The stream as runs when document ``d`` occupies ``[start_d, start_d + seg_lens[d])`` of
+    the stream (its ``lens[d]`` real tokens first)."""
     n_docs = lens.size
-    starts = np.cumsum(seg_lens) - seg_lens
-    total = int(seg_lens.sum())
     # runs: per document its real tokens (id d) and its padding (-1), then the end pad
     ids = np.empty(2 * n_docs + 1, dtype=np.int64)
     ids[0:-1:2] = np.arange(n_docs)
@@ -338,22 +337,17 @@ def _stream_facts(
     cnt = np.empty(2 * n_docs + 1, dtype=np.int64)
     cnt[0:-1:2] = lens
     cnt[1:-1:2] = seg_lens - lens
-    cnt[-1] = padded_len - total
+    cnt[-1] = padded_len - int(seg_lens.sum())
     # positions restart at every document; its padding and the end pad continue it
     pos_first = np.zeros(2 * n_docs + 1, dtype=np.int64)
     pos_first[1:-1:2] = lens
     pos_first[-1] = int(seg_lens[-1]) if n_docs else 0
-    # input map: per row, the documents' real tokens, then the row's pad (-1)
+    # the sources: document d's real tokens come from its caller slots (row by row, the
+    # documents of a row one after the other), its padding and the end pad from none
     rows = spec.doc_lens
     row_ends = np.cumsum(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
-    row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
-    first = np.insert(starts, row_ends, -1)
-    counts = np.insert(lens, row_ends, row_pad)
-    step = np.insert(np.ones(n_docs, dtype=np.int64), row_ends, 0)
-    idx = arange_runs(first, counts, step)
-    # the inverse: document d's real tokens come from its caller slots (row by row, the
-    # documents of a row one after the other), its padding and the end pad from none
     row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(row_ends, prepend=0))
+    row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
     row_tokens = spec.row_len - row_pad
     before_row = np.cumsum(row_tokens) - row_tokens
     in_row = np.cumsum(lens) - lens - before_row[row_of_doc]
@@ -363,10 +357,24 @@ def _stream_facts(
     src_step[0:-1:2] = 1
     kept = cnt > 0
     run_starts = (np.cumsum(cnt) - cnt)[kept]
-    stream = StreamRuns(
+    return StreamRuns(
         run_starts, cnt[kept], ids[kept], pos_first[kept], src_first[kept], src_step[kept]
     )
-    return stream, torch.from_numpy(idx).view(spec.num_rows, spec.row_len)
+
+
+def _input_map(spec: PackSpec, lens: _I64, seg_lens: _I64) -> torch.Tensor:
+    """The input map ``[B, S]``: the stream position of each caller token, ``-1`` for row-end
+    pads (per row, the documents' real tokens, then the row's pad), document ``d`` starting at
+    ``cumsum(seg_lens)[d] - seg_lens[d]``."""
+    starts = np.cumsum(seg_lens) - seg_lens
+    rows = spec.doc_lens
+    row_ends = np.cumsum(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
+    row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
+    first = np.insert(starts, row_ends, -1)
+    counts = np.insert(lens, row_ends, row_pad)
+    step = np.insert(np.ones(lens.size, dtype=np.int64), row_ends, 0)
+    idx = arange_runs(first, counts, step)
+    return torch.from_numpy(idx).view(spec.num_rows, spec.row_len)
 
 
 _COARSE_RUNS = 64
@@ -446,15 +454,15 @@ def _plan(
     padded = int(rank_map.numel())
     lens = _doc_lengths(spec)
     seg = lens if doc_padded_lens is None else doc_padded_lens.numpy().astype(np.int64)
-    stream, idx = _stream_facts(spec, lens, seg, padded)
     return PackedPlan(
         layout=layout,
         world_size=int(rank_map.shape[0]),
         padded_len=padded,
         rank_map=rank_map,
-        input_token_stream_positions=idx,
+        # made on first read: the token verbs in input coordinates read it, a prepare does not
+        input_token_stream_positions=Deferred(functools.partial(_input_map, spec, lens, seg)),  # type: ignore[arg-type]
         input_row_shape=(spec.num_rows, spec.row_len),
-        stream=stream,
+        stream=_stream_facts(spec, lens, seg, padded),
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.layouts.coordinates import CallerCoordinates
+from cpshard.layouts.deferred import raw
 from cpshard.layouts.placement import Placement
 from cpshard.sharding.consistency import content_hash
 from cpshard.sharding.meta import TokenMeta
@@ -94,7 +95,7 @@ class ShardFacts(CallerCoordinates):
             coords.original_seq_len,
             coords.padded_seq_len,
             coords.input_row_shape,
-            coords.input_token_stream_positions,
+            raw(coords, "input_token_stream_positions"),  # not made here
             rank_map=placement.rank_map,
             token_meta=TokenMeta.of(placement, rank),
             placement=placement,

@@ -17,7 +17,6 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import _comm
+from cpshard.layouts.deferred import replace
 from cpshard.sharding.consistency import verb_descriptor, verb_mismatch_message
 from cpshard.sharding.facts import (
     CPContext,
@@ -273,7 +273,7 @@ class CPSharder:
             carried = getattr(ctx, "facts", None)
             factory = ctx
             facts = carried if isinstance(carried, ShardFacts) else recorded
-        facts = dataclasses.replace(facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
+        facts = replace(facts, cp_mesh=cp_mesh, check_consistency=check_consistency)
         self._facts = facts
         bound = self._bound_to(facts)
         self._seed_gather_slot(out)
@@ -320,7 +320,7 @@ class CPSharder:
                 "that batch's. Record facts on the sharder whose shard_batch runs (the seed's "
                 "record_on=sharder), or build a new CPSharder"
             )
-        self._facts = dataclasses.replace(self._facts, **fact)
+        self._facts = replace(self._facts, **fact)
 
     @property
     def original_seq_len(self) -> int | None:
