@@ -67,7 +67,9 @@ class DeferredField(Generic[T]):
         self.slot = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_deferred_{name}"
+        self.slot = _slot(name)
+        # the class's deferred fields, its bases' included (read by raw and replace)
+        type.__setattr__(owner, _NAMES, (*getattr(owner, _NAMES, ()), name))
 
     @overload
     def __get__(self, obj: None, owner: type) -> T: ...
@@ -90,26 +92,26 @@ class DeferredField(Generic[T]):
         obj.__dict__[self.slot] = value
 
 
-def _deferred_fields(cls: type) -> dict[str, DeferredField[Any]]:
-    out: dict[str, DeferredField[Any]] = {}
-    for klass in reversed(cls.__mro__):
-        for name, attr in vars(klass).items():
-            if isinstance(attr, DeferredField):
-                out[name] = attr
-    return out
+_NAMES = "_deferred_field_names"
+"""Class attribute: the names of a class's :class:`DeferredField` fields (set as it is made)."""
+
+
+def _slot(name: str) -> str:
+    return f"_deferred_{name}"
 
 
 def raw(obj: object, name: str) -> Any:
     """Field ``name`` of ``obj`` as stored: its value, or its :class:`Deferred` if not made yet
     (a plain field: its value)."""
-    field = _deferred_fields(type(obj)).get(name)
-    return getattr(obj, name) if field is None else obj.__dict__[field.slot]
+    if name in getattr(type(obj), _NAMES, ()):
+        return obj.__dict__[_slot(name)]
+    return getattr(obj, name)
 
 
 def replace(obj: T, **changes: Any) -> T:
     """:func:`dataclasses.replace` that hands the fields not changed on as stored: a value not
     made yet stays a maker (shared, made once for both objects)."""
-    for name in _deferred_fields(type(obj)):
+    for name in getattr(type(obj), _NAMES, ()):
         if name not in changes:
-            changes[name] = raw(obj, name)
+            changes[name] = obj.__dict__[_slot(name)]
     return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
