@@ -86,7 +86,8 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
     """
     if local + 1 <= 4 * _SEARCH_BLOCKS:  # few cuts: every one, no blocks
         ks = np.arange(local + 1, dtype=np.int64)
-        heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [ks.size])
+        both = pool.cum(np.concatenate([lo + ks, hi - local + ks]))
+        heavy, light = both[: ks.size], both[ks.size :]
         total = int(light[-1] - heavy[0])  # k = local: light[-1] is cum[hi]; k = 0: cum[lo]
         target = total / ranks_left
         slack = tolerance * target
@@ -94,7 +95,8 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
         width = -(-(local + 1) // _SEARCH_BLOCKS)
         edges = np.append(np.arange(0, local + 1, width, dtype=np.int64), local)
         n = edges.size
-        heavy, light = np.split(pool.cum(np.concatenate([lo + edges, hi - local + edges])), [n])
+        both = pool.cum(np.concatenate([lo + edges, hi - local + edges]))
+        heavy, light = both[:n], both[n:]
         total = int(light[-1] - heavy[0])  # the last edge is local: light[-1] is cum[hi]
         target = total / ranks_left
         slack = tolerance * target
@@ -108,7 +110,8 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
         kept = np.flatnonzero(bound <= seen + slack + 1.0 + 1e-9 * target)
         ks = np.append(arange_runs(edges[kept], edges[kept + 1] - edges[kept], 1), local)
         m = ks.size
-        heavy, light = np.split(pool.cum(np.concatenate([lo + ks, hi - local + ks])), [m])
+        both = pool.cum(np.concatenate([lo + ks, hi - local + ks]))
+        heavy, light = both[:m], both[m:]
     err = np.abs((heavy - light + total) - target)
     ok = err <= err.min() + slack
     ks, err = ks[ok], err[ok]

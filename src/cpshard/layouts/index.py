@@ -15,7 +15,6 @@ __all__ = [
     "check_map_runs",
     "check_rank_map",
     "consecutive_runs",
-    "empty_int64",
     "inverse_permutation",
     "padded_length",
     "run_starts",
@@ -187,19 +186,6 @@ _RAMP = 1 << 16
 one shared ``arange`` of at most this many values."""
 
 
-def empty_int64(n: int) -> _I64:
-    """An uninitialised int64 array of ``n`` values whose memory torch allocates (a view of a
-    ``torch.empty`` tensor, kept alive by the array).
-
-    For the per-token maps a prepare makes anew for every batch: numpy's own allocation of
-    exactly 2 MiB (``262,144`` values, an ``[8, 32768]`` batch's map) comes back as fresh pages
-    on every call on glibc, one page fault per 4 KiB when first written (~1,000 faults, ~0.7 ms
-    for two such arrays on the 2-vCPU VM of BENCHMARKS.md), where torch's allocation of the
-    same size is served from memory the process already holds.
-    """
-    return torch.empty(n, dtype=torch.long).numpy()
-
-
 def arange_runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = None) -> _I64:
     """``concat(first[i] + step[i] * arange(counts[i]))`` as one int64 array, built in place
     (runs that average :data:`_LONG_RUNS` values or more: one slice each; shorter ones: a repeat
@@ -216,11 +202,11 @@ def arange_runs(first: _I64, counts: _I64, step: _I64 | int, out: _I64 | None = 
     if counts.size and total >= _LONG_RUNS * counts.size:
         steps = [step] * counts.size if isinstance(step, int) else step[keep].tolist()
         if out is None:
-            out = empty_int64(total)
+            out = np.empty(total, dtype=np.int64)
         return _slices(first.tolist(), counts.tolist(), steps, out)
     if isinstance(step, int):
         if out is None:
-            out = empty_int64(total)
+            out = np.empty(total, dtype=np.int64)
         out.fill(step)
         step_kept: _I64 | int = step
     else:

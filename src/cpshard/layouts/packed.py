@@ -345,8 +345,8 @@ def _stream_facts(spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int) -
     # the sources: document d's real tokens come from its caller slots (row by row, the
     # documents of a row one after the other), its padding and the end pad from none
     rows = spec.doc_lens
-    row_ends = np.cumsum(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
-    row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(row_ends, prepend=0))
+    per_row = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), per_row)
     row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
     row_tokens = spec.row_len - row_pad
     before_row = np.cumsum(row_tokens) - row_tokens
