@@ -36,8 +36,9 @@ and one step-header all-gather with both ranks already there, each timed in the 
 not scale with the tokens: Python, small host arrays, the model checks, the collectives).
 
 Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
-padded batch, and the batch fingerprint of its three tensors, fastest of 15 each: the parts of
-the prepare this work changed, without a competing rank's noise.
+padded batch, the batch fingerprint of its three tensors, and the packed batch's shard (rank 0
+of ``--ranks``: the balanced layout plan, the local tensors and the token meta), fastest of 15
+each: the parts of the prepare this work changed, without a competing rank's noise.
 
 Usage::
 
@@ -273,6 +274,20 @@ def _prepare_part(b: int, s: int, ranks: int, repeat: int, model_name: str) -> N
             print(f"| {k} | {v:.2f} | {v / bare:.1f}x |")
 
 
+class _RankOf:
+    """Rank ``rank`` of a CP mesh of ``world`` ranks, as the shard asks it (no process group:
+    the shard's host work alone)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.world
+
+
 def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
     """One process, no second rank: rank 0's host work of the prepare's attention and the batch
     fingerprint of the dense padded batch, each fastest of ``repeat`` on a fresh meta."""
@@ -283,6 +298,7 @@ def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
     from cpshard.attention.methods import method_named
     from cpshard.attention.plan import AttentionPlan
     from cpshard.sharding.consistency import batch_fingerprint
+    from cpshard.sharding.packed import shard_batch_packed
 
     cpu = torch.device("cpu")
     best: dict[str, float] = {}
@@ -307,11 +323,18 @@ def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
     ids = batch["input_ids"]
     local = _dense_meta(ranks, 0, b, s).positions[0, : s // ranks]
     bare = fastest_cpu_wall(lambda: local, lambda i: ids.index_select(1, i), repeat)[0]
+    packed = _batches(b, s)["packed"]
+    shard = fastest_cpu_wall(
+        lambda: packed,
+        lambda x: shard_batch_packed(_RankOf(0, ranks), None, x, layout="balanced"),  # type: ignore[arg-type]
+        repeat,
+    )[0]
     print(f"one process, dense padded [{b}, {s}], cp={ranks} rank 0, fastest of {repeat}")
     print("| host work | CPU ms | / bare index_select |")
     print("|---|---|---|")
     for k, v in (*best.items(), ("batch fingerprint (ids, labels, mask)", fp),
-                 ("bare index_select of input_ids", bare)):  # fmt: skip
+                 ("bare index_select of input_ids", bare),
+                 ("packed batch's shard (balanced, layout plan included)", shard)):  # fmt: skip
         print(f"| {k} | {v * 1e3:.2f} | {v / bare:.1f}x |")
 
 

@@ -92,7 +92,7 @@ class DeferredField(Generic[T]):
         obj.__dict__[self.slot] = value
 
 
-_NAMES = "_deferred_field_names"
+_NAMES = "cpshard_deferred_fields"
 """Class attribute: the names of a class's :class:`DeferredField` fields (set as it is made)."""
 
 
