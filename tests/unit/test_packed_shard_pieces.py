@@ -113,7 +113,7 @@ def test_coarse_pieces_are_taken_at_scale() -> None:
     rank without any setting; their slots tile the rank's slots. Fine pieces give the caller
     indices instead, equal to the plan's."""
     rng = random.Random(3)
-    spec = _spec(rng, 4, 4096)
+    spec = _spec(rng, 4, 32768)
     for world in (2, 4):
         plan = plan_balanced(spec, world)
         for rank in range(world):
