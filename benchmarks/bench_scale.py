@@ -56,6 +56,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -274,20 +275,6 @@ def _prepare_part(b: int, s: int, ranks: int, repeat: int, model_name: str) -> N
             print(f"| {k} | {v:.2f} | {v / bare:.1f}x |")
 
 
-class _RankOf:
-    """Rank ``rank`` of a CP mesh of ``world`` ranks, as the shard asks it (no process group:
-    the shard's host work alone)."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-    def size(self) -> int:
-        return self.world
-
-
 def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
     """One process, no second rank: rank 0's host work of the prepare's attention and the batch
     fingerprint of the dense padded batch, each fastest of ``repeat`` on a fresh meta."""
@@ -324,10 +311,10 @@ def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
     local = _dense_meta(ranks, 0, b, s).positions[0, : s // ranks]
     bare = fastest_cpu_wall(lambda: local, lambda i: ids.index_select(1, i), repeat)[0]
     packed = _batches(b, s)["packed"]
+    # rank 0 of the CP mesh, as the shard asks it (no process group: its host work alone)
+    rank0: Any = types.SimpleNamespace(get_local_rank=lambda: 0, size=lambda: ranks)
     shard = fastest_cpu_wall(
-        lambda: packed,
-        lambda x: shard_batch_packed(_RankOf(0, ranks), None, x, layout="balanced"),  # type: ignore[arg-type]
-        repeat,
+        lambda: packed, lambda x: shard_batch_packed(rank0, None, x, layout="balanced"), repeat
     )[0]
     print(f"one process, dense padded [{b}, {s}], cp={ranks} rank 0, fastest of {repeat}")
     print("| host work | CPU ms | / bare index_select |")

@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+from test_packed_shard_pieces import _RankOf
 
 from cpshard.layouts.deferred import Deferred, DeferredField, raw, replace
 from cpshard.layouts.documents import PackSpec
@@ -64,17 +65,10 @@ def test_a_packed_shard_leaves_the_input_map_unmade_until_read() -> None:
     """The shard's facts carry the map's maker; read, it equals the map spelled out token by
     token; the plan's own map reads the same."""
 
-    class _Rank0Of2:
-        def get_local_rank(self) -> int:
-            return 0
-
-        def size(self) -> int:
-            return 2
-
     rows = [[3, 9], [], [1, 1, 6]]
     spec = PackSpec.from_seq_lens(rows, 12)
     ids = torch.arange(1, 37).reshape(3, 12)
-    mesh: object = _Rank0Of2()
+    mesh: object = _RankOf(0, 2)
     ctx, _ = packed_shard.shard_batch_packed(
         mesh,  # type: ignore[arg-type]
         None,
