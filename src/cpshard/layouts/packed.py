@@ -325,6 +325,12 @@ def _doc_lengths(spec: PackSpec) -> _I64:
     return np.fromiter(flat, dtype=np.int64, count=spec.num_docs)
 
 
+def _row_counts(spec: PackSpec) -> tuple[_I64, _I64]:
+    """``(documents, trailing pads)`` per row, int64 ``[B]`` each."""
+    per_row = np.fromiter((len(r) for r in spec.doc_lens), dtype=np.int64, count=spec.num_rows)
+    return per_row, np.array(spec.row_pad, dtype=np.int64)
+
+
 def _stream_facts(spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int) -> StreamRuns:
     """The stream as runs when document ``d`` occupies ``[start_d, start_d + seg_lens[d])`` of
     the stream (its ``lens[d]`` real tokens first)."""
@@ -344,10 +350,8 @@ def _stream_facts(spec: PackSpec, lens: _I64, seg_lens: _I64, padded_len: int) -
     pos_first[-1] = int(seg_lens[-1]) if n_docs else 0
     # the sources: document d's real tokens come from its caller slots (row by row, the
     # documents of a row one after the other), its padding and the end pad from none
-    rows = spec.doc_lens
-    per_row = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    row_of_doc = np.repeat(np.arange(len(rows), dtype=np.int64), per_row)
-    row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
+    per_row, row_pad = _row_counts(spec)
+    row_of_doc = np.repeat(np.arange(per_row.size, dtype=np.int64), per_row)
     row_tokens = spec.row_len - row_pad
     before_row = np.cumsum(row_tokens) - row_tokens
     in_row = np.cumsum(lens) - lens - before_row[row_of_doc]
@@ -367,9 +371,8 @@ def _input_map(spec: PackSpec, lens: _I64, seg_lens: _I64) -> torch.Tensor:
     pads (per row, the documents' real tokens, then the row's pad), document ``d`` starting at
     ``cumsum(seg_lens)[d] - seg_lens[d]``."""
     starts = np.cumsum(seg_lens) - seg_lens
-    rows = spec.doc_lens
-    row_ends = np.cumsum(np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))
-    row_pad = np.fromiter((spec.row_len - sum(r) for r in rows), dtype=np.int64, count=len(rows))
+    per_row, row_pad = _row_counts(spec)
+    row_ends = np.cumsum(per_row)
     first = np.insert(starts, row_ends, -1)
     counts = np.insert(lens, row_ends, row_pad)
     step = np.insert(np.ones(lens.size, dtype=np.int64), row_ends, 0)
