@@ -61,6 +61,7 @@ __all__ = [
     "gradient_checkpointing_func",
     "has_attn_implementation",
     "in_checkpoint_forward",
+    "member_signature",
     "non_persistent_buffers",
     "own_buffers",
     "own_members",
@@ -221,6 +222,29 @@ def non_persistent_buffers(module: torch.nn.Module) -> frozenset[str]:
     2.13.
     """
     return frozenset(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def member_signature(modules: Iterable[torch.nn.Module]) -> list[object]:
+    """What a module tree is made of, module by module: each module's class, then the names and
+    object ids of its children (``_modules``), parameters (``_parameters``) and buffers
+    (``_buffers``), and the names in its non-persistent buffer set. Two signatures of the same
+    live modules are equal exactly when none of them gained, lost, renamed or swapped a child,
+    parameter or buffer, changed class, or changed a buffer's persistence. Reads the tables
+    directly (~0.7 us a module). checked against: torch 2.11, 2.13.
+    """
+    out: list[object] = []
+    extend = out.extend
+    for m in modules:
+        out.append(type(m))
+        for table in (m._modules, m._parameters, m._buffers):
+            out.append(len(table))
+            extend(table)
+            extend(map(id, table.values()))
+        transient = m._non_persistent_buffers_set
+        if transient:
+            extend(sorted(transient))
+        out.append(len(transient))
+    return out
 
 
 def root_mesh(mesh: Any) -> Any:

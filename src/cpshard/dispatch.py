@@ -60,6 +60,7 @@ from cpshard.layouts.closed_form import (
 )
 from cpshard.layouts.index import check_rank_map
 from cpshard.mixers import MixerPlan, check_token_mixers, with_token_mixers
+from cpshard.module_tree import ModuleTree
 from cpshard.names import PACKED_LAYOUTS, AttentionChoice, LayoutName
 from cpshard.options import PrepareOptions
 from cpshard.sharding.batch import TokenKey, check_batch_mapping, shard_batch_dense
@@ -452,6 +453,8 @@ class _Validated:
         mixers: How ``ctx`` runs the model's token mixers; its ``layout`` is the one to resolve.
         grid_mesh: The caller's 2-D ``("cp_outer", "cp_inner")`` CP mesh, which CP attention
             runs on (Ulysses x the method: :mod:`cpshard.attention.hybrid`), or ``None`` (1-D).
+        tree: ``model``'s module tree, kept by its guard between prepares (``None`` without a
+            model): the model checks of this call read it.
     """
 
     options: PrepareOptions
@@ -461,6 +464,7 @@ class _Validated:
     synced_by_ddp: bool
     mixers: MixerPlan
     grid_mesh: DeviceMesh | None = None
+    tree: ModuleTree | None = None
 
 
 def _validate(
@@ -480,13 +484,13 @@ def _validate(
         )
     mesh, grid_mesh = _comm.split_cp_mesh(checks.cp_mesh(cp_mesh))
     cp_size = _comm.cp_rank_and_size(mesh)[1]
-    synced_by_ddp, prepared = False, None
+    synced_by_ddp, prepared, tree = False, None, None
     if options.runs_model_hook and model is not None:
         # DDP / DataParallel: the hook, the HF attention switch and the guard act on the model
         # inside (the wrapper forwards the call to it, so the guard still sees every forward).
         synced_by_ddp = _ddp_spans_cp(model, mesh)
         prepared = unwrap_model(model)
-        install_model_guard(prepared, cp_size)  # sharded batches run inside ctx(), no labels
+        tree = install_model_guard(prepared, cp_size)  # sharded batches run inside ctx()
     mixers = MixerPlan(layout=options.layout)
     inner = None if model is None else unwrap_model(model)
     # documents declared by keys, or read from position_ids (one pass over them, a host sync on
@@ -504,9 +508,10 @@ def _validate(
         # rank, before any collective; ctx then runs them exactly (cpshard.mixers).
         packed = declared or by_positions
         mixers = checks.token_mixers(
-            inner, cp_size, strict=options.strict, packed=packed, layout=options.layout
-        )
-    return _Validated(options, mesh, batch, prepared, synced_by_ddp, mixers, grid_mesh)
+            inner, cp_size, strict=options.strict, packed=packed, layout=options.layout,
+            tree=tree,
+        )  # fmt: skip
+    return _Validated(options, mesh, batch, prepared, synced_by_ddp, mixers, grid_mesh, tree)
 
 
 def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
@@ -538,6 +543,7 @@ def _fingerprint(call: _Validated, checks: PrepareChecks) -> StepState | None:
         payload=fingerprint,
         check_payload=raise_on_mismatch,
         synced_elsewhere=call.synced_by_ddp,
+        model_tree=call.tree,
     )
     problem = o.problem()  # the same on every rank now: the fingerprint compared the options
     if problem is None:

@@ -224,6 +224,36 @@ def weights_differ(cp_mesh: DeviceMesh, case: str) -> str:
     return "no error"
 
 
+def weights_differ_later(cp_mesh: DeviceMesh, case: str) -> str:
+    """Two prepares agree (the second reuses the module tree and the fingerprint's plan the
+    model's guard kept); then the weights change on one rank only: the third prepare raises on
+    every rank, however they changed."""
+    mesh = _fresh(cp_mesh)
+    odd = cp_mesh.get_local_rank() == ODD_RANK
+    model = _model()
+    batch = dense_batch(2, 24, seed=0)
+    for step in range(3):
+        w = model.embed.weight
+        if step == 2 and odd:
+            # an update changes every value (the fingerprint reads a strided sample of them)
+            if case == "in place":
+                with torch.no_grad():
+                    w.add_(1e-3)
+            elif case == "new storage":
+                w.data = w.data + 1e-3
+            elif case == "new parameter":
+                model.embed.weight = nn.Parameter(w.detach() + 1e-3)
+            elif case == "frozen":
+                w.requires_grad_(False)
+            else:
+                raise AssertionError(case)
+        try:
+            cpshard.prepare_cp_forward(model, mesh, batch, padding_token_id=PAD_ID)
+        except (ParameterMismatchError, ValueError) as e:
+            return f"step {step}: {e}"
+    return "no error"
+
+
 def forgotten_sync_under_fsdp(world_mesh: DeviceMesh) -> str:
     """FSDP2 over mesh["dp"] (DTensor parameters, the same shard on the CP ranks of a dp row)
     without sync_grads: the next prepare raises on every rank, naming the missing sync."""

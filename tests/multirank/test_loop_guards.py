@@ -22,6 +22,7 @@ from _loop_guard_fns import (
     shared_module_synced_twice,
     shared_module_touched_on_one_rank,
     weights_differ,
+    weights_differ_later,
 )
 
 from _ranks import Ranks
@@ -84,6 +85,21 @@ def test_weights_that_differ_across_cp_ranks_raise_at_the_first_prepare(
     assert len(set(out)) == 1, out  # the same error on every rank
     assert "weights differ across the CP ranks" in out[0] and names in out[0], out[0]
     assert "manual_seed(rank)" in out[0], out[0]  # the likely cause, and its fix
+
+
+@pytest.mark.parametrize(
+    ("case", "world"), [("in place", 2), ("new storage", 3), ("new parameter", 2), ("frozen", 2)]
+)
+def test_weights_that_change_on_one_rank_after_kept_prepares_raise_on_every_rank(
+    ranks: Ranks, case: str, world: int
+) -> None:
+    out = ranks(world, weights_differ_later, case)
+    assert len(set(out)) == 1 and out[0].startswith("step 2: "), out  # every rank, at once
+    if case == "frozen":
+        assert "the model's parameters and buffers" in out[0], out[0]
+    else:
+        assert "weights differ across the CP ranks" in out[0], out[0]
+        assert "parameter embed.weight" in out[0], out[0]
 
 
 @pytest.mark.parametrize("case", ["non_persistent_buffer", "check_consistency=False"])

@@ -91,6 +91,11 @@ LEAVES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("cpshard.mixers.recompute", (), "torch only: a function recomputed in its backward"),
     ("cpshard.mixers.segments", ("cpshard.sharding.meta",), "the token meta only"),
     ("cpshard.models.decoder", (), "torch only"),
+    (
+        "cpshard.module_tree",
+        (COMPAT,),
+        "the model's module tree the model checks share: torch and the private-API seam only",
+    ),
     ("cpshard.sharding.gather", ("cpshard._comm",), "the token gather's one collective"),
     (
         "cpshard.sharding.meta",
@@ -223,8 +228,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpshard.guards.step",
         ("cpshard",),
-        "the step record the losses read imports only _comm (and the private-API seam)",
-        allow=("cpshard._comm", COMPAT, "cpshard.guards.step"),
+        "the step record the losses read imports only _comm, the module tree (and the "
+        "private-API seam)",
+        allow=("cpshard._comm", COMPAT, "cpshard.guards.step", "cpshard.module_tree"),
     ),
     Rule(
         "cpshard.loss",
@@ -257,9 +263,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpshard.mixers.detect",
         ("cpshard",),
-        "detection reads module structure (its own members through cpshard._compat) and config "
-        "facts only",
-        allow=("cpshard.mixers.detect", "cpshard._compat"),
+        "detection reads module structure (its own members through cpshard._compat, the module "
+        "tree) and config facts only",
+        allow=("cpshard.mixers.detect", "cpshard._compat", "cpshard.module_tree"),
     ),
     Rule("cpshard.attention", ("cpshard.mixers",), "the mixers' hooks sit above attention"),
     *(

@@ -47,6 +47,7 @@ from cpshard.attention.hf import (
     interface_attention_modules,
 )
 from cpshard.attention.hf_options import document_positions
+from cpshard.module_tree import ModuleTree
 from cpshard.sharding.facts import batch_tag, call_record_tensors, matches_record, same_shard
 from cpshard.sharding.meta import TokenMeta
 
@@ -67,6 +68,7 @@ class _ModelGuard:
         self.hf = hf  # an HF model whose attention cpshard switches inside ctx()
         self.calls: list[int] = []  # CP attention calls seen at each open attention module
         self.last_meta: TokenMeta | None = None  # the token meta of the last prepared batch
+        self.tree: ModuleTree | None = None  # the model's module tree at its last prepare
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _check_call(module, args, kwargs)
@@ -305,14 +307,19 @@ def _checkpointing_flag(module: nn.Module) -> object:
     return False
 
 
-def check_gradient_checkpointing(model: nn.Module) -> None:
+def check_gradient_checkpointing(model: nn.Module, tree: ModuleTree | None = None) -> None:
     """Raise unless HF gradient checkpointing (if enabled) recomputes under the CP context.
+
+    Args:
+        model: The model.
+        tree: ``model``'s module tree of this call (``None``: walk ``named_modules()``).
 
     Raises:
         ValueError: a module checkpoints with the reentrant variant, or without
             ``context_fn=cpshard.attention.checkpoint_context_fn``.
     """
-    for name, module in model.named_modules():
+    walk = model.named_modules() if tree is None else zip(tree.names, tree.modules(), strict=True)
+    for name, module in walk:
         if _checkpointing_flag(module) is not True or not module.training:
             continue  # HF checkpoints only in training mode (eval / log-prob passes are fine)
         func = _compat.gradient_checkpointing_func(module)
@@ -334,8 +341,12 @@ def check_gradient_checkpointing(model: nn.Module) -> None:
         )
 
 
-def install_model_guard(model: nn.Module, cp_size: int) -> None:
+def install_model_guard(model: nn.Module, cp_size: int) -> ModuleTree:
     """Register the call-time guard on ``model`` once.
+
+    Returns:
+        ``model``'s module tree of this prepare: the one the guard kept from the last prepare
+        where the tree is unchanged (with its memo), else a fresh walk; the guard keeps it.
 
     Raises:
         ValueError: HF gradient checkpointing that would recompute attention outside CP (see
@@ -343,11 +354,14 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
             through cpshard's registered attention
             (:func:`cpshard.attention.hf.check_cp_attention_support`).
     """
-    check_gradient_checkpointing(model)
     for hook in _compat.forward_pre_hooks(model):
         guard = getattr(hook, "__self__", None)
         if isinstance(guard, _ModelGuard):
-            return
+            guard.tree = ModuleTree.of(model, guard.tree)
+            check_gradient_checkpointing(model, guard.tree)
+            return guard.tree
+    tree = ModuleTree.of(model, None)
+    check_gradient_checkpointing(model, tree)
     hf = hasattr(model, "set_attn_implementation") and not hasattr(
         model, "prepare_model_inputs_for_cp"
     )
@@ -363,3 +377,5 @@ def install_model_guard(model: nn.Module, cp_size: int) -> None:
         for table in _position_tables(model):
             offset = _position_offset(table, model)
             table.register_forward_hook(functools.partial(_check_position_table, offset))
+    guard.tree = tree
+    return tree

@@ -101,6 +101,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cpshard import _comm, _compat
+from cpshard.module_tree import ModuleTree
 
 __all__ = [
     "HEADER_SIZE",
@@ -392,14 +393,39 @@ class ModelFingerprint:
         }
 
 
-def _entries(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+def _entries(
+    model: nn.Module, tree: ModuleTree | None = None
+) -> list[tuple[str, torch.Tensor, bool]]:
+    """:func:`_walk_entries` of ``model``; kept in ``tree``'s memo (by weak reference) between
+    prepares of an unchanged tree."""
+    if tree is None:
+        return _walk_entries(model.named_modules())
+    kept = tree.memo("parameters and buffers", (), lambda: _weak_entries(tree))
+    entries = [(name, ref(), is_param) for name, ref, is_param in kept]
+    if any(t is None for _, t, _ in entries):
+        # an entry was freed and another tensor took its id: the tree's ids could not tell
+        tree.forget("parameters and buffers")
+        kept = tree.memo("parameters and buffers", (), lambda: _weak_entries(tree))
+        entries = [(name, ref(), is_param) for name, ref, is_param in kept]
+    return entries  # type: ignore[return-value]
+
+
+def _weak_entries(tree: ModuleTree) -> list[tuple[str, weakref.ref[torch.Tensor], bool]]:
+    walk = zip(tree.names, tree.modules(), strict=True)
+    return [(name, weakref.ref(t), is_param) for name, t, is_param in _walk_entries(walk)]
+
+
+def _walk_entries(
+    walk: Iterable[tuple[str, nn.Module]],
+) -> list[tuple[str, torch.Tensor, bool]]:
     """``(name, tensor, is a parameter)`` of every parameter (as ``named_parameters()`` lists
-    them), then every persistent buffer; one walk of the module tree for both."""
+    them), then every persistent buffer, from one walk of the module tree
+    (``named_modules()``)."""
     params: list[tuple[str, torch.Tensor, bool]] = []
     buffers: list[tuple[str, torch.Tensor, bool]] = []
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
-    for prefix, module in model.named_modules():
+    for prefix, module in walk:
         dot = prefix + "." if prefix else ""
         for name, p in _compat.own_parameters(module):
             if id(p) not in seen_params:
@@ -431,7 +457,9 @@ def _shard_key(t: torch.Tensor) -> int:
     return _str_hash(f"{tuple(mesh.shape)}:{t.placements}:{split}") or 1
 
 
-def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprint:
+def model_fingerprint(
+    model: nn.Module, *, read_values: bool, tree: ModuleTree | None = None
+) -> ModelFingerprint:
     """The :class:`ModelFingerprint` of ``model``'s parameters and persistent buffers.
 
     Values are a strided sample of at most :data:`PARAM_SAMPLE` values of each entry's local
@@ -443,53 +471,133 @@ def model_fingerprint(model: nn.Module, *, read_values: bool) -> ModelFingerprin
     Args:
         model: The prepared model.
         read_values: ``False`` (``check_consistency=False``): no value is read (all 0).
+        tree: ``model``'s module tree of this prepare, whose memo keeps which tensors the
+            entries are between prepares of an unchanged tree (``None``: walk the model). Their
+            names, shapes, dtypes and values are read on every call.
     """
-    entries = _entries(model)
-    layout = ";".join(
-        f"{name}:{t.shape}:{t.dtype}" + (f":{t.requires_grad}" if is_param else "")
-        for name, t, is_param in entries
-    )
-    names = [name for name, _, _ in entries]
-    keys = torch.tensor([_shard_key(t) for _, t, _ in entries], dtype=torch.long)
+    entries = _entries(model, tree)
+    tensors = [t for _, t, _ in entries]
+    # everything the fixed part reads of the tensors (the sampling: sizes, devices, contiguity)
+    facts = [
+        (t.shape, t.dtype, t.requires_grad if is_param else None, t.device, t.is_contiguous())
+        for _, t, is_param in entries
+    ]
+    if tree is None or any(isinstance(t, DTensor) for t in tensors):
+        fixed = _fixed_part(entries, facts)  # a DTensor's local shard is read on every call
+    else:
+        fixed = tree.memo("model fingerprint", tuple(facts), lambda: _fixed_part(entries, facts))
     values = torch.zeros(len(entries), dtype=torch.long)
-    # per (device, dtype): the samples and their entries; converted to float64 once per group
-    by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    if read_values and fixed.sampling:
+        bits = _sampled_bits(tensors, fixed.sampling, fixed.plain)
+        values.index_add_(0, fixed.index, bits * fixed.weights)
+    return ModelFingerprint(fixed.layout, fixed.names, values, fixed.keys)
+
+
+_Take = tuple[int, int, int]  # (entry, values sampled, stride of the sample)
+
+
+@dataclass(frozen=True)
+class _FixedPart:
+    """What a model fingerprint reads of its entries' names, shapes, dtypes, devices and
+    layouts only (kept between prepares while they are unchanged).
+
+    Attributes:
+        layout: :attr:`ModelFingerprint.layout`.
+        names: :attr:`ModelFingerprint.names`.
+        keys: :attr:`ModelFingerprint.keys`.
+        sampling: Per device (one host transfer each), per dtype (one float64 conversion each),
+            the entries sampled: ``(entry, count, step)``, the sample being values ``0, step,
+            ..., (count - 1) * step`` of the entry's flattened local tensor.
+        index: LongTensor ``[V]``: the entry of each sampled value (in sampling order).
+        weights: LongTensor ``[V]``: ``2 * place + 1``, ``place`` the value's place inside its
+            own entry's sample (an entry's hash must not depend on the entries before it: an
+            empty or short DTensor shard on some ranks only).
+        plain: Every entry is a contiguous, real, plain tensor (no DTensor): a sample is one
+            ``as_strided`` view.
+    """
+
+    layout: int
+    names: list[str]
+    keys: torch.Tensor
+    sampling: list[list[list[_Take]]]
+    index: torch.Tensor
+    weights: torch.Tensor
+    plain: bool
+
+
+def _fixed_part(entries: list[tuple[str, torch.Tensor, bool]], facts: list[Any]) -> _FixedPart:
+    layout = ";".join(
+        f"{name}:{shape}:{dtype}" + ("" if grad is None else f":{grad}")
+        for (name, _, _), (shape, dtype, grad, _, _) in zip(entries, facts, strict=True)
+    )
+    by_kind: dict[tuple[torch.device, torch.dtype], list[_Take]] = {}
+    for i, (_, t, _) in enumerate(entries):
+        local = _local(t)
+        n = local.numel()
+        if n == 0 or local.is_meta:
+            continue
+        count, dtype = min(n, PARAM_SAMPLE), local.dtype
+        if local.is_complex():  # sampled as its real view: two values per element
+            count, dtype = 2 * count, local.real.dtype
+        kind = by_kind.setdefault((local.device, dtype), [])
+        kind.append((i, count, max(1, n // PARAM_SAMPLE)))
+    by_device: dict[torch.device, list[list[_Take]]] = {}
+    for (device, _), takes in by_kind.items():
+        by_device.setdefault(device, []).append(takes)
+    sampling = list(by_device.values())
+    takes = [take for groups in sampling for group in groups for take in group]
+    counts = torch.tensor([count for _, count, _ in takes], dtype=torch.long)
+    owners = torch.tensor([i for i, _, _ in takes], dtype=torch.long)
+    index = torch.repeat_interleave(owners, counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    place = torch.arange(int(counts.sum())) - starts
+    return _FixedPart(
+        layout=_str_hash(layout),
+        names=[name for name, _, _ in entries],
+        keys=torch.tensor([_shard_key(t) for _, t, _ in entries], dtype=torch.long),
+        sampling=sampling,
+        index=index,
+        weights=2 * place + 1,
+        plain=all(
+            not isinstance(t, DTensor) and not t.is_complex() and contiguous
+            for (_, t, _), (_, _, _, _, contiguous) in zip(entries, facts, strict=True)
+        ),
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sampled_bits(
+    tensors: list[torch.Tensor], sampling: list[list[list[_Take]]], plain: bool
+) -> torch.Tensor:
+    """The sampled values of :class:`_FixedPart` ``sampling``, as float64 bit patterns
+    (LongTensor ``[V]``, on the CPU): one host transfer per device. ``plain``: every tensor is a
+    contiguous, real, plain tensor (one ``as_strided`` each)."""
+    parts = []
     with torch.no_grad():  # views of the values, no autograd record
-        for i, (_, t, _) in enumerate(entries if read_values else ()):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            n = local.numel()
-            if n == 0 or local.is_meta:
-                continue
-            step = max(1, n // PARAM_SAMPLE)  # every step-th value, at most PARAM_SAMPLE of them
-            if local.is_contiguous():  # one view op: values 0, step, ..., of the flat tensor
-                sample = local.as_strided((min(n, PARAM_SAMPLE),), (step,))
-            else:
-                sample = local.reshape(-1)[: step * PARAM_SAMPLE : step]
-            if sample.is_complex():
-                sample = torch.view_as_real(sample).reshape(-1)
-            samples, owners = by_kind.setdefault((sample.device, sample.dtype), ([], []))
-            samples.append(sample)
-            owners.append(i)
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[int], list[int]]] = {}
-    for (device, _), (samples, owners) in by_kind.items():
-        joined, idx, sizes = by_device.setdefault(device, ([], [], []))
-        joined.append(torch.cat(samples).to(torch.float64))
-        idx.extend(owners)
-        sizes.extend(t.numel() for t in samples)
-    if by_device:
-        parts, index, place = [], [], []
-        for joined, owners, sizes in by_device.values():  # one transfer per device
-            parts.append(torch.cat(joined).cpu())
-            counts = torch.tensor(sizes)
-            index.append(torch.repeat_interleave(torch.tensor(owners), counts))
-            # each value's place inside its own entry's sample: an entry's hash must not depend
-            # on the entries before it (an empty or short DTensor shard on some ranks only)
-            starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-            place.append(torch.arange(int(counts.sum())) - starts)
-        bits = torch.cat(parts).view(torch.int64)
-        weights = 2 * torch.cat(place).to(torch.int64) + 1
-        values.index_add_(0, torch.cat(index), bits * weights)
-    return ModelFingerprint(_str_hash(layout), names, values, keys)
+        for groups in sampling:
+            joined = [
+                torch.cat([tensors[i].as_strided((n,), (step,)) for i, n, step in group])
+                if plain
+                else torch.cat([_sample(_local(tensors[i]), n, step) for i, n, step in group])
+                for group in groups
+            ]
+            parts.append(torch.cat([j.to(torch.float64) for j in joined]).cpu())
+    return torch.cat(parts).view(torch.int64)
+
+
+def _sample(local: torch.Tensor, count: int, step: int) -> torch.Tensor:
+    """Values ``0, step, ...`` of ``local`` flattened, ``count`` of them (of a complex tensor,
+    ``count / 2`` elements as their real view)."""
+    is_complex = local.is_complex()
+    n = count // 2 if is_complex else count
+    if local.is_contiguous():  # one view op: values 0, step, ..., of the flat tensor
+        sample = local.as_strided((n,), (step,))
+    else:
+        sample = local.reshape(-1)[: step * n : step]
+    return torch.view_as_real(sample).reshape(-1) if is_complex else sample
 
 
 def _values_differ(rows: list[list[int]]) -> bool:
@@ -571,6 +679,7 @@ def begin_prepare(
     payload: torch.Tensor | None = None,
     check_payload: Callable[[torch.Tensor], None] | None = None,
     synced_elsewhere: bool = False,
+    model_tree: ModuleTree | None = None,
 ) -> torch.Tensor | None:
     """Start a step: raise locally if this rank left the last one midway, then agree on it.
 
@@ -596,6 +705,7 @@ def begin_prepare(
         check_payload: Called with the gathered payloads before the model's values are
             compared (the batch check: a batch that differs is named first).
         synced_elsewhere: The model's wrapper sums its gradients over the CP group (DDP).
+        model_tree: ``model``'s module tree of this prepare (:func:`model_fingerprint`).
 
     Returns:
         Every rank's ``payload`` as a LongTensor ``[C, P]`` on the CPU (row ``r`` from rank
@@ -611,7 +721,11 @@ def begin_prepare(
         return None
     state.check_usable("prepare_cp_forward / make_cp_batch_and_ctx")
     watch = None if model is None else _watch_of(model)
-    fp = None if model is None else model_fingerprint(model, read_values=bool(check_consistency))
+    fp = (
+        None
+        if model is None
+        else model_fingerprint(model, read_values=bool(check_consistency), tree=model_tree)
+    )
     unsynced = watch is not None and watch.backwards > 0 and not synced_elsewhere
     # the same slots are compared on every rank (whatever each rank's flag): the message is the
     # same everywhere. The layout is no data value: compared also with check_consistency=False

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cpshard import _compat
+from cpshard.module_tree import ModuleTree
 
 __all__ = ["MixerSite", "decoder_layers", "find_token_mixers", "hooks_on", "layer_kinds"]
 
@@ -312,11 +313,14 @@ def _walk_outside(
             yield name, module
 
 
-def find_token_mixers(model: nn.Module) -> tuple[MixerSite, ...]:
+def find_token_mixers(model: nn.Module, tree: ModuleTree | None = None) -> tuple[MixerSite, ...]:
     """Every module of ``model`` that mixes tokens and is not attention (see the module doc).
 
     Args:
         model: Any ``nn.Module`` (an HF causal LM, a custom decoder).
+        tree: ``model``'s :class:`~cpshard.module_tree.ModuleTree` of this call, whose memo
+            keeps the sites while the tree, the config's layer types and the modules' state
+            attributes are unchanged (``None``: detect from scratch).
 
     Returns:
         The sites, in module order; empty for a pure-attention model.
@@ -325,6 +329,41 @@ def find_token_mixers(model: nn.Module) -> tuple[MixerSite, ...]:
         ValueError: the config says a layer mixes tokens outside attention but no module of that
             layer can be identified as the mixer (cpshard cannot run it exactly).
     """
+    if tree is None:
+        return _detect(model)
+    modules = tree.modules()
+    n_layers = tree.memo("decoder layers", (), lambda: _layer_count(modules, tree.names))
+    kinds = layer_kinds(getattr(model, "config", None), n_layers) if n_layers else None
+    asks = _Tree()
+    ints = tuple(
+        (i, tuple(sorted(found.items())))
+        for i, m in enumerate(modules)
+        if (found := _int_attributes(m, asks))
+    )
+    key = (None if kinds is None else tuple(kinds), ints)
+    kept = tree.memo("token mixers", key, lambda: _site_rows(model, modules))
+    return tuple(MixerSite(name, modules[i], why, inside) for name, i, why, inside in kept)
+
+
+def _layer_count(modules: list[nn.Module], names: list[str]) -> int:
+    """The length of :func:`decoder_layers`' list (0: none), from a walk of the model."""
+    found = _largest_list(list(zip(names, modules, strict=True)))
+    return 0 if found is None else len(found[1])
+
+
+_SiteRow = tuple[str, int, str, bool]
+
+
+def _site_rows(model: nn.Module, modules: list[nn.Module]) -> tuple[_SiteRow, ...]:
+    """:func:`_detect`'s sites as ``(name, index into modules, evidence, inside_attention)``:
+    nothing of the model held (a memo value of its module tree)."""
+    at: dict[int, int] = {}
+    for i, m in enumerate(modules):
+        at.setdefault(id(m), i)
+    return tuple((s.name, at[id(s.module)], s.evidence, s.inside_attention) for s in _detect(model))
+
+
+def _detect(model: nn.Module) -> tuple[MixerSite, ...]:
     tree = _Tree()
     walk = tree.walk(model)
     found = _largest_list(walk)

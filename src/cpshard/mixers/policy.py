@@ -40,6 +40,7 @@ from cpshard.mixers.detect import MixerSite, find_token_mixers
 from cpshard.mixers.gdn import NativeGatedDeltaNet, is_native_gdn, serves_native_gdn
 from cpshard.mixers.generic import GenericMixers
 from cpshard.mixers.mamba2 import NativeMamba2, conv_width, is_native_mamba2, serves_native
+from cpshard.module_tree import ModuleTree
 from cpshard.sharding.facts import ContextFactory, CPContext
 
 __all__ = ["CPMixerWarning", "MixerPlan", "check_token_mixers", "with_token_mixers"]
@@ -76,7 +77,13 @@ def _listing(sites: Sequence[MixerSite], limit: int = 6) -> str:
 
 
 def check_token_mixers(
-    model: nn.Module, cp_size: int, *, strict: bool, packed: bool, layout: str = "auto"
+    model: nn.Module,
+    cp_size: int,
+    *,
+    strict: bool,
+    packed: bool,
+    layout: str = "auto",
+    tree: ModuleTree | None = None,
 ) -> MixerPlan:
     """How the batch's ctx must run the model's token mixers (maybe not at all).
 
@@ -86,6 +93,8 @@ def check_token_mixers(
         strict: Refuse the generic path instead of paying its cost.
         packed: The batch is packed (``seq_lens`` / ``cu_seqlens``).
         layout: The caller's layout name.
+        tree: The model's module tree of this prepare (its memo keeps the detected sites
+            between prepares of an unchanged model; ``None``: detect from scratch).
 
     Returns:
         The :class:`MixerPlan`.
@@ -94,7 +103,7 @@ def check_token_mixers(
         ValueError: a mixer with no exact path, or ``strict`` with mixers that need the generic
             path (the same on every rank, before any collective).
     """
-    sites = find_token_mixers(model)
+    sites = find_token_mixers(model, tree)
     if not sites or (cp_size == 1 and not packed):
         return MixerPlan(layout=layout)
     model_name = type(model).__name__
