@@ -716,6 +716,8 @@ def test_checkpointing_flag_reads_as_getattr_does() -> None:
 
     on = _Cls()
     on.gradient_checkpointing = True
-    for module in (_Cls(), on, Forwarding(on), Forwarding(nn.Linear(2, 2)), nn.Linear(2, 2)):
+    answers: dict[type, bool] = {}  # one walk's answers per class, shared by its modules
+    modules = (_Cls(), on, Forwarding(on), Forwarding(nn.Linear(2, 2)), nn.Linear(2, 2))
+    for module in (*modules, *modules):
         want = getattr(module, "gradient_checkpointing", False)
-        assert _checkpointing_flag(module) is want, module
+        assert _checkpointing_flag(module, answers) is want, module

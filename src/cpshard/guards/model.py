@@ -295,16 +295,19 @@ def _omits_position_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     return "position_ids" in sig.parameters and bound.arguments.get("position_ids") is None
 
 
-def _checkpointing_flag(module: nn.Module) -> object:
+def _checkpointing_flag(module: nn.Module, answers: dict[type, bool]) -> object:
     """``getattr(module, "gradient_checkpointing", False)`` without the miss path of
     ``nn.Module.__getattr__``: the instance's own value, else ``getattr`` only where the class
-    can answer (:func:`cpshard._compat.class_answers`)."""
+    can answer (:func:`cpshard._compat.class_answers`, asked once per class of one walk:
+    ``answers``)."""
     own = module.__dict__
     if "gradient_checkpointing" in own:
         return own["gradient_checkpointing"]
-    if _compat.class_answers(type(module), "gradient_checkpointing"):
-        return getattr(module, "gradient_checkpointing", False)
-    return False
+    cls = type(module)
+    can = answers.get(cls)
+    if can is None:
+        can = answers[cls] = _compat.class_answers(cls, "gradient_checkpointing")
+    return getattr(module, "gradient_checkpointing", False) if can else False
 
 
 def check_gradient_checkpointing(model: nn.Module, tree: ModuleTree | None = None) -> None:
@@ -319,8 +322,9 @@ def check_gradient_checkpointing(model: nn.Module, tree: ModuleTree | None = Non
             ``context_fn=cpshard.attention.checkpoint_context_fn``.
     """
     walk = model.named_modules() if tree is None else zip(tree.names, tree.modules(), strict=True)
+    answers: dict[type, bool] = {}
     for name, module in walk:
-        if _checkpointing_flag(module) is not True or not module.training:
+        if _checkpointing_flag(module, answers) is not True or not module.training:
             continue  # HF checkpoints only in training mode (eval / log-prob passes are fine)
         func = _compat.gradient_checkpointing_func(module)
         if func is None:

@@ -334,15 +334,23 @@ def find_token_mixers(model: nn.Module, tree: ModuleTree | None = None) -> tuple
     modules = tree.modules()
     n_layers = tree.memo("decoder layers", (), lambda: _layer_count(modules, tree.names))
     kinds = layer_kinds(getattr(model, "config", None), n_layers) if n_layers else None
-    asks = _Tree()
-    ints = tuple(
-        (i, tuple(sorted(found.items())))
-        for i, m in enumerate(modules)
-        if (found := _int_attributes(m, asks))
-    )
-    key = (None if kinds is None else tuple(kinds), ints)
+    key = (None if kinds is None else tuple(kinds), _state_attributes(modules))
     kept = tree.memo("token mixers", key, lambda: _site_rows(model, modules))
     return tuple(MixerSite(name, modules[i], why, inside) for name, i, why, inside in kept)
+
+
+def _state_attributes(modules: list[nn.Module]) -> tuple[tuple[int, tuple[Any, ...]], ...]:
+    """``(index, sorted int attributes)`` of every module with an int attribute the detection
+    reads (:func:`_int_attributes`), in walk order: the values it reads beyond the structure."""
+    asks = _Tree()
+    out = []
+    for i, m in enumerate(modules):
+        if _ASKED_SET.isdisjoint(m.__dict__) and not asks.asked(type(m)):
+            continue  # most modules: none of the names, on the instance or its class
+        found = _int_attributes(m, asks)
+        if found:
+            out.append((i, tuple(sorted(found.items()))))
+    return tuple(out)
 
 
 def _layer_count(modules: list[nn.Module], names: list[str]) -> int:
