@@ -8,7 +8,8 @@ log-normal documents in one packed row of ``--tokens`` tokens) under every packe
 ``attention_mask`` padding, round_robin). For each CP size and ranks ``0, C/2, C-1`` (the slowest
 counts), on a fresh token meta each time (built outside the timer, as the sharder builds it):
 
-* ``selective``: the rank's :class:`SelectivePlan` (exchange and kernel plans);
+* ``selective``: the rank's :class:`SelectivePlan` (exchange and kernel plans), and its kernel
+  calls per layer and pass (the local and the remote plan's tasks);
 * ``auto``: everything ``attention="auto"`` does for a batch: the cost facts of every rank (the
   choice must be identical on every rank without a collective), the choice, and the plan of the
   chosen method;
@@ -98,18 +99,19 @@ def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
     spec = PackSpec.from_seq_lens([lens], tokens)
     ids = torch.from_numpy(np.random.default_rng(0).integers(1, 32000, size=(1, tokens)))
     print(
-        "| layout | C | selective CPU s (x goal, x bare) | auto CPU s (x goal, x bare) | auto "
-        "chose | bare index_select CPU ms | goal |"
+        "| layout | C | selective CPU s (x goal, x bare) | selective kernel calls | auto CPU s "
+        "(x goal, x bare) | auto chose | bare index_select CPU ms | goal |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
 
     def auto(meta: Any) -> str:
         best = choose_for_batch(meta, None)
         method_named(best).plans(AttentionPlan(meta), True, None, cpu)
         return best
 
-    def selective(meta: Any) -> None:
-        selective_plan(meta, True, None, cpu)
+    def selective(meta: Any) -> int:
+        plan = selective_plan(meta, True, None, cpu)
+        return sum(len(tasks) for p in (plan.local, plan.remote) for _, tasks in p.groups)
 
     for c in cps:
         makers: list[tuple[str, Callable[[int], Any], torch.Tensor]] = []
@@ -125,16 +127,17 @@ def _plans_part(tokens: int, cps: list[int], rows: int, repeat: int) -> None:
                 lambda o=order, x=rows_ids: (x, o), lambda xo: xo[0].index_select(1, xo[1]), 5
             )[0]
             t_sel = t_auto = 0.0
-            chosen = set()
+            chosen, calls = set(), 0
             for r in sorted({0, c // 2, c - 1}):
                 fresh = functools.partial(make, r)
-                t_sel = max(t_sel, fastest_cpu_wall(fresh, selective, repeat)[0])
+                got = fastest_cpu_wall(fresh, selective, repeat)
+                t_sel, calls = max(t_sel, got[0]), max(calls, got[2])
                 got = fastest_cpu_wall(fresh, auto, repeat)
                 t_auto = max(t_auto, got[0])
                 chosen.add(got[2])
             print(
                 f"| {name} | {c} | {t_sel:.3f} ({t_sel / PLAN_GOAL_S:.2f}, {t_sel / t_bare:.0f}x) "
-                f"| {t_auto:.3f} ({t_auto / PLAN_GOAL_S:.2f}, {t_auto / t_bare:.0f}x) "
+                f"| {calls} | {t_auto:.3f} ({t_auto / PLAN_GOAL_S:.2f}, {t_auto / t_bare:.0f}x) "
                 f"| {'/'.join(sorted(chosen))} | {t_bare * 1e3:.2f} | <= {PLAN_GOAL_S} s |",
                 flush=True,
             )

@@ -150,3 +150,20 @@ def reference_with_grads(
     assert k.grad is not None
     assert v.grad is not None
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def same_plan(got: Any, want: Any) -> None:
+    """Assert two :class:`~cpshard.attention.plan.PairPlan` are equal: counts, row groups and
+    every kernel call (its slots, kind, mask and whether it writes its rows first)."""
+    assert (got.computed, got.needed, got.empty) == (want.computed, want.needed, want.empty)
+    assert len(got.groups) == len(want.groups)
+    for (rows_g, tasks_g), (rows_w, tasks_w) in zip(got.groups, want.groups, strict=True):
+        assert (rows_g is None) == (rows_w is None)
+        if rows_g is not None and rows_w is not None:
+            assert torch.equal(rows_g, rows_w)
+        assert len(tasks_g) == len(tasks_w)
+        for tg, tw in zip(tasks_g, tasks_w, strict=True):
+            assert tg[:5] == tw[:5] and tg.first == tw.first
+            assert (tg.mask is None) == (tw.mask is None)
+            if tg.mask is not None and tw.mask is not None:
+                assert torch.equal(tg.mask, tw.mask)

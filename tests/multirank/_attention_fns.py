@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+import cpshard.attention.selective_plan as selective_plan_mod
 from _attention_common import DTYPES, inputs, local_shards, make_case, make_meta
 from cpshard import prepare_cp_forward, shift_labels
 from cpshard._comm import cp_group
@@ -34,20 +35,51 @@ def cp_attention_case(
 ) -> dict[str, torch.Tensor]:
     """Local output and gradients of ``cp_sdpa`` for one case (inputs sharded from global);
     ``value_dim``: a value head dim other than the query/key one (MLA)."""
-    rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    rmap, docs = make_case(layout, cp_mesh.size(), seq_len, 2, n_docs, seed, meta_batch)
+    return cp_attention_given(
+        cp_mesh, method, rmap, docs, heads, causal, dtype, seed, backend, window, softcap,
+        value_dim,
+    )  # fmt: skip
+
+
+def cp_attention_given(
+    cp_mesh: DeviceMesh,
+    method: str,
+    rmap: torch.Tensor,
+    docs: torch.Tensor,
+    heads: tuple[int, int],
+    causal: bool,
+    dtype: str,
+    seed: int = 0,
+    backend: str = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
+    value_dim: int | None = None,
+    stream_order: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`cp_attention_case` of a given rank map ``[C, L]`` and global document ids
+    ``[1 or B, P]``. ``stream_order``: ``True`` puts selective's received keys in stream order
+    wherever they have two runs or more, ``False`` never (``None``: the library's rule)."""
+    rank = cp_mesh.get_local_rank()
     batch, dim = 2, 8
-    rmap, docs = make_case(layout, world, seq_len, batch, n_docs, seed, meta_batch)
     q, k, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), dim, seed)
     if value_dim is not None:
         _, _, v, go = inputs(batch, heads[0], heads[1], rmap.numel(), value_dim, seed + 7)
     idx = rmap[rank]
     ql, kl, vl = local_shards((q, k, v), idx, DTYPES[dtype])
     meta = make_meta(rmap, docs, rank)
-    out = cp_sdpa(
-        ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
-        backend=backend, window=window, softcap=softcap,  # type: ignore[arg-type]
-    )  # fmt: skip
-    (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
+    rule = (selective_plan_mod.SHORT_RUNS, selective_plan_mod.FEWER_RUNS)
+    if stream_order is not None:  # this rank process only, restored below
+        selective_plan_mod.SHORT_RUNS = 1 << 62 if stream_order else 0
+        selective_plan_mod.FEWER_RUNS = 1
+    try:
+        out = cp_sdpa(
+            ql, kl, vl, group=cp_group(cp_mesh), meta=meta, method=method, causal=causal,
+            backend=backend, window=window, softcap=softcap,  # type: ignore[arg-type]
+        )  # fmt: skip
+        (out * go.index_select(2, idx).to(out.dtype)).sum().backward()
+    finally:
+        selective_plan_mod.SHORT_RUNS, selective_plan_mod.FEWER_RUNS = rule
     assert ql.grad is not None
     assert kl.grad is not None
     assert vl.grad is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_fns import cp_attention_case, cp_attention_error
+from _attention_fns import cp_attention_case, cp_attention_error, cp_attention_given
 
 from _attention_common import LAYOUTS, WINDOW_LAYOUTS, inputs, make_case, reference_with_grads
 from _ranks import Ranks
@@ -56,6 +56,71 @@ def _check(
                 got[name].double(), want.index_select(2, rmap[r]), **TOL[dtype],
                 msg=lambda m, r=r, name=name: f"rank {r} {name}: {m}",
             )  # fmt: skip
+
+
+def _compare(
+    res: list[dict[str, torch.Tensor]], rmap: torch.Tensor, ref: tuple[torch.Tensor, ...]
+) -> None:
+    for r, got in enumerate(res):
+        assert torch.equal(got["idx"], rmap[r])
+        for name, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
+            torch.testing.assert_close(
+                got[name].double(), want.index_select(2, rmap[r]),
+                msg=lambda m, r=r, name=name: f"rank {r} {name}: {m}",
+            )  # fmt: skip
+
+
+def _te_packed(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's ``packed`` layout of short documents: each cut into ``2C`` chunks of a few tokens
+    (``rank map [C, L]``, document ids ``[1, P]`` with the pads' own ids)."""
+    from cpshard.layouts.documents import PackSpec
+    from cpshard.layouts.packed import plan_packed
+    from cpshard.layouts.placement import pad_document_ids
+
+    lens = [13, 30, 7, 22, 40, 9, 17, 25, 31, 11]
+    plan = plan_packed(PackSpec.from_seq_lens([lens], sum(lens)), world)
+    ids = plan.stream_document_ids[None]
+    return plan.rank_map, pad_document_ids(ids, ids < 0)
+
+
+def test_selective_reads_chunked_documents_in_stream_order_by_its_rule(ranks: Ranks) -> None:
+    """TE's ``packed`` layout at C=4 on short documents: rank 0 receives 6 chunks of every
+    document as 6 runs, which stream order joins into one; the others' runs join less than 4x.
+    Ranks with and without the order exchange with each other; output and gradients equal one
+    process's."""
+    from _attention_common import make_meta
+    from cpshard.attention.selective_plan import selective_plan
+
+    rmap, docs = _te_packed(4)
+    cpu = torch.device("cpu")
+    plans = [selective_plan(make_meta(rmap, docs, r), True, None, cpu) for r in range(4)]
+    assert [p.recv_order is not None for p in plans] == [True, False, False, False]
+    heads = _heads(4)
+    res = ranks(4, cp_attention_given, "selective", rmap, docs, heads, True, "fp64")
+    q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
+    _compare(res, rmap, reference_with_grads(q, k, v, go, docs, True))
+
+
+@pytest.mark.parametrize("case", ["te_packed", *LAYOUTS])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_selective_with_every_received_key_in_stream_order_fp64(
+    ranks: Ranks, world: int, case: str
+) -> None:
+    """The received keys put in stream order wherever they have two runs or more (the rule
+    forced in the ranks): the same output and gradients as one process, causal and with a
+    window."""
+    if case == "te_packed":
+        rmap, docs = _te_packed(world)
+    else:
+        rmap, docs = make_case(case, world, 8 * world - 3, 2, 3, 0, 1)
+    heads = _heads(world)
+    q, k, v, go = inputs(2, heads[0], heads[1], rmap.numel(), 8, 0)
+    for window in (None, 5):
+        res = ranks(
+            world, cp_attention_given, "selective", rmap, docs, heads, True, "fp64", 0, "auto",
+            window, None, None, True,
+        )  # fmt: skip
+        _compare(res, rmap, reference_with_grads(q, k, v, go, docs, True, window=window))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

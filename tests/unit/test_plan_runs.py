@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from _attention_common import same_plan
 from cpshard.attention.cost import _pairs
 from cpshard.attention.grouped_runs import GroupedRuns
 from cpshard.attention.pieces import run_table
 from cpshard.attention.plan import (
-    PairPlan,
     _host_by_tokens,
     _row_groups,
     host_rows,
@@ -81,21 +81,6 @@ def _meta(rng: np.random.Generator, pads: str, rank: int | None = None) -> Token
     doc_t = torch.from_numpy(np.stack(doc_rows))
     r = int(rng.integers(0, world)) if rank is None else rank
     return TokenMeta(r, world, pos_t, doc_t)
-
-
-def _same_plan(got: PairPlan, want: PairPlan) -> None:
-    assert (got.computed, got.needed, got.empty) == (want.computed, want.needed, want.empty)
-    assert len(got.groups) == len(want.groups)
-    for (rg, tg), (rw, tw) in zip(got.groups, want.groups, strict=True):
-        assert (rg is None) == (rw is None)
-        if rg is not None and rw is not None:
-            assert torch.equal(rg, rw)
-        assert len(tg) == len(tw)
-        for a, b in zip(tg, tw, strict=True):
-            assert a[:5] == b[:5] and a.first == b.first
-            assert (a.mask is None) == (b.mask is None)
-            if a.mask is not None and b.mask is not None:
-                assert torch.equal(a.mask, b.mask)
 
 
 @pytest.mark.parametrize("pads", PADS)
@@ -182,9 +167,13 @@ def test_selective_plan_from_runs_equals_the_plan_from_tokens(pads: str) -> None
             splits = np.bincount(recv // max(n, 1), minlength=meta.world_size)
             assert plan.recv_splits == tuple(int(x) for x in splits)
             own = a.rank_slice(meta.rank)
-            local, remote = _pair_plans(a, own, recv, host.merge, causal, window, CPU)
-            _same_plan(plan.local, local)
-            _same_plan(plan.remote, remote)
+            # the remote plan reads the received keys in its own order (stream order where
+            # that joins their runs): the token pass of the same keys in that order
+            keys = plan.key_slots
+            np.testing.assert_array_equal(np.sort(keys), recv)
+            local, remote = _pair_plans(a, own, keys, host.merge, causal, window, CPU)
+            same_plan(plan.local, local)
+            same_plan(plan.remote, remote)
 
 
 @pytest.mark.parametrize("pads", PADS)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_visibility import _dense
 
-from _attention_common import visible
+from _attention_common import same_plan, visible
 from cpshard.attention.cost import _pairs, _searched_pairs, plan_facts
 from cpshard.attention.selective_plan import (
     _searched_sums,
@@ -162,22 +162,6 @@ def test_class_ids_order_like_the_distinct_classes() -> None:
         np.testing.assert_array_equal(ids[:, None] == ids[None], ranks[:, None] == ranks[None])
 
 
-def _same_plan(got: object, want: object) -> None:
-    from cpshard.attention.plan import PairPlan
-
-    assert isinstance(got, PairPlan) and isinstance(want, PairPlan)
-    assert (got.computed, got.needed, got.empty) == (want.computed, want.needed, want.empty)
-    assert len(got.groups) == len(want.groups)
-    for (rows_g, tasks_g), (rows_w, tasks_w) in zip(got.groups, want.groups, strict=True):
-        assert (rows_g is None) == (rows_w is None)
-        assert len(tasks_g) == len(tasks_w)
-        for tg, tw in zip(tasks_g, tasks_w, strict=True):
-            assert tg[:5] == tw[:5] and tg.first == tw.first
-            assert (tg.mask is None) == (tw.mask is None)
-            if tg.mask is not None:
-                assert torch.equal(tg.mask, tw.mask)
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_remote_plan_from_the_received_runs_equals_the_gathered_one(world: int) -> None:
     """The selective plan's remote kernel plan made from the received runs' table equals the
@@ -197,11 +181,11 @@ def test_remote_plan_from_the_received_runs_equals_the_gathered_one(world: int) 
                     plan = selective_plan(meta, causal, None, cpu)
                     sl = a.rank_slice(r)
                     want = pair_plan(
-                        a.pos[:, sl], a.doc[:, sl], a.pos[:, plan.recv_slots],
-                        a.doc[:, plan.recv_slots], a.rows, causal=causal, window=None,
+                        a.pos[:, sl], a.doc[:, sl], a.pos[:, plan.key_slots],
+                        a.doc[:, plan.key_slots], a.rows, causal=causal, window=None,
                         device=cpu,
                     )  # fmt: skip
-                    _same_plan(plan.remote, want)
+                    same_plan(plan.remote, want)
 
 
 def test_stable_order_is_the_stable_argsort() -> None:

@@ -7,6 +7,10 @@ all-to-all delivers them. While it is in flight the queries attend to this rank'
 the received keys; the two partial results are merged in fp32 by their LSE. Memory holds only the
 received slots, never the whole stream.
 
+Where the received keys arrive as many short runs that stream order joins (a layout of small
+chunks at a large CP size), they are put in stream order once after the exchange (the plan's
+``recv_order``), and their gradients back in arrival order before the reverse exchange.
+
 Backward: the received keys' dK/dV (fp32, same sequence-major layout) go back to their owners by
 the reverse all-to-all, which runs while the own keys' gradients are computed; each owner adds
 what it receives at the slots it sent (``index_add``: a slot several peers needed sums their
@@ -67,6 +71,8 @@ class _SelectiveAttention(torch.autograd.Function):
         recv: torch.Tensor | None = None
         if pending is not None:
             recv = pending.wait()[0]  # [N_recv, 2, B, H, D]
+            if plan.recv_order is not None:  # the keys in stream order, as plan.remote reads them
+                recv = recv.index_select(0, plan.recv_order)
             if not plan.remote.empty:
                 k_r, v_r = stream_views(recv)
                 o, l_ = attend(q, k_r, v_r, plan.remote, scale=scale, backend=backend,
@@ -102,6 +108,8 @@ class _SelectiveAttention(torch.autograd.Function):
                 grad_out, q, k_r, v_r, out_q, lse, plan.remote, dq, dk_r, dv_r, scale=scale,
                 backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
+            if plan.recv_order is not None:  # back in arrival order, for the reverse exchange
+                drecv = torch.empty_like(drecv).index_copy_(0, plan.recv_order, drecv)
             pending = all_to_all_split_start(drecv, plan.recv_splits, plan.send_splits, group)
             del drecv, dk_r, dv_r
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)

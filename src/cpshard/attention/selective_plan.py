@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cpshard.attention.grouped_runs import GroupedRuns
-from cpshard.attention.pieces import PAD_CLASS, RunTable
+from cpshard.attention.pieces import PAD_CLASS, RunTable, join_runs
 from cpshard.attention.plan import (
     HostRows,
     PairPlan,
@@ -59,6 +59,7 @@ from cpshard.attention.visibility import (
     table_ids,
     wanted_slots,
 )
+from cpshard.layouts.index import arange_runs
 from cpshard.sharding.meta import TokenMeta
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "needed_spans",
     "selective_plan",
     "selective_planned",
+    "stream_order",
     "wanted_of",
 ]
 
@@ -448,7 +450,12 @@ class SelectivePlan:
         recv_splits: Slots received from each rank, ``C`` entries (0 for this rank).
         recv_slots: Stream slots of the received keys, in the order they arrive (rank-major).
         local: Local queries against this rank's own keys ``[L]``.
-        remote: Local queries against the received keys ``[sum(recv_splits)]``.
+        remote: Local queries against the received keys ``[sum(recv_splits)]``, in the order
+            of :attr:`key_slots`.
+        recv_order: LongTensor ``[sum(recv_splits)]`` or ``None``: the received keys are put in
+            stream order (by document, then position) before :attr:`remote` reads them, key
+            ``j`` of that order being received key ``recv_order[j]`` (see
+            :func:`stream_order`); ``None``: read in the order they arrive.
     """
 
     send_index: torch.Tensor
@@ -457,6 +464,15 @@ class SelectivePlan:
     recv_slots: np.ndarray
     local: PairPlan
     remote: PairPlan
+    recv_order: torch.Tensor | None = None
+
+    @property
+    def key_slots(self) -> np.ndarray:
+        """Stream slots of the keys :attr:`remote` reads, in its order."""
+        if self.recv_order is None:
+            return self.recv_slots
+        slots: np.ndarray = self.recv_slots[self.recv_order.cpu().numpy()]
+        return slots
 
     @property
     def sent(self) -> int:
@@ -512,12 +528,13 @@ def selective_plan(
         stream = stream_table(meta, True)
         width = a.pos.shape[1]
         q = block_table(stream, width, n, rank)
-        k = take_spans(stream, width, *spans)
+        k, order = stream_order(take_spans(stream, width, *spans), recv_slots.size)
         local, remote = pair_plans_of_runs(
             q, [(q, n), (k, recv_slots.size)], n, a.rows, causal=causal, window=window,
             device=device,
         )  # fmt: skip
     else:
+        order = None
         local, remote = _pair_plans(a, own, recv_slots, host.merge, causal, window, device)
     plan = SelectivePlan(
         send_index=torch.from_numpy(send_index).to(device),
@@ -526,9 +543,51 @@ def selective_plan(
         recv_slots=recv_slots,
         local=local,
         remote=remote,
+        recv_order=None if order is None else torch.from_numpy(order).to(device),
     )
     meta.plan_cache[key] = plan
     return plan
+
+
+SHORT_RUNS = 16
+"""Received keys whose runs average fewer slots than this are put in stream order (where that
+joins them into :data:`FEWER_RUNS` times fewer runs)."""
+FEWER_RUNS = 4
+"""How many times fewer runs the stream order must make of the received keys to be used."""
+
+
+def stream_order(k: RunTable, total: int) -> tuple[RunTable, np.ndarray | None]:
+    """The received keys' runs, in stream order where that makes far fewer of them.
+
+    The keys arrive rank-major: a document cut into many short chunks across the ranks (TE's
+    ``packed`` layout at a large CP size: 4-token chunks of a 512-token document at C = 64)
+    arrives as one short run per chunk, each a piece of its own against every query run, and
+    the plan holds tens of thousands of kernel calls. In stream order (by document, then
+    position) the chunks of a document continue each other and join into one run. The order
+    costs one copy of the received keys per layer (and of their gradients), so it is used only
+    where the runs average fewer than :data:`SHORT_RUNS` slots and it makes at least
+    :data:`FEWER_RUNS` times fewer; only with one row group (rows of different structure share
+    the received slots) and no pad runs among the keys.
+
+    Args:
+        k: Runs of the received keys in arrival order (one row group: slots ``[0, total)``).
+        total: Received keys.
+
+    Returns:
+        ``(runs, order)``: the runs of the keys as the remote plan reads them, and ``order``
+        (``[total]``: key ``j`` of the stream order is received key ``order[j]``), or ``k`` and
+        ``None`` (arrival order).
+    """
+    runs = k.n.size
+    if runs < 2 or total >= SHORT_RUNS * runs or k.grp.any() or (k.cls == PAD_CLASS).any():
+        return k, None
+    by_stream = np.lexsort((k.pos, k.cls))
+    n = k.n[by_stream]
+    start = np.cumsum(n) - n
+    joined = join_runs(RunTable(start, n, k.pos[by_stream], k.cls[by_stream], k.grp), total)
+    if joined.n.size * FEWER_RUNS > runs:
+        return k, None
+    return joined, arange_runs(k.start[by_stream], n, 1)
 
 
 def _pair_plans(
