@@ -86,8 +86,8 @@ def test_the_rule_orders_only_short_runs_that_join_four_times_fewer() -> None:
     got = np.array([2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9, 0, 1, 14, 15])[order]
     assert got.tolist() == list(range(16))  # the received slots' positions, in stream order
     # unchanged: long runs, too little joined, several row groups, pad runs, one run
-    long_runs = _runs([32 * p for p in pos], [0] * 8, [32] * 8)
-    assert stream_order(long_runs, 256)[1] is None
+    long_runs = _runs([32 * p for p in pos], [0] * 8, [64] * 8)  # a kernel tile's width
+    assert stream_order(long_runs, 512)[1] is None
     two_docs = _runs([2, 0, 6, 4], [0, 0, 1, 1], [2, 2, 2, 2])  # 4 runs joined into 2
     assert stream_order(two_docs, 8)[1] is None
     assert stream_order(_runs(pos, [0] * 8, [2] * 8, [0, 1] * 4), 16)[1] is None
