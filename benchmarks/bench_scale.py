@@ -36,6 +36,11 @@ and one step-header all-gather with both ranks already there, each timed in the 
 *per-call cost* is the same prepare of a ``[1, 256]`` batch of the same kind (the work that does
 not scale with the tokens: Python, small host arrays, the model checks, the collectives).
 
+Part ``remote`` (one process): rank ``C/2``'s remote attention pass under TE's ``packed`` layout
+of the mix (selective's queries against the keys it receives, forward + backward, fp32), its
+received keys read in arrival order and in stream order: kernel calls, pairs computed / needed
+and CPU time, fastest of ``--repeat``.
+
 Part ``host`` (one process, no second rank): rank 0's cost facts, choice and plan of the dense
 padded batch, the batch fingerprint of its three tensors, and the packed batch's shard (rank 0
 of ``--ranks``: the balanced layout plan, the local tensors and the token meta), fastest of 15
@@ -328,9 +333,53 @@ def _host_part(b: int, s: int, ranks: int, repeat: int) -> None:
         print(f"| {k} | {v * 1e3:.2f} | {v / bare:.1f}x |")
 
 
+def _remote_part(tokens: int, cps: list[int], repeat: int) -> None:
+    """One process: rank ``C/2``'s remote attention pass (selective's queries against the keys it
+    receives, forward + backward, fp32, 2 query heads / 1 key head, head dim 64) under TE's
+    ``packed`` layout of the 1M-token mix, its received keys read in arrival order (the rule off)
+    and in stream order (the rule on): kernel calls, pairs computed / needed, CPU seconds."""
+    import cpshard.attention.selective_plan as sp
+    from cpshard.attention.blockwise import attend, attend_backward_into
+    from cpshard.layouts.documents import PackSpec
+    from cpshard.tools.balance import all_plans
+    from cpshard.tools.plan_cost import plan_meta
+
+    cpu = torch.device("cpu")
+    spec = PackSpec.from_seq_lens([realistic_lens(tokens)], tokens)
+    print("| C | received keys read in | kernel calls | pairs computed / needed | forward + "
+          "backward CPU s |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for c in cps:
+        (plan,) = [p for p in all_plans(spec, c, include_torch=False) if p.layout == "packed"]
+        for label, short in (("arrival order", 0), ("stream order", sp.SHORT_RUNS)):
+            rule = sp.SHORT_RUNS
+            sp.SHORT_RUNS = short
+            try:
+                sel = sp.selective_plan(plan_meta(plan, c // 2), True, None, cpu)
+            finally:
+                sp.SHORT_RUNS = rule
+            remote = sel.remote
+            g = torch.Generator().manual_seed(0)
+            n, nk = plan.rank_map.shape[1], sel.recv_slots.size
+            q = torch.randn(1, 2, n, 64, generator=g)
+            k, v = (torch.randn(1, 1, nk, 64, generator=g) for _ in range(2))
+
+            def step(_: Any, q: Any = q, k: Any = k, v: Any = v, remote: Any = remote) -> None:
+                out, lse = attend(q, k, v, remote, scale=0.125)
+                dq = torch.zeros_like(out)
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+                attend_backward_into(torch.ones_like(q), q, k, v, out.to(q.dtype), lse, remote,
+                                     dq, dk, dv, scale=0.125)  # fmt: skip
+
+            t = fastest_cpu_wall(lambda: None, step, repeat)[0]
+            calls = sum(len(tasks) for _, tasks in remote.groups)
+            print(f"| {c} | {label} | {calls} | {remote.computed / max(remote.needed, 1):.2f} | "
+                  f"{t:.3f} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("plans", "prepare", "host", "all"), default="all")
+    p.add_argument("--part", choices=("plans", "prepare", "host", "remote", "all"), default="all")
     p.add_argument("--tokens", type=int, default=1 << 20)
     p.add_argument("--cp", default="8,16,32,64")
     p.add_argument("--rows", type=int, default=32, help="rows of the dense padded 1M batch")
@@ -356,6 +405,8 @@ def main() -> None:
         _prepare_part(a.batch, a.seq, a.ranks, a.prepare_repeat, a.model)
     if a.part in ("host", "all"):
         _host_part(a.batch, a.seq, a.ranks, 15)
+    if a.part in ("remote", "all"):
+        _remote_part(a.tokens, [int(x) for x in a.cp.split(",")], a.repeat)
     print(f"load average after: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
