@@ -65,6 +65,7 @@ __all__ = [
     "non_persistent_buffers",
     "own_buffers",
     "own_members",
+    "own_tensor",
     "queue_backward_callback",
     "root_mesh",
     "set_config_attn_implementation",
@@ -187,6 +188,18 @@ def own_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             ids.add(id(t))
             out.append((name, t))
     return out
+
+
+def own_tensor(module: torch.nn.Module, name: str, is_param: bool) -> Tensor:
+    """``module``'s own parameter (``is_param``) or buffer registered as ``name``, read from
+    ``module._parameters`` / ``module._buffers`` (``KeyError`` if absent). checked against:
+    torch 2.11, 2.13.
+    """
+    table = module._parameters if is_param else module._buffers
+    found = table[name]
+    if found is None:
+        raise KeyError(name)
+    return found
 
 
 def own_members(

@@ -107,8 +107,3 @@ class ModuleTree:
         value = make()
         self._memo[what] = (key, value)
         return value
-
-    def forget(self, what: str) -> None:
-        """Drop the memo of ``what`` (its value turned out stale: the next :meth:`memo` makes
-        it again)."""
-        self._memo.pop(what, None)

@@ -280,6 +280,41 @@ def forgotten_sync_under_fsdp(world_mesh: DeviceMesh) -> str:
     return "no error"
 
 
+def convert_after_sync(cp_mesh: DeviceMesh, case: str) -> str:
+    """Two CP steps with ``sync_grads``, then the model converted in place (``nn.Module.to`` swaps
+    the tensors: DTensor parameters under FSDP2 always, every parameter with torch's swap flag
+    on), then ``load_state_dict`` and one more step: cpshard's records between steps hold no
+    reference to a parameter or a gradient, which ``torch.utils.swap_tensors`` would refuse."""
+    world = cp_mesh.size()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    model = _model()
+    if case == "fsdp2":
+        fully_shard(model, mesh=mesh["dp"])
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(case == "swap flag" or swap)
+    try:
+        for step in range(STEPS):
+            if step == 2:  # there and back (FSDP2 keeps the dtype it was sharded with)
+                model.to(torch.float32).to(torch.float64)
+                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ctx, local, _ = cpshard.prepare_cp_forward(
+                model, mesh["cp"], dense_batch(2, 22, seed=step), padding_token_id=PAD_ID
+            )
+            with ctx():
+                logits = model(local["input_ids"], local["position_ids"])
+            n = count_tokens(local["labels"], group=mesh["cp"])
+            cp_cross_entropy(logits, local["labels"], num_tokens=n).backward()
+            cpshard.sync_grads(model, mesh["cp"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    except RuntimeError as e:
+        return f"step {step}: {e} <- {e.__cause__}"
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    return "ok"
+
+
 def no_cp_backward(cp_mesh: DeviceMesh, case: str) -> str:
     """sync_grads on gradients that no CP forward produced (each rank holds the full gradient of
     its batch; the sum multiplied it by the CP size): every rank raises. Legal loops pass."""

@@ -13,6 +13,7 @@ from _loop_guard_fns import (
     ODD_RANK,
     STEPS,
     compare,
+    convert_after_sync,
     forgotten_sync_under_fsdp,
     no_cp_backward,
     one_process,
@@ -105,6 +106,11 @@ def test_weights_that_change_on_one_rank_after_kept_prepares_raise_on_every_rank
 @pytest.mark.parametrize("case", ["non_persistent_buffer", "check_consistency=False"])
 def test_caches_and_the_opt_out_are_not_compared(ranks: Ranks, case: str) -> None:
     assert ranks(2, weights_differ, case) == ["no error"] * 2
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "swap flag"])
+def test_a_model_converted_in_place_after_synced_steps_goes_on(ranks: Ranks, case: str) -> None:
+    assert ranks(2, convert_after_sync, case) == ["ok", "ok"]
 
 
 def test_a_forgotten_sync_under_fsdp_over_dp_raises_at_the_next_prepare(ranks: Ranks) -> None:

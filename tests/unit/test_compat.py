@@ -190,6 +190,17 @@ def test_own_members() -> None:
     assert _compat.own_members(torch.nn.Linear(2, 2)) == ([], ["weight", "bias"], [])
 
 
+def test_own_tensor() -> None:
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("buf", torch.zeros(3))
+    m.register_buffer("nobuf", None)
+    assert _compat.own_tensor(m, "weight", True) is m.weight
+    assert _compat.own_tensor(m, "buf", False) is m.buf
+    for name, is_param in (("nobuf", False), ("buf", True), ("weight", False)):
+        with pytest.raises(KeyError):
+            _compat.own_tensor(m, name, is_param)
+
+
 def test_own_buffers() -> None:
     """As named_buffers(recurse=False): None skipped, a tensor under two names once (first)."""
     m = torch.nn.Module()

@@ -220,10 +220,9 @@ class StepState:
         self.active_watch: _ModelWatch | None = None
         self.watches: list[weakref.ref[_ModelWatch]] = []
         # id(parameter) -> (parameter, its gradient, the gradient's version, ctx_serial) at the
-        # end of the last sync that summed it (several models on one mesh: each keeps its own)
-        self.synced: dict[
-            int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int]
-        ] = {}
+        # end of the last sync that summed it (several models on one mesh: each keeps its own);
+        # the tensors by their storage (_TensorRef), never by a reference to the tensor
+        self.synced: dict[int, tuple[_TensorRef, _TensorRef, int, int]] = {}
 
     def check_usable(self, what: str) -> None:
         """Raise locally (no collective) if this rank left a step in the middle.
@@ -396,41 +395,43 @@ class ModelFingerprint:
 def _entries(
     model: nn.Module, tree: ModuleTree | None = None
 ) -> list[tuple[str, torch.Tensor, bool]]:
-    """:func:`_walk_entries` of ``model``; kept in ``tree``'s memo (by weak reference) between
-    prepares of an unchanged tree."""
+    """``(name, tensor, is a parameter)`` of every parameter (as ``named_parameters()`` lists
+    them), then every persistent buffer, from one walk of the module tree.
+
+    With ``tree``, its memo keeps where each entry sits (module and own name), not the tensors,
+    and they are read from their modules on every call: the tree is kept between prepares, and a
+    tensor with a (weak) reference to it cannot be swapped by ``torch.utils.swap_tensors``
+    (``nn.Module.to`` of DTensor parameters, ``load_state_dict`` with swapping on).
+    """
     if tree is None:
-        return _walk_entries(model.named_modules())
-    kept = tree.memo("parameters and buffers", (), lambda: _weak_entries(tree))
-    entries = [(name, ref(), is_param) for name, ref, is_param in kept]
-    if any(t is None for _, t, _ in entries):
-        # an entry was freed and another tensor took its id: the tree's ids could not tell
-        tree.forget("parameters and buffers")
-        kept = tree.memo("parameters and buffers", (), lambda: _weak_entries(tree))
-        entries = [(name, ref(), is_param) for name, ref, is_param in kept]
-    return entries  # type: ignore[return-value]
+        return [(n, t, is_param) for n, t, is_param, _, _ in _walk_entries(model.named_modules())]
+    modules = tree.modules()
 
+    def where() -> list[tuple[str, bool, int, str]]:
+        walk = zip(tree.names, modules, strict=True)
+        return [(n, is_param, i, own) for n, _, is_param, i, own in _walk_entries(walk)]
 
-def _weak_entries(tree: ModuleTree) -> list[tuple[str, weakref.ref[torch.Tensor], bool]]:
-    walk = zip(tree.names, tree.modules(), strict=True)
-    return [(name, weakref.ref(t), is_param) for name, t, is_param in _walk_entries(walk)]
+    kept = tree.memo("parameters and buffers", (), where)
+    return [
+        (n, _compat.own_tensor(modules[i], own, is_param), is_param) for n, is_param, i, own in kept
+    ]
 
 
 def _walk_entries(
     walk: Iterable[tuple[str, nn.Module]],
-) -> list[tuple[str, torch.Tensor, bool]]:
-    """``(name, tensor, is a parameter)`` of every parameter (as ``named_parameters()`` lists
-    them), then every persistent buffer, from one walk of the module tree
-    (``named_modules()``)."""
-    params: list[tuple[str, torch.Tensor, bool]] = []
-    buffers: list[tuple[str, torch.Tensor, bool]] = []
+) -> list[tuple[str, torch.Tensor, bool, int, str]]:
+    """:func:`_entries` from a walk of the module tree (``named_modules()``), each with the index
+    of its module in the walk and its name there."""
+    params: list[tuple[str, torch.Tensor, bool, int, str]] = []
+    buffers: list[tuple[str, torch.Tensor, bool, int, str]] = []
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
-    for prefix, module in walk:
+    for i, (prefix, module) in enumerate(walk):
         dot = prefix + "." if prefix else ""
         for name, p in _compat.own_parameters(module):
             if id(p) not in seen_params:
                 seen_params.add(id(p))
-                params.append((f"parameter {dot}{name}", p, True))
+                params.append((f"parameter {dot}{name}", p, True, i, name))
         own = _compat.own_buffers(module)
         if not own:
             continue
@@ -439,7 +440,7 @@ def _walk_entries(
             if name in transient or id(buf) in seen_buffers:
                 continue
             seen_buffers.add(id(buf))
-            buffers.append((f"buffer {dot}{name}", buf, False))
+            buffers.append((f"buffer {dot}{name}", buf, False, i, name))
     return params + buffers
 
 
@@ -1053,10 +1054,56 @@ _VERDICTS = ("fresh", "untouched", "accumulated")
 """The verdicts of :func:`_since_last_sync`, coded by index in a sync's header."""
 
 
+class _TensorRef:
+    """Which tensor a record of ``sync_grads`` means, without a reference to the tensor.
+
+    ``torch.utils.swap_tensors`` refuses a tensor that has a weak reference, and ``nn.Module``
+    swaps DTensor parameters (and every parameter with
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``) on ``.to()`` /
+    ``load_state_dict``: a record kept between steps must not hold one. It holds a weak reference
+    to the tensor's storage (its local shard's, for a DTensor: torch keeps a storage's Python
+    object for as long as the storage lives) and where the tensor sits in it, and matches a
+    tensor with the same storage, offset, shape and strides. A tensor without a storage (a
+    subclass or a meta tensor) matches nothing: its record is never used.
+    """
+
+    __slots__ = ("_storage", "_view")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        found = _storage_of(t)
+        self._storage = None if found is None else weakref.ref(found[0])
+        self._view = None if found is None else found[1]
+
+    def alive(self) -> bool:
+        """Whether the storage still exists."""
+        return self._storage is not None and self._storage() is not None
+
+    def means(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the tensor recorded (the same storage, offset, shape, strides)."""
+        if self._storage is None:
+            return False
+        found = _storage_of(t)
+        return found is not None and found[0] is self._storage() and found[1] == self._view
+
+
+def _storage_of(t: torch.Tensor) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(storage, (offset, shape, strides))`` of ``t`` (its local shard for a DTensor), or
+    ``None`` where it has no storage to name it by."""
+    try:
+        with torch.no_grad():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if local.is_meta:
+                return None
+            view = (local.storage_offset(), tuple(local.shape), local.stride())
+            return local.untyped_storage(), view
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def _synced_at(state: StepState, param: torch.Tensor) -> int:
     """``state.ctx_serial`` when the last sync on the group summed ``param`` (0: never)."""
     record = state.synced.get(id(param))
-    return record[3] if record is not None and record[0]() is param else 0
+    return record[3] if record is not None and record[0].means(param) else 0
 
 
 def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str, list[bool]]:
@@ -1081,14 +1128,14 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str,
     """
     expected = max(1, state.backwards_since_sync)
     mine = {id(p) for p in params}
-    alone = all(key in mine for key, record in state.synced.items() if record[0]() is not None)
+    alone = all(key in mine for key, record in state.synced.items() if record[0].alive())
     done: list[bool] = []
     accumulated = False
     for param in params:
         record, grad = state.synced.get(id(param)), param.grad
         delta = -1  # not the gradient the last sync summed
-        if grad is not None and record is not None and record[0]() is param:
-            delta = _compat.tensor_version(grad) - record[2] if record[1]() is grad else -1
+        if grad is not None and record is not None and record[0].means(param):
+            delta = _compat.tensor_version(grad) - record[2] if record[1].means(grad) else -1
         done.append(delta == 0)
         accumulated = accumulated or (delta == expected and alone)
     with_grad = [d for p, d in zip(params, done, strict=True) if p.grad is not None]
@@ -1124,13 +1171,13 @@ def end_sync(
     state.synced = {
         key: record
         for key, record in state.synced.items()
-        if record[0]() is not None and record[1]() is not None
+        if record[0].alive() and record[1].alive()
     }
     for p, flag in zip(params, flags, strict=True):
         if flag and p.grad is not None:
             state.synced[id(p)] = (
-                weakref.ref(p),
-                weakref.ref(p.grad),
+                _TensorRef(p),
+                _TensorRef(p.grad),
                 _compat.tensor_version(p.grad),
                 state.ctx_serial,
             )
