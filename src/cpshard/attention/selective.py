@@ -72,6 +72,7 @@ class _SelectiveAttention(torch.autograd.Function):
         if pending is not None:
             recv = pending.wait()[0]  # [N_recv, 2, B, H, D]
             if plan.recv_order is not None:  # the keys in stream order, as plan.remote reads them
+                pending = None  # it holds the received buffer: freed once reordered
                 recv = recv.index_select(0, plan.recv_order)
             if not plan.remote.empty:
                 k_r, v_r = stream_views(recv)
@@ -108,10 +109,11 @@ class _SelectiveAttention(torch.autograd.Function):
                 grad_out, q, k_r, v_r, out_q, lse, plan.remote, dq, dk_r, dv_r, scale=scale,
                 backend=backend, softcap=softcap, bad_q=bad_q,
             )  # fmt: skip
+            del dk_r, dv_r
             if plan.recv_order is not None:  # back in arrival order, for the reverse exchange
                 drecv = torch.empty_like(drecv).index_copy_(0, plan.recv_order, drecv)
             pending = all_to_all_split_start(drecv, plan.recv_splits, plan.send_splits, group)
-            del drecv, dk_r, dv_r
+            del drecv
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         attend_backward_into(
