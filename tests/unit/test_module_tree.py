@@ -121,6 +121,9 @@ def test_the_kept_tree_holds_nothing_alive(no_gc: None) -> None:
     tree = install_model_guard(model, 2)
     find_token_mixers(model, tree)
     model_fingerprint(model, read_values=True, tree=tree)
+    # not even a weak one to a tensor: torch.utils.swap_tensors (nn.Module.to of DTensor
+    # parameters, or with torch's swap flag on) refuses a tensor that has one
+    assert not [w for t in (*model.parameters(), *model.buffers()) for w in weakref.getweakrefs(t)]
     old_mlp = weakref.ref(model.blocks[1].up)
     old_weight = weakref.ref(model.embed.weight)
     _swap_child(model)
