@@ -253,7 +253,7 @@ def member_signature(modules: Iterable[torch.nn.Module]) -> list[object]:
             out.append(len(table))
             extend(table)
             extend(map(id, table.values()))
-        transient = m._non_persistent_buffers_set
+        transient = m.__dict__.get("_non_persistent_buffers_set", ())
         if transient:
             extend(sorted(transient))
         out.append(len(transient))

@@ -190,6 +190,28 @@ def test_own_members() -> None:
     assert _compat.own_members(torch.nn.Linear(2, 2)) == ([], ["weight", "bias"], [])
 
 
+def test_member_signature() -> None:
+    """Equal for the same live tree; unequal once a module's class, child, parameter, buffer or
+    buffer persistence changes (values and flags do not count)."""
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    m.register_buffer("b", torch.zeros(2))
+    base = _compat.member_signature(m.modules())
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    m.train(False)
+    assert _compat.member_signature(m.modules()) == base
+    changes = [
+        lambda: setattr(m[0], "weight", torch.nn.Parameter(m[0].weight.detach().clone())),
+        lambda: m.__setitem__(1, torch.nn.ReLU()),
+        lambda: m.register_buffer("b", m.b, persistent=False),
+        lambda: setattr(m[1], "__class__", torch.nn.Tanh),
+    ]
+    for change in changes:
+        before = _compat.member_signature(m.modules())
+        change()
+        assert _compat.member_signature(m.modules()) != before
+
+
 def test_own_tensor() -> None:
     m = torch.nn.Linear(2, 2)
     m.register_buffer("buf", torch.zeros(3))
