@@ -567,7 +567,11 @@ def _fixed_part(entries: list[tuple[str, torch.Tensor, bool]], facts: list[Any])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """``t``'s local shard for a DTensor (no autograd record), else ``t``."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 def _sampled_bits(
