@@ -16,7 +16,10 @@ config's layer types, attribute values); per-call state (values, shapes, dtypes,
 flags) is read on every prepare.
 
 Nothing here keeps the model or its tensors alive: the modules are held by weak reference, and a
-module that died (so its id may be reused) makes the next :meth:`ModuleTree.of` walk again.
+module that died (so its id may be reused) makes the next :meth:`ModuleTree.of` walk again. The
+memo holds no tensor, not even weakly (``torch.utils.swap_tensors``, which ``nn.Module.to`` uses
+for DTensor parameters, refuses a tensor with a weak reference): a consumer keeps where a tensor
+sits (module index and name) and reads it from its module.
 
 Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cover this module.
 """
