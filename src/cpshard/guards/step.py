@@ -472,9 +472,11 @@ def model_fingerprint(
     Args:
         model: The prepared model.
         read_values: ``False`` (``check_consistency=False``): no value is read (all 0).
-        tree: ``model``'s module tree of this prepare, whose memo keeps which tensors the
-            entries are between prepares of an unchanged tree (``None``: walk the model). Their
-            names, shapes, dtypes and values are read on every call.
+        tree: ``model``'s module tree of this prepare, whose memo keeps where the entries sit
+            and, while their shapes, dtypes, trainable flags, devices and contiguity are the
+            same, the fixed part (layout hash, sampling plan) between prepares of an unchanged
+            tree (``None``: walk the model). The tensors and their values are read on every
+            call.
     """
     entries = _entries(model, tree)
     tensors = [t for _, t, _ in entries]
