@@ -201,7 +201,9 @@ def sync_grads(
             g = p.grad
             grads.append(g.to_local() if isinstance(g, DTensor) else g)
         _comm.all_reduce_sum_coalesced_(grads, group)
-    end_sync(state, params, [s == 0 for s in summed])
+    end_sync(
+        state, params, [s == 0 for s in summed], module if isinstance(module, nn.Module) else None
+    )
 
 
 def cp_loss_scale(cp_mesh: DeviceMesh | None, grad_reduction: GradReduction = "sum") -> float:

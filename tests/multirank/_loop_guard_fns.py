@@ -315,6 +315,32 @@ def convert_after_sync(cp_mesh: DeviceMesh, case: str) -> str:
     return "ok"
 
 
+def mistakes_after_conversion(cp_mesh: DeviceMesh, case: str) -> str:
+    """A synced step, the model converted there and back (``.float().double()``: new storages
+    under the same parameter and gradient objects), then a mistake: the sync's checks still see
+    it (its record follows the objects, not their storage)."""
+    mesh = _fresh(cp_mesh)
+    model = _model()
+    _loss(model, mesh, dense_batch(2, 24, seed=0)).backward()
+    cpshard.sync_grads(model, mesh)
+    try:
+        if case == "sync again":
+            model.float().double()
+        elif case == "no CP forward":
+            model.zero_grad()
+            model.float().double()
+            batch = dense_batch(2, 24, seed=1)
+            logits = model(batch["input_ids"])  # outside ctx(): no CP attention
+            n = count_tokens(batch["labels"])
+            cp_cross_entropy(logits, batch["labels"], num_tokens=n).backward()
+        else:
+            raise AssertionError(case)
+        cpshard.sync_grads(model, mesh)
+    except (RuntimeError, NoCPBackwardError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def no_cp_backward(cp_mesh: DeviceMesh, case: str) -> str:
     """sync_grads on gradients that no CP forward produced (each rank holds the full gradient of
     its batch; the sum multiplied it by the CP size): every rank raises. Legal loops pass."""

@@ -15,6 +15,7 @@ from _loop_guard_fns import (
     compare,
     convert_after_sync,
     forgotten_sync_under_fsdp,
+    mistakes_after_conversion,
     no_cp_backward,
     one_process,
     own_all_reduce,
@@ -111,6 +112,17 @@ def test_caches_and_the_opt_out_are_not_compared(ranks: Ranks, case: str) -> Non
 @pytest.mark.parametrize("case", ["fsdp2", "swap flag"])
 def test_a_model_converted_in_place_after_synced_steps_goes_on(ranks: Ranks, case: str) -> None:
     assert ranks(2, convert_after_sync, case) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [("sync again", "called again with no backward"), ("no CP forward", "no CP forward produced")],
+)
+def test_sync_mistakes_after_a_conversion_still_raise(
+    ranks: Ranks, case: str, message: str
+) -> None:
+    out = ranks(2, mistakes_after_conversion, case)
+    assert len(set(out)) == 1 and message in out[0], out
 
 
 def test_a_forgotten_sync_under_fsdp_over_dp_raises_at_the_next_prepare(ranks: Ranks) -> None:

@@ -219,10 +219,14 @@ class StepState:
         self.ctx_serial = 0
         self.active_watch: _ModelWatch | None = None
         self.watches: list[weakref.ref[_ModelWatch]] = []
-        # id(parameter) -> (parameter, its gradient, the gradient's version, ctx_serial) at the
-        # end of the last sync that summed it (several models on one mesh: each keeps its own);
-        # the tensors by their storage (_TensorRef), never by a reference to the tensor
-        self.synced: dict[int, tuple[_TensorRef, _TensorRef, int, int]] = {}
+        # id(parameter) -> (the synced module or None, the parameter's gradient, the gradient's
+        # version, ctx_serial) at the end of the last sync that summed it (several models on one
+        # mesh: each keeps its own). No reference to the parameter, not even a weak one: a
+        # parameter with one cannot be swapped (torch.utils.swap_tensors: nn.Module.to of
+        # DTensor parameters, or with torch's swap flag on), and a record outlives the step
+        self.synced: dict[
+            int, tuple[weakref.ref[nn.Module] | None, weakref.ref[torch.Tensor], int, int]
+        ] = {}
 
     def check_usable(self, what: str) -> None:
         """Raise locally (no collective) if this rank left a step in the middle.
@@ -1060,56 +1064,22 @@ _VERDICTS = ("fresh", "untouched", "accumulated")
 """The verdicts of :func:`_since_last_sync`, coded by index in a sync's header."""
 
 
-class _TensorRef:
-    """Which tensor a record of ``sync_grads`` means, without a reference to the tensor.
-
-    ``torch.utils.swap_tensors`` refuses a tensor that has a weak reference, and ``nn.Module``
-    swaps DTensor parameters (and every parameter with
-    ``torch.__future__.set_swap_module_params_on_conversion(True)``) on ``.to()`` /
-    ``load_state_dict``: a record kept between steps must not hold one. It holds a weak reference
-    to the tensor's storage (its local shard's, for a DTensor: torch keeps a storage's Python
-    object for as long as the storage lives) and where the tensor sits in it, and matches a
-    tensor with the same storage, offset, shape and strides. A tensor without a storage (a
-    subclass or a meta tensor) matches nothing: its record is never used.
-    """
-
-    __slots__ = ("_storage", "_view")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        found = _storage_of(t)
-        self._storage = None if found is None else weakref.ref(found[0])
-        self._view = None if found is None else found[1]
-
-    def alive(self) -> bool:
-        """Whether the storage still exists."""
-        return self._storage is not None and self._storage() is not None
-
-    def means(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is the tensor recorded (the same storage, offset, shape, strides)."""
-        if self._storage is None:
-            return False
-        found = _storage_of(t)
-        return found is not None and found[0] is self._storage() and found[1] == self._view
-
-
-def _storage_of(t: torch.Tensor) -> tuple[Any, tuple[Any, ...]] | None:
-    """``(storage, (offset, shape, strides))`` of ``t`` (its local shard for a DTensor), or
-    ``None`` where it has no storage to name it by."""
-    try:
-        with torch.no_grad():
-            local = t.to_local() if isinstance(t, DTensor) else t
-            if local.is_meta:
-                return None
-            view = (local.storage_offset(), tuple(local.shape), local.stride())
-            return local.untyped_storage(), view
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
 def _synced_at(state: StepState, param: torch.Tensor) -> int:
-    """``state.ctx_serial`` when the last sync on the group summed ``param`` (0: never)."""
+    """``state.ctx_serial`` when the last sync on the group summed ``param`` (0: never).
+
+    By ``id(param)`` alone: a new parameter that reuses a freed one's id reads that one's
+    serial, which only tells whether a CP forward ran since (the reading the caller needs)."""
     record = state.synced.get(id(param))
-    return record[3] if record is not None and record[0].means(param) else 0
+    return record[3] if record is not None else 0
+
+
+def _record_alive(
+    record: tuple[weakref.ref[nn.Module] | None, weakref.ref[torch.Tensor], int, int],
+) -> bool:
+    """A record of another model that still counts: its synced module is alive (with no module
+    given, its gradient)."""
+    module = record[0]
+    return module() is not None if module is not None else record[1]() is not None
 
 
 def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str, list[bool]]:
@@ -1134,14 +1104,14 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str,
     """
     expected = max(1, state.backwards_since_sync)
     mine = {id(p) for p in params}
-    alone = all(key in mine for key, record in state.synced.items() if record[0].alive())
+    alone = all(key in mine for key, record in state.synced.items() if _record_alive(record))
     done: list[bool] = []
     accumulated = False
     for param in params:
         record, grad = state.synced.get(id(param)), param.grad
         delta = -1  # not the gradient the last sync summed
-        if grad is not None and record is not None and record[0].means(param):
-            delta = _compat.tensor_version(grad) - record[2] if record[1].means(grad) else -1
+        if grad is not None and record is not None and record[1]() is grad:
+            delta = _compat.tensor_version(grad) - record[2]  # the very gradient it summed
         done.append(delta == 0)
         accumulated = accumulated or (delta == expected and alone)
     with_grad = [d for p, d in zip(params, done, strict=True) if p.grad is not None]
@@ -1151,7 +1121,10 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str,
 
 
 def end_sync(
-    state: StepState | None, params: Iterable[torch.Tensor] = (), summed: Iterable[bool] = ()
+    state: StepState | None,
+    params: Iterable[torch.Tensor] = (),
+    summed: Iterable[bool] = (),
+    module: nn.Module | None = None,
 ) -> None:
     """Record a completed ``sync_grads``: the identity and version of the gradients it summed.
 
@@ -1160,6 +1133,8 @@ def end_sync(
         params: The parameters of the sync.
         summed: Per parameter, whether this sync summed its gradient (a parameter an earlier
             sync summed keeps that sync's record); empty: all of them.
+        module: The module synced (``None``: parameters given as an iterable); its records
+            count as another model's while it is alive.
     """
     if state is None:
         return
@@ -1177,13 +1152,14 @@ def end_sync(
     state.synced = {
         key: record
         for key, record in state.synced.items()
-        if record[0].alive() and record[1].alive()
+        if record[1]() is not None and _record_alive(record)
     }
+    owner = None if module is None else weakref.ref(module)
     for p, flag in zip(params, flags, strict=True):
         if flag and p.grad is not None:
             state.synced[id(p)] = (
-                _TensorRef(p),
-                _TensorRef(p.grad),
+                owner,
+                weakref.ref(p.grad),
                 _compat.tensor_version(p.grad),
                 state.ctx_serial,
             )
