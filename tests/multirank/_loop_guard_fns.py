@@ -341,6 +341,33 @@ def mistakes_after_conversion(cp_mesh: DeviceMesh, case: str) -> str:
     return "no error"
 
 
+def fsdp_gradient_checks(
+    world_mesh: DeviceMesh, set_to_none: bool, micro_batches: int, mistake: str
+) -> str:
+    """FSDP2 over mesh["dp"], synced over mesh["cp"], 3 steps of 1-2 micro-batches: a legal loop
+    (either zero_grad) goes through; a sync per micro-batch or twice per step raises. FSDP2 adds
+    a backward into the gradient's local shard, leaving the DTensor's own version alone."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    model = _model()
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(STEPS):
+            for micro in range(micro_batches):
+                _loss(model, mesh["cp"], dense_batch(2, 24, seed=10 * step + micro)).backward()
+                if mistake == "per micro-batch":
+                    cpshard.sync_grads(model, mesh["cp"])
+            if mistake != "per micro-batch":
+                cpshard.sync_grads(model, mesh["cp"])
+            if mistake == "twice":
+                cpshard.sync_grads(model, mesh["cp"])
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+    except RuntimeError as e:
+        return f"step {step}: {e}"
+    return "ok"
+
+
 def no_cp_backward(cp_mesh: DeviceMesh, case: str) -> str:
     """sync_grads on gradients that no CP forward produced (each rank holds the full gradient of
     its batch; the sum multiplied it by the CP size): every rank raises. Legal loops pass."""

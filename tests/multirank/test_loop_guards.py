@@ -15,6 +15,7 @@ from _loop_guard_fns import (
     compare,
     convert_after_sync,
     forgotten_sync_under_fsdp,
+    fsdp_gradient_checks,
     mistakes_after_conversion,
     no_cp_backward,
     one_process,
@@ -122,6 +123,23 @@ def test_sync_mistakes_after_a_conversion_still_raise(
     ranks: Ranks, case: str, message: str
 ) -> None:
     out = ranks(2, mistakes_after_conversion, case)
+    assert len(set(out)) == 1 and message in out[0], out
+
+
+@pytest.mark.parametrize(
+    ("set_to_none", "micro", "mistake", "message"),
+    [
+        (False, 1, "", "ok"),  # zeroed in place: a false "accumulated" before
+        (False, 2, "", "ok"),
+        (True, 2, "", "ok"),
+        (False, 2, "per micro-batch", "still hold the gradients the last sync_grads"),
+        (False, 1, "twice", "called again with no backward"),
+    ],
+)
+def test_sync_grads_reads_fsdp2_gradients_right(
+    ranks: Ranks, set_to_none: bool, micro: int, mistake: str, message: str
+) -> None:
+    out = ranks(4, fsdp_gradient_checks, set_to_none, micro, mistake)
     assert len(set(out)) == 1 and message in out[0], out
 
 

@@ -225,7 +225,7 @@ class StepState:
         # parameter with one cannot be swapped (torch.utils.swap_tensors: nn.Module.to of
         # DTensor parameters, or with torch's swap flag on), and a record outlives the step
         self.synced: dict[
-            int, tuple[weakref.ref[nn.Module] | None, weakref.ref[torch.Tensor], int, int]
+            int, tuple[weakref.ref[nn.Module] | None, weakref.ref[torch.Tensor], _Versions, int]
         ] = {}
 
     def check_usable(self, what: str) -> None:
@@ -1073,8 +1073,36 @@ def _synced_at(state: StepState, param: torch.Tensor) -> int:
     return record[3] if record is not None else 0
 
 
+_Versions = tuple[int, int | None]
+"""A gradient's version counter, and its local shard's for a DTensor (``None`` otherwise)."""
+
+
+def _versions(grad: torch.Tensor) -> _Versions:
+    if not isinstance(grad, DTensor):
+        return _compat.tensor_version(grad), None
+    with torch.no_grad():
+        return _compat.tensor_version(grad), _compat.tensor_version(grad.to_local())
+
+
+def _backwards_into(now: _Versions, then: _Versions, expected: int) -> int:
+    """How many backward passes added into a gradient since a sync recorded it: ``0`` none
+    (unchanged), ``-1`` it was changed otherwise (zeroed in place), else the count.
+
+    A plain tensor: one in-place add per backward, so the version's advance. A DTensor (FSDP2):
+    a backward adds into the local shard (several in-place ops, the DTensor's own counter
+    untouched), while ``zero_()`` and other in-place ops through the DTensor advance its own
+    counter: unchanged wrapper and a changed shard is backward passes and nothing else, counted
+    as ``expected``.
+    """
+    if now[1] is None or then[1] is None:
+        return now[0] - then[0]
+    if now[0] != then[0]:
+        return -1
+    return 0 if now[1] == then[1] else expected
+
+
 def _record_alive(
-    record: tuple[weakref.ref[nn.Module] | None, weakref.ref[torch.Tensor], int, int],
+    record: tuple[weakref.ref[nn.Module] | None, weakref.ref[torch.Tensor], _Versions, int],
 ) -> bool:
     """A record of another model that still counts: its synced module is alive (with no module
     given, its gradient)."""
@@ -1111,7 +1139,7 @@ def _since_last_sync(state: StepState, params: list[torch.Tensor]) -> tuple[str,
         record, grad = state.synced.get(id(param)), param.grad
         delta = -1  # not the gradient the last sync summed
         if grad is not None and record is not None and record[1]() is grad:
-            delta = _compat.tensor_version(grad) - record[2]  # the very gradient it summed
+            delta = _backwards_into(_versions(grad), record[2], expected)  # the very gradient
         done.append(delta == 0)
         accumulated = accumulated or (delta == expected and alone)
     with_grad = [d for p, d in zip(params, done, strict=True) if p.grad is not None]
@@ -1160,6 +1188,6 @@ def end_sync(
             state.synced[id(p)] = (
                 owner,
                 weakref.ref(p.grad),
-                _compat.tensor_version(p.grad),
+                _versions(p.grad),
                 state.ctx_serial,
             )
