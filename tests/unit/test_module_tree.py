@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from cpshard.attention.pieces import _gc_paused
 from cpshard.guards.model import check_gradient_checkpointing, install_model_guard
 from cpshard.guards.step import model_fingerprint
 from cpshard.mixers import find_token_mixers
@@ -31,14 +32,9 @@ def _model() -> TinyDecoder:
 @pytest.fixture
 def no_gc() -> Iterator[None]:
     """Reference counting alone: a cycle through the model would keep it alive."""
-    was = gc.isenabled()
     gc.collect()
-    gc.disable()
-    try:
+    with _gc_paused():
         yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _swap_child(m: TinyDecoder) -> None:
