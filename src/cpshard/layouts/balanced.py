@@ -17,6 +17,7 @@ Import rules: the rows of ``RULES`` in tests/unit/test_architecture.py that cove
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -71,6 +72,13 @@ class _Pool:
         return edge
 
 
+def _at_ends(f: Callable[[_I64], _I64], heavy: int, light: int, ks: _I64) -> tuple[_I64, _I64]:
+    """``f`` at the heavy range's end ``heavy + ks`` and the light range's start ``light + ks``
+    (one call for both)."""
+    both = f(np.concatenate([heavy + ks, light + ks]))
+    return both[: ks.size], both[ks.size :]
+
+
 def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: float) -> int:
     """How many heavy tokens ``k`` (``[lo, lo + k)``; then ``local - k`` light ones,
     ``[hi - local + k, hi)``) the next rank takes: the ``k`` whose work is closest to the
@@ -84,22 +92,18 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
     (plus the tolerance) can hold no candidate and are skipped. The others are searched ``k`` by
     ``k``: the same choice as a search of every ``k``, in ``O(blocks + kept blocks' k)``.
     """
-    if local + 1 <= 4 * _SEARCH_BLOCKS:  # few cuts: every one, no blocks
+    few = local + 1 <= 4 * _SEARCH_BLOCKS  # few cuts: every one, no blocks
+    if few:
         ks = np.arange(local + 1, dtype=np.int64)
-        both = pool.cum(np.concatenate([lo + ks, hi - local + ks]))
-        heavy, light = both[: ks.size], both[ks.size :]
-        total = int(light[-1] - heavy[0])  # k = local: light[-1] is cum[hi]; k = 0: cum[lo]
-        target = total / ranks_left
-        slack = tolerance * target
-    else:
+    else:  # the block edges first
         width = -(-(local + 1) // _SEARCH_BLOCKS)
-        edges = np.append(np.arange(0, local + 1, width, dtype=np.int64), local)
-        n = edges.size
-        both = pool.cum(np.concatenate([lo + edges, hi - local + edges]))
-        heavy, light = both[:n], both[n:]
-        total = int(light[-1] - heavy[0])  # the last edge is local: light[-1] is cum[hi]
-        target = total / ranks_left
-        slack = tolerance * target
+        ks = np.append(np.arange(0, local + 1, width, dtype=np.int64), local)
+    heavy, light = _at_ends(pool.cum, lo, hi - local, ks)
+    total = int(light[-1] - heavy[0])  # k = 0: cum[lo]; the last k is local: cum[hi]
+    target = total / ranks_left
+    slack = tolerance * target
+    if not few:
+        edges = ks
         work = heavy - light + total
         seen = np.abs(work - target).min()
         # the work of k in [edges[j], edges[j + 1]) lies in [work[j] - light_j, work[j] + heavy_j]
@@ -109,14 +113,12 @@ def _cut(pool: _Pool, lo: int, hi: int, local: int, ranks_left: int, tolerance: 
         # a margin of one unit of work against rounding: kept blocks are searched exactly
         kept = np.flatnonzero(bound <= seen + slack + 1.0 + 1e-9 * target)
         ks = np.append(arange_runs(edges[kept], edges[kept + 1] - edges[kept], 1), local)
-        m = ks.size
-        both = pool.cum(np.concatenate([lo + ks, hi - local + ks]))
-        heavy, light = both[:m], both[m:]
+        heavy, light = _at_ends(pool.cum, lo, hi - local, ks)
     err = np.abs((heavy - light + total) - target)
     ok = err <= err.min() + slack
     ks, err = ks[ok], err[ok]
-    edge = pool.at_boundary(np.concatenate([lo + ks, hi - local + ks]))
-    cuts = edge[: ks.size] + edge[ks.size :]
+    heavy_edge, light_edge = _at_ends(pool.at_boundary, lo, hi - local, ks)
+    cuts = heavy_edge + light_edge
     best = cuts == cuts.max()  # prefer cuts at document boundaries
     return int(ks[best][np.argmin(err[best])])
 
