@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from test_mixers import _Config, _Model, _Shift
 from torch import nn
 
 from cpshard.attention.pieces import _gc_paused
@@ -140,30 +141,6 @@ def test_a_dead_module_walks_again() -> None:
         tree.modules()
 
 
-class _Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn = nn.Linear(4, 4)
-        self.mlp = nn.Linear(4, 4)
-
-
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer() for _ in range(3))
-
-
-class _Conv(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv1d(4, 4, 3, groups=4)
-
-
-class _Config:
-    def __init__(self, layer_types: list[str]) -> None:
-        self.layer_types = layer_types
-
-
 def _mixers(model: nn.Module, tree: ModuleTree | None) -> list[tuple[str, nn.Module, str]]:
     return [(s.name, s.module, s.evidence) for s in find_token_mixers(model, tree)]
 
@@ -171,10 +148,10 @@ def _mixers(model: nn.Module, tree: ModuleTree | None) -> list[tuple[str, nn.Mod
 def test_mixer_sites_from_the_kept_tree_equal_a_fresh_detection() -> None:
     """Every change the detection reads reaches it through the kept tree: a mixer inserted into
     a layer, a state attribute set on a module, the config's layer types."""
-    model = _Stack()
+    model = _Model(None, None, None)  # three layers of attention and an MLP
     tree = ModuleTree.of(model, None)
     assert _mixers(model, tree) == _mixers(model, None) == []
-    model.layers[1].mlp = _Conv()  # a structure change: a new tree
+    model.layers[1].mlp = _Shift()  # a structure change: a new tree
     tree = ModuleTree.of(model, tree)
     assert _mixers(model, tree) == _mixers(model, None)
     assert [n for n, _, _ in _mixers(model, tree)] == ["layers.1.mlp"]
