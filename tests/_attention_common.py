@@ -167,3 +167,14 @@ def same_plan(got: Any, want: Any) -> None:
             assert (tg.mask is None) == (tw.mask is None)
             if tg.mask is not None and tw.mask is not None:
                 assert torch.equal(tg.mask, tw.mask)
+
+
+def te_packed_case(lens: list[int], world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's ``packed`` layout of one row of documents ``lens``: ``(rank map [C, L], document ids
+    [1, P])`` in stream order, each pad with its own id (every document cut into ``2C`` chunks)."""
+    from cpshard.layouts.documents import PackSpec
+    from cpshard.layouts.packed import plan_packed
+
+    plan = plan_packed(PackSpec.from_seq_lens([lens], sum(lens)), world)
+    ids = plan.stream_document_ids[None]
+    return plan.rank_map, pad_document_ids(ids, ids < 0)

@@ -6,7 +6,14 @@ import pytest
 import torch
 from _attention_fns import cp_attention_case, cp_attention_error, cp_attention_given
 
-from _attention_common import LAYOUTS, WINDOW_LAYOUTS, inputs, make_case, reference_with_grads
+from _attention_common import (
+    LAYOUTS,
+    WINDOW_LAYOUTS,
+    inputs,
+    make_case,
+    reference_with_grads,
+    te_packed_case,
+)
 from _ranks import Ranks
 from cpshard.names import METHOD_NAMES as METHODS
 
@@ -71,16 +78,8 @@ def _compare(
 
 
 def _te_packed(world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TE's ``packed`` layout of short documents: each cut into ``2C`` chunks of a few tokens
-    (``rank map [C, L]``, document ids ``[1, P]`` with the pads' own ids)."""
-    from cpshard.layouts.documents import PackSpec
-    from cpshard.layouts.packed import plan_packed
-    from cpshard.layouts.placement import pad_document_ids
-
-    lens = [13, 30, 7, 22, 40, 9, 17, 25, 31, 11]
-    plan = plan_packed(PackSpec.from_seq_lens([lens], sum(lens)), world)
-    ids = plan.stream_document_ids[None]
-    return plan.rank_map, pad_document_ids(ids, ids < 0)
+    """TE's ``packed`` layout of short documents: each cut into ``2C`` chunks of a few tokens."""
+    return te_packed_case([13, 30, 7, 22, 40, 9, 17, 25, 31, 11], world)
 
 
 def test_selective_reads_chunked_documents_in_stream_order_by_its_rule(ranks: Ranks) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from _attention_common import make_meta, same_plan
+from _attention_common import make_meta, same_plan, te_packed_case
 from cpshard.attention.pieces import PAD_CLASS, RunTable
 from cpshard.attention.plan import PairPlan, host_rows
 from cpshard.attention.selective_plan import (
@@ -17,18 +17,12 @@ from cpshard.attention.selective_plan import (
     selective_plan,
     stream_order,
 )
-from cpshard.layouts.documents import PackSpec
-from cpshard.layouts.packed import plan_packed
-from cpshard.layouts.placement import pad_document_ids
 
 CPU = torch.device("cpu")
 
 
 def _te_packed(world: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lens = np.random.default_rng(seed).integers(20, 200, size=40).tolist()
-    plan = plan_packed(PackSpec.from_seq_lens([lens], sum(lens)), world)
-    ids = plan.stream_document_ids[None]
-    return plan.rank_map, pad_document_ids(ids, ids < 0)
+    return te_packed_case(np.random.default_rng(seed).integers(20, 200, size=40).tolist(), world)
 
 
 def _calls(plan: PairPlan) -> int:
